@@ -1,0 +1,1 @@
+"""mesh_cp adapter for hf (see the README's "Integrations" section)."""

@@ -1,0 +1,1 @@
+"""mesh_cp adapter for megatron (see the README's "Integrations" section)."""

@@ -1,0 +1,90 @@
+"""Numerics shared by every schedule: the one LSE merge, accumulator dtypes, GQA head folding.
+
+Torch tensors only; nothing here touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulator dtype for outputs, lse and gradients: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def merge_(o_acc: Tensor, lse_acc: Tensor, o_new: Tensor, lse_new: Tensor) -> None:
+    """Merge a partial attention result into accumulators, in place.
+
+    Note [LSE merge]
+    ~~~~~~~~~~~~~~~~
+    A partial result over a key set ``K1`` is ``o1 = sum_j exp(s_j - lse1) v_j`` with
+    ``lse1 = log sum_j exp(s_j)``. For disjoint key sets ``K1`` and ``K2``::
+
+        lse = log(exp(lse1) + exp(lse2)) = logaddexp(lse1, lse2)
+        o   = exp(lse1 - lse) * o1 + exp(lse2 - lse) * o2
+
+    which is exactly the result over ``K1 u K2``. An empty key set has ``lse = -inf`` and ``o = 0``;
+    when both sides are empty the merged ``lse`` is ``-inf`` and both weights are taken as 0 (the
+    plain formula would give ``nan``). The merge runs in the accumulators' dtype (fp32 or fp64),
+    whatever the dtype of ``o_new``.
+
+    Shapes: ``o_acc (batch, rows, heads, head_dim)``, ``lse_acc (batch, heads, rows)``;
+    ``o_new``/``lse_new`` the same, any floating dtype.
+    """
+    lse_new = lse_new.to(lse_acc.dtype)
+    lse = torch.logaddexp(lse_acc, lse_new)
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    w_old = torch.exp(lse_acc - finite).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(lse_new - finite).transpose(1, 2).unsqueeze(-1)
+    o_acc.mul_(w_old).add_(o_new.to(o_acc.dtype) * w_new)
+    lse_acc.copy_(lse)
+
+
+def expand_kv(x: Tensor, heads: int) -> Tensor:
+    """Repeat KV heads for GQA/MQA: ``(B, S, Hkv, D) -> (B, S, heads, D)``; q head ``h`` reads kv head
+    ``h // (heads // Hkv)`` (the convention of Hugging Face's ``repeat_kv`` and flash-attn)."""
+    kv_heads = x.shape[2]
+    if kv_heads == heads:
+        return x
+    return x.repeat_interleave(heads // kv_heads, dim=2)
+
+
+def fold_kv_grad(dx: Tensor, kv_heads: int) -> Tensor:
+    """Sum the gradient of expanded KV heads back: ``(B, S, heads, D) -> (B, S, kv_heads, D)``."""
+    b, s, heads, d = dx.shape
+    if heads == kv_heads:
+        return dx
+    return dx.reshape(b, s, kv_heads, heads // kv_heads, d).sum(3)
+
+
+def attention_delta(do: Tensor, out: Tensor) -> Tensor:
+    """``delta = rowsum(dO * O)`` in the accumulator dtype, shaped ``(batch, heads, seq)``."""
+    acc = acc_dtype(do.dtype)
+    return (do.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+
+
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """Plain single-process attention in the input dtype, differentiable, for checks.
+
+    ``q (B, S, Hq, D)``, ``k, v (B, S, Hkv, D)`` -> ``out (B, S, Hq, D)``, ``lse (B, Hq, S)``.
+    Causal is top-left aligned (query ``i`` sees keys ``j <= i``).
+    """
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    heads = q.shape[2]
+    qh = q.transpose(1, 2)
+    kh = expand_kv(k, heads).transpose(1, 2)
+    vh = expand_kv(v, heads).transpose(1, 2)
+    scores = (qh @ kh.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = scores.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ vh
+    return out.transpose(1, 2), lse

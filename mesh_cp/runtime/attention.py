@@ -1,0 +1,139 @@
+"""``mesh_attn_func``: exact attention over a sequence sharded across a CP mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mesh_cp.core.numerics import SUPPORTED_DTYPES
+from mesh_cp.core.plan import BACKWARD_MODES, LAYOUTS, AttentionPlan, AttentionShape, make_plan
+from mesh_cp.kernels import BlockKernel, resolve_kernel
+from mesh_cp.runtime.mesh import CPMesh
+from mesh_cp.runtime.schedules import Schedule, get_schedule
+
+
+class MeshAttnFunc(torch.autograd.Function):
+    """Autograd function of Mesh-Attention; use :func:`mesh_attn_func` rather than calling it directly.
+
+    ``forward(q, k, v, mesh, plan, kernel, schedule, scale) -> (out, lse)``.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mesh: CPMesh, plan: AttentionPlan, kernel: BlockKernel, schedule: Schedule, scale: float):
+        out, lse, saved = schedule.forward(q, k, v, mesh=mesh, plan=plan, kernel=kernel, scale=scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, *saved)
+        ctx.mesh, ctx.plan, ctx.kernel, ctx.schedule, ctx.scale = mesh, plan, kernel, schedule, scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        dq, dk, dv = ctx.schedule.backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dlse,
+            tuple(saved),
+            mesh=ctx.mesh,
+            plan=ctx.plan,
+            kernel=ctx.kernel,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None, None, None
+
+
+def mesh_attn_func(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mesh: CPMesh,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    layout: str | None = None,
+    kernel: str | BlockKernel = "auto",
+    schedule: str = "collective",
+    backward: str = "regather",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Exact softmax attention over the whole sequence, from this rank's shard of it.
+
+    Args:
+        q: ``(batch, seq_local, heads, head_dim)``, this rank's shard of the queries.
+        k, v: ``(batch, seq_local, kv_heads, head_dim)``; ``heads % kv_heads == 0`` (GQA/MQA). K and V
+            travel with ``kv_heads`` heads; they are expanded only inside the block kernel.
+        mesh: the :class:`CPMesh` the sequence is sharded over (required; there is no default group).
+        causal: causal (top-left aligned over global positions) or full attention.
+        softmax_scale: scale of ``q k^T``; ``None`` means ``head_dim ** -0.5``.
+        return_lse: also return the log-sum-exp of every query row.
+        layout: how the global sequence is sharded: ``"zigzag"`` (rank ``g`` holds half-chunks ``g``
+            and ``2P-1-g``) or ``"contiguous"`` (rank ``g`` holds chunk ``g``). ``None`` means
+            ``"zigzag"`` when causal (balanced work) and ``"contiguous"`` otherwise. Use
+            :func:`mesh_cp.shard_sequence` with the same layout to shard inputs.
+        kernel: block kernel: ``"auto"``, one of :data:`mesh_cp.kernels.KERNEL_NAMES`, or an object
+            implementing :class:`mesh_cp.kernels.BlockKernel`.
+        schedule: ``"collective"`` (all-gather, compute, reduce).
+        backward: ``"regather"`` gathers Q, dO and K,V again in backward (less memory);
+            ``"reuse"`` keeps the chunks gathered in forward (less traffic, more memory).
+
+    Returns:
+        ``out`` shaped like ``q`` in ``q.dtype``; with ``return_lse``, ``(out, lse)`` where ``lse`` is
+        ``(batch, heads, seq_local)`` in fp32 (fp64 for fp64 inputs). Both are differentiable.
+        Outputs, lse and all gradients are accumulated in fp32 whatever the input dtype.
+    """
+    if not isinstance(mesh, CPMesh):
+        raise ValueError(
+            f"mesh must be a mesh_cp.CPMesh (build one with CPMesh.create(group, tile=(a, b))), "
+            f"got {type(mesh).__name__}"
+        )
+    if layout is None:
+        layout = "zigzag" if causal else "contiguous"
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not supported; choose one of {sorted(LAYOUTS)}")
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward {backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
+    shape = _check_inputs(q, k, v)
+    plan = make_plan(mesh.tiling, shape, causal=bool(causal), layout=layout, backward=backward)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    block_kernel = resolve_kernel(kernel, q.device, q.dtype)
+    out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(schedule), scale)
+    return (out, lse) if return_lse else out
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seq_local, heads, head_dim), got shape {tuple(t.shape)}"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise NotImplementedError(f"dtype {q.dtype} is not supported; use one of {[str(d) for d in SUPPORTED_DTYPES]}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, seq, heads, dim = q.shape
+    kb, kseq, kv_heads, kdim = k.shape
+    if (kb, kseq, kdim) != (batch, seq, dim):
+        raise ValueError(
+            f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}: batch, seq_local and "
+            f"head_dim must be equal (only the head count may differ, for GQA/MQA)"
+        )
+    if heads % kv_heads:
+        raise ValueError(
+            f"q heads {heads} must be a multiple of k/v heads {kv_heads} for GQA/MQA; "
+            f"choose kv_heads among the divisors of {heads}"
+        )
+    if min(batch, seq, dim) < 1:
+        raise ValueError(f"empty input: q shape {tuple(q.shape)}")
+    return AttentionShape(
+        batch=batch, seq_local=seq, heads=heads, kv_heads=kv_heads, head_dim=dim, itemsize=q.element_size()
+    )

@@ -1,0 +1,32 @@
+"""The two collectives of the collective schedule, on flat buffers (gloo- and NCCL-friendly)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+
+def all_gather(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Stack ``x`` of every member: ``(*shape) -> (n, *shape)``, indexed by group rank."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x.unsqueeze(0)
+    x = x.contiguous()
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.view(n, *x.shape)
+
+
+def all_to_all(x: Tensor, group: ProcessGroup) -> Tensor:
+    """Send ``x[i]`` to group rank ``i``; return ``y`` with ``y[j]`` received from group rank ``j``."""
+    n = dist.get_world_size(group)
+    if x.shape[0] != n:
+        raise AssertionError(f"all_to_all input has {x.shape[0]} pieces for a group of {n}")
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out

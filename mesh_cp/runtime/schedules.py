@@ -1,0 +1,171 @@
+"""Executors of an :class:`~mesh_cp.core.plan.AttentionPlan`.
+
+A schedule turns the plan into communication and kernel calls. Every schedule has the same two
+methods, so :class:`~mesh_cp.runtime.attention.MeshAttnFunc` does not care which one runs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
+from mesh_cp.core.plan import AttentionPlan
+from mesh_cp.kernels.base import BlockKernel
+from mesh_cp.runtime.comm import all_gather, all_to_all
+from mesh_cp.runtime.mesh import CPMesh
+
+
+class Schedule(Protocol):
+    name: str
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, mesh: CPMesh, plan: AttentionPlan, kernel: BlockKernel, scale: float
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        """Return this rank's final ``out (B, L, Hq, D)`` and ``lse (B, Hq, L)`` in the accumulator
+        dtype, and the tensors its backward needs beyond q, k, v, out and lse."""
+        ...
+
+    def backward(
+        self,
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dlse: Tensor,
+        saved: tuple[Tensor, ...],
+        *,
+        mesh: CPMesh,
+        plan: AttentionPlan,
+        kernel: BlockKernel,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Return ``dq, dk, dv`` for this rank's chunk, in the dtypes of ``q, k, v``."""
+        ...
+
+
+class CollectiveSchedule:
+    """All-gather within the groups, compute every owned block, reduce to the owners.
+
+    Forward: all-gather Q in the Q-group and K,V in the KV-group; run the rank's blocks, merging
+    each Q row's partials with the LSE merge; all-to-all the partial ``(o, lse)`` of each row to the
+    rank that owns it (group rank ``i`` of a Q-group owns its ``i``-th row), which merges them.
+    Backward mirrors it: gather Q and dO (or reuse the forward's Q), the rows' global ``lse`` and
+    ``delta``, and K,V (or reuse); run the block backwards; all-to-all ``dq`` partials within the
+    Q-group and ``dk, dv`` partials within the KV-group and sum them at their owners (fp32).
+    """
+
+    name = "collective"
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, mesh: CPMesh, plan: AttentionPlan, kernel: BlockKernel, scale: float
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        rows, cols = _row_col_index(plan, mesh.rank)
+        batch, seq, heads, dim = q.shape
+        acc = acc_dtype(q.dtype)
+        q_all = all_gather(q, mesh.q_group)  # (a, B, L, Hq, D)
+        kv_all = all_gather(torch.stack((k, v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
+
+        a = plan.tiling.a
+        o_acc = torch.zeros((a, batch, seq, heads, dim), dtype=acc, device=q.device)
+        lse_acc = torch.full((a, batch, heads, seq), float("-inf"), dtype=acc, device=q.device)
+        for w in plan.blocks(mesh.rank):
+            i, j = rows[w.x], cols[w.y]
+            (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+            o, lse = kernel.forward(
+                q_all[i, :, q0:q1], kv_all[j, 0, :, k0:k1], kv_all[j, 1, :, k0:k1], causal=w.causal, scale=scale
+            )
+            merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
+
+        out, lse = _reduce_rows_to_owners(o_acc, lse_acc, mesh)
+        saved = (q_all, kv_all) if plan.backward == "reuse" else ()
+        return out, lse, saved
+
+    def backward(
+        self,
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dlse: Tensor,
+        saved: tuple[Tensor, ...],
+        *,
+        mesh: CPMesh,
+        plan: AttentionPlan,
+        kernel: BlockKernel,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        rows, cols = _row_col_index(plan, mesh.rank)
+        acc = acc_dtype(q.dtype)
+        # A gradient on the lse itself enters every block as delta - dlse (d lse_i / d s_ij = p_ij).
+        delta = attention_delta(do, out) - dlse.to(acc)
+        if plan.backward == "regather":
+            q_do = all_gather(torch.stack((q, do.to(q.dtype))), mesh.q_group)  # (a, 2, B, L, Hq, D)
+            q_all, do_all = q_do[:, 0], q_do[:, 1]
+        else:
+            q_all, kv_all = saved
+            do_all = all_gather(do.to(q.dtype), mesh.q_group)
+        stats = all_gather(torch.stack((lse.to(acc), delta)), mesh.q_group)  # (a, 2, B, Hq, L)
+        if plan.backward == "regather":
+            kv_all = all_gather(torch.stack((k, v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
+
+        dq_acc = torch.zeros((plan.tiling.a, *q.shape), dtype=acc, device=q.device)
+        dkv_acc = torch.zeros((plan.tiling.b, 2, *k.shape), dtype=acc, device=q.device)
+        for w in plan.blocks(mesh.rank):
+            i, j = rows[w.x], cols[w.y]
+            (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+            dq, dk, dv = kernel.backward(
+                do_all[i, :, q0:q1],
+                q_all[i, :, q0:q1],
+                kv_all[j, 0, :, k0:k1],
+                kv_all[j, 1, :, k0:k1],
+                stats[i, 0, :, :, q0:q1],
+                stats[i, 1, :, :, q0:q1],
+                causal=w.causal,
+                scale=scale,
+            )
+            dq_acc[i, :, q0:q1] += dq
+            dkv_acc[j, 0, :, k0:k1] += dk
+            dkv_acc[j, 1, :, k0:k1] += dv
+
+        dq = all_to_all(dq_acc, mesh.q_group).sum(0)
+        dkv = all_to_all(dkv_acc, mesh.kv_group).sum(0)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _row_col_index(plan: AttentionPlan, rank: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Chunk index -> position in the gathered Q rows / KV columns of ``rank``."""
+    rows = {x: i for i, x in enumerate(plan.tiling.q_group(rank))}
+    cols = {y: j for j, y in enumerate(plan.tiling.kv_group(rank))}
+    return rows, cols
+
+
+def _reduce_rows_to_owners(o_acc: Tensor, lse_acc: Tensor, mesh: CPMesh) -> tuple[Tensor, Tensor]:
+    """``(a, B, L, H, D)`` / ``(a, B, H, L)`` row partials -> this rank's merged row, by all-to-all."""
+    a = o_acc.shape[0]
+    if a == 1:
+        return o_acc[0], lse_acc[0]
+    n_o = o_acc[0].numel()
+    packed = torch.cat((o_acc.reshape(a, -1), lse_acc.reshape(a, -1)), dim=1)
+    received = all_to_all(packed, mesh.q_group)
+    o_parts = received[:, :n_o].view(o_acc.shape)
+    lse_parts = received[:, n_o:].view(lse_acc.shape)
+    out, lse = o_parts[0].clone(), lse_parts[0].clone()
+    for j in range(1, a):
+        merge_(out, lse, o_parts[j], lse_parts[j])
+    return out, lse
+
+
+SCHEDULES: dict[str, Schedule] = {CollectiveSchedule.name: CollectiveSchedule()}
+
+
+def get_schedule(name: str) -> Schedule:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name]

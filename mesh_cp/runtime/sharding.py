@@ -1,0 +1,58 @@
+"""Shard a global sequence over a CP mesh in the contiguous or zig-zag layout, and back."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mesh_cp.core.plan import LAYOUTS, chunk_ranges, layout_permutation, local_positions
+from mesh_cp.runtime.mesh import CPMesh
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not supported; choose one of {sorted(LAYOUTS)}")
+
+
+def shard_sequence(x: Tensor, *, mesh: CPMesh, dim: int, layout: str) -> Tensor:
+    """This rank's shard of the full tensor ``x`` along its sequence dimension ``dim``.
+
+    ``layout="contiguous"``: chunk ``rank`` of ``P``; ``layout="zigzag"``: half-chunks ``rank`` and
+    ``2P-1-rank`` of ``2P``, concatenated. Local, differentiable, and the same on every rank for the
+    same ``x``. The length along ``dim`` must be a multiple of ``P`` (contiguous) or ``2P`` (zig-zag).
+    """
+    _check_layout(layout)
+    dim = dim % x.dim()
+    ranges = chunk_ranges(x.shape[dim], mesh.size, mesh.rank, layout)
+    pieces = [x.narrow(dim, start, stop - start) for start, stop in ranges]
+    return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def unshard_sequence(x_local: Tensor, *, mesh: CPMesh, dim: int, layout: str) -> Tensor:
+    """The full tensor from every rank's shard along ``dim``; collective over ``mesh.group``.
+
+    Every rank gets the whole tensor in global sequence order. Not differentiable: it refuses an
+    input that requires grad while grad mode is on (call it on ``x.detach()``).
+    """
+    _check_layout(layout)
+    if x_local.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            "unshard_sequence is not differentiable; pass x_local.detach() or call it under torch.no_grad()"
+        )
+    dim = dim % x_local.dim()
+    moved = x_local.movedim(dim, 0).contiguous()
+    local_len = moved.shape[0]
+    gathered = torch.empty((mesh.size * local_len, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    dist.all_gather_into_tensor(gathered, moved, group=mesh.group)
+    order = torch.tensor(layout_permutation(mesh.size * local_len, mesh.size, layout), device=moved.device)
+    full = torch.empty_like(gathered)
+    full[order] = gathered
+    return full.movedim(0, dim)
+
+
+def position_ids(seq_len: int, *, mesh: CPMesh, layout: str, device: torch.device | str | None = None) -> Tensor:
+    """Global positions (``int64``, ``(seq_local,)``) of the tokens this rank holds for a sequence of
+    ``seq_len`` tokens; feed them to RoPE / position embeddings of the sharded tokens."""
+    _check_layout(layout)
+    return torch.tensor(local_positions(seq_len, mesh.size, mesh.rank, layout), dtype=torch.int64, device=device)
