@@ -8,6 +8,10 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 
+# torch >= 2.10 names the flat all-gather all_gather_single; all_gather_into_tensor is its old name.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def all_gather(x: Tensor, group: ProcessGroup) -> Tensor:
     """Stack ``x`` of every member: ``(*shape) -> (n, *shape)``, indexed by group rank."""
     n = dist.get_world_size(group)
@@ -15,7 +19,7 @@ def all_gather(x: Tensor, group: ProcessGroup) -> Tensor:
         return x.unsqueeze(0)
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_flat(out, x, group=group)
     return out.view(n, *x.shape)
 
 

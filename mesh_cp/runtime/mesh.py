@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from mesh_cp.core.plan import Tiling
+from mesh_cp.runtime.comm import all_gather
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,9 +110,7 @@ def _check_same_tile(group: ProcessGroup, tiling: Tiling) -> None:
     """Raise on every rank when the members of ``group`` asked for different tiles."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     mine = torch.tensor([tiling.a, tiling.b], dtype=torch.int64, device=device)
-    every = torch.empty(tiling.world * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    tiles = [tuple(pair) for pair in every.view(-1, 2).tolist()]
+    tiles = [tuple(pair) for pair in all_gather(mine, group).tolist()]
     if len(set(tiles)) != 1:
         listing = ", ".join(f"rank {r}: {a}x{b}" for r, (a, b) in enumerate(tiles))
         raise ValueError(f"ranks of the CP group asked for different tiles ({listing}); pass the same tile on every rank")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from mesh_cp.core.plan import LAYOUTS, chunk_ranges, layout_permutation, local_positions
+from mesh_cp.runtime.comm import all_gather
 from mesh_cp.runtime.mesh import CPMesh
 
 
@@ -43,8 +43,7 @@ def unshard_sequence(x_local: Tensor, *, mesh: CPMesh, dim: int, layout: str) ->
     dim = dim % x_local.dim()
     moved = x_local.movedim(dim, 0).contiguous()
     local_len = moved.shape[0]
-    gathered = torch.empty((mesh.size * local_len, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    dist.all_gather_into_tensor(gathered, moved, group=mesh.group)
+    gathered = all_gather(moved, mesh.group).reshape(mesh.size * local_len, *moved.shape[1:])
     order = torch.tensor(layout_permutation(mesh.size * local_len, mesh.size, layout), device=moved.device)
     full = torch.empty_like(gathered)
     full[order] = gathered
