@@ -96,7 +96,7 @@ def mesh_attn_func(
         raise ValueError(f"layout {layout!r} is not supported; choose one of {sorted(LAYOUTS)}")
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward {backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
-    shape = _check_inputs(q, k, v)
+    shape = attention_shape(q, k, v)
     plan = make_plan(mesh.tiling, shape, causal=bool(causal), layout=layout, backward=backward)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     block_kernel = resolve_kernel(kernel, q.device, q.dtype)
@@ -104,7 +104,8 @@ def mesh_attn_func(
     return (out, lse) if return_lse else out
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
+def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
+    """Validate the local ``q, k, v`` of :func:`mesh_attn_func` and return their plan shape."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
