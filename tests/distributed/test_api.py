@@ -1,0 +1,200 @@
+"""The public API on real process groups: bad inputs, sharding, DeviceMesh / DP x CP, low precision."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import mesh_cp
+from mesh_cp.core import Tiling, layout_permutation
+from mesh_cp.core.numerics import reference_attention
+from tests.distributed.harness import run_distributed
+
+
+def _expect(results: dict, name: str, exc: type[Exception], pattern: str, fn) -> None:
+    """Record whether ``fn()`` raised ``exc`` with a message matching ``pattern``."""
+    try:
+        fn()
+    except exc as err:
+        results[name] = bool(re.search(pattern, str(err))) or f"wrong message: {err}"
+        return
+    except Exception as err:  # noqa: BLE001 - any other exception is a failure to report
+        results[name] = f"raised {type(err).__name__}: {err}"
+        return
+    results[name] = "did not raise"
+
+
+def errors_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    res: dict = {}
+    world_group = dist.group.WORLD
+    _expect(res, "group None", ValueError, r"group=None is not accepted", lambda: mesh_cp.CPMesh.create(None, tile=(1, 2)))
+    _expect(res, "group type", ValueError, r"must be a torch.distributed ProcessGroup", lambda: mesh_cp.CPMesh.create("world", tile=(1, 2)))
+    _expect(
+        res,
+        "tile does not factor P",
+        ValueError,
+        r"tile 3x1 does not factor the CP group size 2 .*choose one of: 1x2, 2x1",
+        lambda: mesh_cp.CPMesh.create(world_group, tile=(3, 1)),
+    )
+    _expect(
+        res,
+        "tiles differ across ranks",
+        ValueError,
+        r"different tiles \(rank 0: 1x2, rank 1: 2x1\)",
+        lambda: mesh_cp.CPMesh.create(world_group, tile=(1, 2) if rank == 0 else (2, 1)),
+    )
+    mesh = mesh_cp.CPMesh.create(world_group, tile=(1, 2))
+    res["str"] = str(mesh) == f"CP(1x2) rank {rank}: Q-group [{rank}], KV-group [0, 1]" or str(mesh)
+
+    q = torch.randn(1, 4, 4, 8)
+    k = torch.randn(1, 4, 2, 8)
+
+    def call(*args, **kwargs):
+        kwargs.setdefault("mesh", mesh)
+        return mesh_cp.mesh_attn_func(*args, **kwargs)
+
+    _expect(res, "mesh None", ValueError, r"mesh must be a mesh_cp.CPMesh .*CPMesh.create", lambda: call(q, k, k, mesh=None))
+    _expect(res, "dtypes differ", ValueError, r"share one dtype, got torch.float32, torch.float64", lambda: call(q, k.double(), k))
+    _expect(res, "devices differ", ValueError, r"one device, got cpu, meta", lambda: call(q, k.to("meta"), k.to("meta")))
+    _expect(res, "3-D input", ValueError, r"q must be 4-D \(batch, seq_local, heads, head_dim\)", lambda: call(q[0], k, k))
+    _expect(res, "k/v shapes differ", ValueError, r"k and v must have the same shape", lambda: call(q, k, k[:, :2]))
+    _expect(res, "seq differs", ValueError, r"batch, seq_local and head_dim must be equal", lambda: call(q, k[:, :2], k[:, :2]))
+    _expect(
+        res,
+        "heads not divisible",
+        ValueError,
+        r"q heads 4 must be a multiple of k/v heads 3",
+        lambda: call(q, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8)),
+    )
+    _expect(
+        res,
+        "zigzag odd local length",
+        ValueError,
+        r"seq_local 3 must be even for the zigzag layout .*multiple of 2\*P = 4",
+        lambda: call(q[:, :3], k[:, :3], k[:, :3], causal=True),
+    )
+    _expect(res, "int dtype", NotImplementedError, r"dtype torch.int64 is not supported", lambda: call(q.long(), k.long(), k.long()))
+    _expect(res, "layout", ValueError, r"layout 'striped' is not supported", lambda: call(q, k, k, layout="striped"))
+    _expect(res, "kernel", ValueError, r"unknown kernel 'xformers'", lambda: call(q, k, k, kernel="xformers"))
+    _expect(res, "schedule", ValueError, r"unknown schedule 'ring'; choose one of \['collective'\]", lambda: call(q, k, k, schedule="ring"))
+    _expect(res, "backward mode", ValueError, r"backward 'keep' is not supported", lambda: call(q, k, k, backward="keep"))
+    _expect(
+        res,
+        "shard not divisible",
+        ValueError,
+        r"seq_len 6 must be a positive multiple of 4 .*pad the sequence to 8",
+        lambda: mesh_cp.shard_sequence(torch.zeros(6), mesh=mesh, dim=0, layout="zigzag"),
+    )
+    _expect(
+        res,
+        "unshard with grad",
+        NotImplementedError,
+        r"not differentiable; pass x_local.detach\(\)",
+        lambda: mesh_cp.unshard_sequence(torch.zeros(2, requires_grad=True), mesh=mesh, dim=0, layout="zigzag"),
+    )
+    return res
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    for rank, res in enumerate(run_distributed(errors_worker, 2)):
+        assert len(res) == 20, sorted(res)
+        failures = {name: outcome for name, outcome in res.items() if outcome is not True}
+        assert not failures, f"rank {rank}: {failures}"
+
+
+def sharding_worker(rank: int, world: int) -> dict:
+    """DP 2 x CP 2 from a DeviceMesh: sharding round trips and exact attention in each CP group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    res: dict = {}
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    mesh = mesh_cp.CPMesh.from_device_mesh(device_mesh, "cp", tile=(2, 1))
+    dp_rank = device_mesh.get_local_rank("dp")
+    res["cp members"] = list(mesh.global_ranks)
+    for layout in ("contiguous", "zigzag"):
+        x = torch.arange(3 * 16 * 2, dtype=torch.float32).view(3, 16, 2) + 1000 * dp_rank
+        local = mesh_cp.shard_sequence(x, mesh=mesh, dim=1, layout=layout)
+        res[f"round trip {layout}"] = torch.equal(mesh_cp.unshard_sequence(local, mesh=mesh, dim=1, layout=layout), x)
+        pos = mesh_cp.position_ids(16, mesh=mesh, layout=layout)
+        res[f"positions {layout}"] = torch.equal(local[0, :, 0], x[0, pos, 0])
+        res[f"permutation {layout}"] = layout_permutation(16, 2, layout)[8 * mesh.rank : 8 * mesh.rank + 8] == pos.tolist()
+
+    # Different data per DP replica: each CP group must compute its own sequence exactly.
+    gen = torch.Generator().manual_seed(7 + dp_rank)
+    q, k, v = (torch.randn(2, 16, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    ref, _ = reference_attention(q, k, v, causal=True)
+    local = [mesh_cp.shard_sequence(t, mesh=mesh, dim=1, layout="zigzag") for t in (q, k, v)]
+    out = mesh_cp.mesh_attn_func(*local, mesh=mesh, causal=True)
+    res["dp x cp exact"] = (out - mesh_cp.shard_sequence(ref, mesh=mesh, dim=1, layout="zigzag")).abs().max().item() < 1e-12
+    res["dp rank"] = dp_rank
+    dist.barrier()
+    return res
+
+
+def test_device_mesh_dp_by_cp_and_sharding_round_trips() -> None:
+    results = run_distributed(sharding_worker, 4)
+    assert [r["cp members"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for rank, res in enumerate(results):
+        failures = {k: v for k, v in res.items() if k not in ("cp members", "dp rank") and v is not True}
+        assert not failures, f"rank {rank}: {failures}"
+    assert [r["dp rank"] for r in results] == [0, 0, 1, 1]
+
+
+def low_precision_worker(rank: int, world: int) -> dict:
+    """Distributed error vs fp64 against plain single-process attention's error, same low dtype."""
+    import torch.distributed as dist
+
+    res = {}
+    for tile in ((2, 2), (1, 4)):
+        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
+        for dtype in (torch.bfloat16, torch.float16):
+            gen = torch.Generator().manual_seed(11)
+            q = torch.randn(2, 256, 8, 64, generator=gen).to(dtype)
+            k, v = (torch.randn(2, 256, 2, 64, generator=gen).to(dtype) for _ in range(2))
+            do = torch.randn(2, 256, 8, 64, generator=gen).to(dtype)
+
+            def run(fn, inputs):
+                leaves = [t.clone().requires_grad_() for t in inputs]
+                out = fn(*leaves)
+                out.backward(do.to(out.dtype) if out.shape == do.shape else None)
+                return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+            gold = run(lambda *t: reference_attention(*t, causal=True)[0], [t.double() for t in (q, k, v)])
+            plain = run(
+                lambda q_, k_, v_: torch.nn.functional.scaled_dot_product_attention(
+                    q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), is_causal=True, enable_gqa=True
+                ).transpose(1, 2),
+                [q, k, v],
+            )
+
+            def shard(t):
+                return mesh_cp.shard_sequence(t, mesh=mesh, dim=1, layout="zigzag")
+
+            leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+            out = mesh_cp.mesh_attn_func(*leaves, mesh=mesh, causal=True)
+            out.backward(shard(do))
+            mine = [out.detach(), *(leaf.grad for leaf in leaves)]
+            for name, got, base, want in zip(("out", "dq", "dk", "dv"), mine, plain, gold):
+                dist_err = (got.double() - shard(want)).abs().max().item()
+                plain_err = (shard(base).double() - shard(want)).abs().max().item()
+                res[f"{tile} {dtype} {name}"] = (dist_err, plain_err, got.dtype == dtype)
+    return res
+
+
+def test_low_precision_error_at_most_twice_plain_attention() -> None:
+    for rank, res in enumerate(run_distributed(low_precision_worker, 4)):
+        assert len(res) == 16
+        for name, (dist_err, plain_err, dtype_kept) in res.items():
+            assert dtype_kept, name
+            assert dist_err <= 2 * plain_err, f"rank {rank} {name}: distributed {dist_err:.3g} > 2 x plain {plain_err:.3g}"
+
+
+def test_tiling_of_the_mesh_is_the_core_tiling() -> None:
+    assert Tiling.parse("2x2", 4) == Tiling(world=4, a=2, b=2)
+    with pytest.raises(ValueError, match="does not factor"):
+        Tiling.parse("3x3", 4)
