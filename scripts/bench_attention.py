@@ -440,6 +440,7 @@ def print_config(cfg: BenchConfig, kernel_threads: int) -> None:
         f"usable cores={kernel_threads}  threads: 1 per rank x {cfg.world} ranks (distributed), "
         f"{kernel_threads} (single-process kernel timing)"
     )
+    print(f"load average at start (1/5/15 min): {load_average()}  (other processes on the machine skew the times)")
 
 
 def print_times(cfg: BenchConfig, summaries: list[dict[str, Any]]) -> None:
@@ -540,6 +541,14 @@ def print_blocking(cfg: BenchConfig, k: dict[str, Any]) -> None:
     print(f"blocking overhead: {100 * (k['blocks_s'] / k['full_s'] - 1):+.1f}%  (sum of block kernel time / full kernel time = {k['blocks_s'] / k['full_s']:.3f})")
 
 
+def load_average() -> str:
+    """The system load average, or ``"n/a"`` where the platform has none."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
 def usable_cores() -> int:
     """Cores this process may run on."""
     try:
@@ -560,11 +569,12 @@ def main(argv: list[str] | None = None) -> int:
     summaries = [summarize_mesh(cfg, tile, [r[tile_name(tile)] for r in per_rank]) for tile in cfg.meshes()]
     print_times(cfg, summaries)
     ok = print_bytes(cfg, summaries)
-    print(f"(distributed part: {dist_wall:.1f} s wall including spawn)")
+    print(f"(distributed part: {dist_wall:.1f} s wall including spawn; load average now {load_average()})")
     sys.stdout.flush()
 
     kernels = time_blocking(cfg, cores)
     print_blocking(cfg, kernels)
+    print(f"load average at end (1/5/15 min): {load_average()}")
 
     if json_path:
         report = {
@@ -576,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                 "usable_cores": cores,
                 "threads_per_rank": 1,
                 "kernel_threads": cores,
+                "load_average_end": load_average(),
             },
             "meshes": summaries,
             "blocking": kernels,
