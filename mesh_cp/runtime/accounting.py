@@ -9,7 +9,7 @@ all-gather (n members)       ``(n - 1) * input bytes``
 all-to-all (n members)       input bytes less the piece kept locally
 reduce-scatter               ``(n - 1) / n * input bytes``
 all-reduce                   ``2 (n - 1) / n * bytes``
-broadcast, send              the tensor's bytes (0 for receivers)
+broadcast, send              the tensor's bytes at the root / sender
 ===========================  ===========================================
 """
 
@@ -91,7 +91,9 @@ class CommCounter(TorchDispatchMode):
             sent = (n - 1) * _nbytes(args[1]) // n
         elif name == "allreduce_":
             sent = 2 * (n - 1) * _nbytes(args[0]) // n
-        elif name in ("broadcast_", "send"):
+        elif name == "broadcast_":
+            sent = _nbytes(args[0]) if pg.rank() == args[2] else 0
+        elif name == "send":
             sent = _nbytes(args[0])
         else:
             raise NotImplementedError(f"CommCounter does not know how many bytes c10d.{name} sends; add it")
@@ -99,7 +101,7 @@ class CommCounter(TorchDispatchMode):
 
     def _record_functional(self, func, args) -> None:
         name = func._opname
-        if name in ("wait_tensor",):
+        if name in ("wait_tensor", "_wrap_tensor_autograd"):  # bookkeeping ops that move no data
             return
         group_name = args[-1]
         if name == "all_gather_into_tensor":

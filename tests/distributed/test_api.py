@@ -96,12 +96,37 @@ def errors_worker(rank: int, world: int) -> dict:
         r"not differentiable; pass x_local.detach\(\)",
         lambda: mesh_cp.unshard_sequence(torch.zeros(2, requires_grad=True), mesh=mesh, dim=0, layout="zigzag"),
     )
+    res.update(counter_checks(rank, mesh))
     return res
+
+
+def counter_checks(rank: int, mesh) -> dict:
+    """CommCounter on ops the attention does not use: p2p, broadcast, all-reduce, functional collectives."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+
+    x = torch.zeros(10)  # 40 bytes
+    with mesh_cp.CommCounter() as counter:
+        if rank == 0:
+            dist.send(x, 1)
+        else:
+            dist.recv(x, 0)
+    p2p = counter.bytes_sent() == (40 if rank == 0 else 0)
+    with mesh_cp.CommCounter() as counter:
+        dist.broadcast(x, src=1)
+    bcast = counter.bytes_sent() == (40 if rank == 1 else 0)
+    with mesh_cp.CommCounter() as counter:
+        dist.all_reduce(torch.zeros(100))
+    allreduce = counter.bytes_sent() == 400 and counter.bytes_by_role(mesh) == {"cp": 400}  # mesh.group is WORLD
+    with mesh_cp.CommCounter() as counter:
+        fc.all_gather_tensor(torch.zeros(25), 0, mesh.kv_group).wait()
+    functional = counter.bytes_sent() == 100 and counter.bytes_by_role(mesh) == {"kv": 100}
+    return {"count send/recv": p2p, "count broadcast": bcast, "count all_reduce": allreduce, "count functional": functional}
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
     for rank, res in enumerate(run_distributed(errors_worker, 2)):
-        assert len(res) == 20, sorted(res)
+        assert len(res) == 24, sorted(res)
         failures = {name: outcome for name, outcome in res.items() if outcome is not True}
         assert not failures, f"rank {rank}: {failures}"
 
