@@ -440,7 +440,10 @@ def print_config(cfg: BenchConfig, kernel_threads: int) -> None:
         f"usable cores={kernel_threads}  threads: 1 per rank x {cfg.world} ranks (distributed), "
         f"{kernel_threads} (single-process kernel timing)"
     )
-    print(f"load average at start (1/5/15 min): {load_average()}  (other processes on the machine skew the times)")
+    print(
+        f"machine before start: CPU idle {cpu_idle_percent()} over 1 s, load average {load_average()} "
+        f"(other processes on the machine skew the times)"
+    )
 
 
 def print_times(cfg: BenchConfig, summaries: list[dict[str, Any]]) -> None:
@@ -547,6 +550,23 @@ def load_average() -> str:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "n/a"
+
+
+def cpu_idle_percent(seconds: float = 1.0) -> str:
+    """Idle share of all CPUs over ``seconds``, from ``/proc/stat`` (``"n/a"`` off Linux)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, total (without guest time)
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return "n/a"
+    return f"{100 * (idle1 - idle0) / max(total1 - total0, 1):.0f}%"
 
 
 def usable_cores() -> int:

@@ -18,13 +18,15 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def _worker(rank: int, fn: Callable, world: int, tmp: str, threads: int, args: tuple) -> None:
+def _worker(
+    rank: int, fn: Callable, world: int, tmp: str, threads: int, timeout: datetime.timedelta, args: tuple
+) -> None:
     import torch._dynamo  # noqa: F401  (before init_process_group: gloo can abort at exit otherwise)
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=DEFAULT_TIMEOUT
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=timeout
     )
     try:
         result = fn(rank, world, *args)
@@ -35,18 +37,26 @@ def _worker(rank: int, fn: Callable, world: int, tmp: str, threads: int, args: t
         pickle.dump(result, f)
 
 
-def spawn_gloo(fn: Callable, world: int, *args: Any, threads_per_rank: int = 1) -> list[Any]:
+def spawn_gloo(
+    fn: Callable,
+    world: int,
+    *args: Any,
+    threads_per_rank: int = 1,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes in one gloo group.
 
     Returns every rank's (picklable) return value, indexed by rank. ``fn`` must be a module-level
     function (it is pickled by name). An exception in any rank stops all of them and is re-raised
     here with that rank's traceback. Each rank ends with ``barrier()`` + ``destroy_process_group()``.
+    ``timeout`` bounds every collective (when many ranks share few cores, one rank can wait a whole
+    iteration of the slowest one).
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _worker, args=(fn, world, tmp, threads_per_rank, args), nprocs=world, join=True, start_method="spawn"
+            _worker, args=(fn, world, tmp, threads_per_rank, timeout, args), nprocs=world, join=True, start_method="spawn"
         )
         results = []
         for rank in range(world):
