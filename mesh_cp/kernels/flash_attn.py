@@ -11,6 +11,8 @@ from torch import Tensor
 from mesh_cp.kernels.base import out_for_delta
 
 MIN_VERSION = (2, 6, 3)
+# No dropout, no sliding window, no softcap, no ALiBi: plain softmax attention.
+_PLAIN = {"dropout_p": 0.0, "window_size_left": -1, "window_size_right": -1, "softcap": 0.0, "alibi_slopes": None}
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -49,14 +51,10 @@ class FlashAttnKernel:
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
-            dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
             return_softmax=False,
+            **_PLAIN,
         )
         return out, lse
 
@@ -76,14 +74,10 @@ class FlashAttnKernel:
             dq,
             dk,
             dv,
-            dropout_p=0.0,
             softmax_scale=scale,
             causal=causal,
-            window_size_left=-1,
-            window_size_right=-1,
-            softcap=0.0,
-            alibi_slopes=None,
             deterministic=True,
             rng_state=None,
+            **_PLAIN,
         )
         return dq, dk, dv
