@@ -29,22 +29,20 @@ import datetime
 import json
 import math
 import os
-import pickle
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 import mesh_cp
-from mesh_cp.core import AttentionPlan, AttentionShape, Tiling, check_seq_len, factorizations, make_plan
+from mesh_cp.core import AttentionPlan, AttentionShape, Tiling, check_seq_len, make_plan, most_square_tile
 from mesh_cp.core.numerics import attention_delta
 from mesh_cp.kernels import KERNEL_NAMES, get_kernel
+from mesh_cp.runtime.launch import spawn_gloo
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PHASES: tuple[str, ...] = ("forward", "backward")
@@ -119,23 +117,24 @@ def tile_name(tile: tuple[int, int]) -> str:
     return f"{tile[0]}x{tile[1]}"
 
 
-def most_square_tile(world: int) -> tuple[int, int]:
-    """The tile ``a x b`` of ``world`` with ``|a - b|`` smallest, ``a <= b`` on a tie (8 -> 2x4)."""
-    return min(factorizations(world), key=lambda ab: (abs(ab[0] - ab[1]), ab[0] > ab[1]))
-
-
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str | None]:
     """Parse the command line into a validated :class:`BenchConfig` and the optional JSON path."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--world", type=int, default=4, help="number of gloo ranks P")
-    p.add_argument("--tile", default=None, help="mesh tile AxB with A*B = P (default: the most square one)")
+    p.add_argument(
+        "--tile", default=None, help="mesh tile AxB with A*B = P; None means the most square one (a <= b on a tie)"
+    )
     p.add_argument("--seq", type=int, default=8192, help="global sequence length S")
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: --heads)")
+    p.add_argument("--kv-heads", type=int, default=None, help="K/V heads; None means --heads")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument(
-        "--causal", action=argparse.BooleanOptionalAction, default=True,
+        "--causal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="causal attention (zig-zag layout) or full attention (contiguous layout)",
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -186,7 +185,9 @@ def local_inputs(cfg: BenchConfig, rank: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + rank)
     q_shape = (cfg.batch, cfg.seq_local, cfg.heads, cfg.head_dim)
     kv_shape = (cfg.batch, cfg.seq_local, cfg.kv_heads, cfg.head_dim)
-    q, k, v = (torch.randn(s, generator=gen).to(cfg.torch_dtype).requires_grad_() for s in (q_shape, kv_shape, kv_shape))
+    q, k, v = (
+        torch.randn(s, generator=gen).to(cfg.torch_dtype).requires_grad_() for s in (q_shape, kv_shape, kv_shape)
+    )
     do = torch.randn(q_shape, generator=gen).to(cfg.torch_dtype)
     return q, k, v, do
 
@@ -235,7 +236,7 @@ def bench_mesh(mesh, cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
-def bench_rank(rank: int, cfg: BenchConfig) -> dict[str, dict[str, Any]]:
+def bench_rank(rank: int, world: int, cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     """Everything one rank does: build each mesh on the world group and benchmark it."""
     import torch.distributed as dist
 
@@ -243,33 +244,6 @@ def bench_rank(rank: int, cfg: BenchConfig) -> dict[str, dict[str, Any]]:
     for tile in cfg.meshes():
         mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
         results[tile_name(tile)] = bench_mesh(mesh, cfg)
-    return results
-
-
-def _worker(rank: int, fn: Callable, world: int, tmp: str, args: tuple) -> None:
-    """Spawned entry point: init gloo, run ``fn(rank, *args)``, pickle its result to ``tmp``."""
-    import torch._dynamo  # noqa: F401  (imported before init_process_group: gloo can abort at exit otherwise)
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # P ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=TIMEOUT)
-    try:
-        result = fn(rank, *args)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    with open(os.path.join(tmp, f"result_{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def run_distributed(fn: Callable, world: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, *args)`` on ``world`` spawned gloo ranks; return the per-rank results."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(fn, world, tmp, args), nprocs=world, join=True, start_method="spawn")
-        results = []
-        for rank in range(world):
-            with open(os.path.join(tmp, f"result_{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
     return results
 
 
@@ -284,8 +258,8 @@ def _random(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) ->
 def time_kernel_call(kernel, q, k, v, do, *, causal: bool, scale: float) -> tuple[float, float]:
     """Seconds of one ``kernel.forward`` and one ``kernel.backward`` (delta is computed untimed).
 
-    ``lse`` and ``delta`` reach the backward as slices of a stacked ``(2, B, H, rows)`` buffer, as
-    they do in the collective schedule.
+    ``lse`` and ``delta`` reach the backward as views of one stacked ``(2, B, H, rows)`` buffer (the
+    schedule passes views of its gathered ``(a, 2, B, H, L)`` statistics).
     """
     t0 = time.perf_counter()
     out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
@@ -352,7 +326,9 @@ def time_blocking(cfg: BenchConfig, threads: int) -> dict[str, Any]:
         "blocks_s": statistics.median(sum(f + bw for f, bw in run.values()) for run in block_runs),
         "block_calls": len(block_runs[0]),
         "per_rank_s": {
-            tile_name(t): [statistics.median(col) for col in zip(*(per_rank(p, run) for run in block_runs))]
+            tile_name(t): [
+                statistics.median(col) for col in zip(*(per_rank(p, run) for run in block_runs), strict=True)
+            ]
             for t, p in ((cfg.tile, plan), (cfg.ring, ring_plan))
         },
         "full_pairs": full_pairs,
@@ -400,10 +376,11 @@ def summarize_mesh(cfg: BenchConfig, tile: tuple[int, int], per_rank: list[dict[
             "ok_plan": all(m == planned for m in measured) and all(br == by_role_plan for br in by_role_measured),
             "ok_formula": all(math.isclose(m, formula + stats, rel_tol=0, abs_tol=0.5) for m in measured),
         }
-    total = {
-        key: phases["forward"][key] + phases["backward"][key] for key in ("plan", "formula", "stats")
-    }
-    total["measured_per_rank"] = [f + b for f, b in zip(phases["forward"]["measured_per_rank"], phases["backward"]["measured_per_rank"])]
+    total = {key: phases["forward"][key] + phases["backward"][key] for key in ("plan", "formula", "stats")}
+    total["measured_per_rank"] = [
+        f + b
+        for f, b in zip(phases["forward"]["measured_per_rank"], phases["backward"]["measured_per_rank"], strict=True)
+    ]
     total["ok_plan"] = phases["forward"]["ok_plan"] and phases["backward"]["ok_plan"]
     total["ok_formula"] = phases["forward"]["ok_formula"] and phases["backward"]["ok_formula"]
     phases["total"] = total
@@ -434,7 +411,9 @@ def print_config(cfg: BenchConfig, kernel_threads: int) -> None:
         f"causal={cfg.causal} (layout {cfg.layout})  kernel={cfg.kernel}  backward={cfg.backward}  "
         f"iters={cfg.iters}  warmup={cfg.warmup}  seed={cfg.seed}"
     )
-    print(f"C = B*(S/P)*heads*head_dim = {shape.chunk_elems:,} elements, itemsize {shape.itemsize} B, accumulators {shape.acc_itemsize} B")
+    print(
+        f"C = B*(S/P)*heads*head_dim = {shape.chunk_elems:,} elements, itemsize {shape.itemsize} B, accumulators {shape.acc_itemsize} B"
+    )
     print(
         f"torch {torch.__version__}  python {platform.python_version()}  os.cpu_count()={os.cpu_count()}  "
         f"usable cores={kernel_threads}  threads: 1 per rank x {cfg.world} ranks (distributed), "
@@ -476,7 +455,11 @@ def print_bytes(cfg: BenchConfig, summaries: list[dict[str, Any]]) -> bool:
     for s in summaries:
         for phase in (*PHASES, "total"):
             row = s["bytes"][phase]
-            units = s["traffic_units"]["forward"] + s["traffic_units"]["backward"] if phase == "total" else s["traffic_units"][phase]
+            units = (
+                s["traffic_units"]["forward"] + s["traffic_units"]["backward"]
+                if phase == "total"
+                else s["traffic_units"][phase]
+            )
             ok_plan = "yes" if row["ok_plan"] else "NO"
             if row["ok_formula"]:
                 ok_formula = "yes"
@@ -502,7 +485,9 @@ def print_bytes(cfg: BenchConfig, summaries: list[dict[str, Any]]) -> bool:
         for phase in (*PHASES, "total"):
             row = s["bytes"][phase]
             if not row["ok_plan"]:
-                print(f"*** MISMATCH *** {s['tile']} {phase}: measured {row['measured_per_rank']} != plan {row['plan']}")
+                print(
+                    f"*** MISMATCH *** {s['tile']} {phase}: measured {row['measured_per_rank']} != plan {row['plan']}"
+                )
             if s["formula_exact"] and not row["ok_formula"]:
                 print(
                     f"*** MISMATCH *** {s['tile']} {phase}: measured {row['measured_per_rank']} != "
@@ -541,7 +526,9 @@ def print_blocking(cfg: BenchConfig, k: dict[str, Any]) -> None:
             f"  per-rank block kernel time, {name:5}: max {fmt_ms(max(per_rank))}  min {fmt_ms(min(per_rank))}  "
             f"(sum/P {fmt_ms(sum(per_rank) / cfg.world)})"
         )
-    print(f"blocking overhead: {100 * (k['blocks_s'] / k['full_s'] - 1):+.1f}%  (sum of block kernel time / full kernel time = {k['blocks_s'] / k['full_s']:.3f})")
+    print(
+        f"blocking overhead: {100 * (k['blocks_s'] / k['full_s'] - 1):+.1f}%  (sum of block kernel time / full kernel time = {k['blocks_s'] / k['full_s']:.3f})"
+    )
 
 
 def load_average() -> str:
@@ -584,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
 
     t0 = time.perf_counter()
-    per_rank = run_distributed(bench_rank, cfg.world, cfg)
+    per_rank = spawn_gloo(bench_rank, cfg.world, cfg, threads_per_rank=1, timeout=TIMEOUT)
     dist_wall = time.perf_counter() - t0
     summaries = [summarize_mesh(cfg, tile, [r[tile_name(tile)] for r in per_rank]) for tile in cfg.meshes()]
     print_times(cfg, summaries)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import mesh_cp
-from mesh_cp.core import Tiling, factorizations, make_plan
+from mesh_cp.core import Tiling, make_plan, most_square_tile
 from mesh_cp.runtime.attention import attention_shape
 from mesh_cp.runtime.launch import spawn_gloo
 
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tol", type=float, default=1e-4, help="max abs error allowed against the reference")
     args = parser.parse_args(argv)
     if args.tile is None:
-        args.tile = min(factorizations(args.world), key=lambda t: (abs(t[0] - t[1]), -t[0]))
+        args.tile = most_square_tile(args.world)
     args.tiling = Tiling.parse(args.tile, args.world)
     return args
 
@@ -78,7 +78,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace) -> dict:
         expected = [ref.detach(), *(leaf.grad for leaf in leaves)]
         result["errors"] = {
             name: (got - want).abs().max().item()
-            for name, got, want in zip(("out", "dq", "dk", "dv"), gathered, expected)
+            for name, got, want in zip(("out", "dq", "dk", "dv"), gathered, expected, strict=True)
         }
     dist.barrier()
     return result
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     planned = mesh_plan.bytes_sent("forward") + mesh_plan.bytes_sent("backward")
     ring = ring_plan.bytes_sent("forward") + ring_plan.bytes_sent("backward")
     measured_ok = all(sum(res["sent"]) == planned for res in results)
-    print(f"  plan for the {a}x{b} mesh: {planned / MiB:.2f} MiB per rank ({'measured equals plan' if measured_ok else 'MISMATCH'})")
+    print(
+        f"  plan for the {a}x{b} mesh: {planned / MiB:.2f} MiB per rank ({'measured equals plan' if measured_ok else 'MISMATCH'})"
+    )
     print(f"  plan for the 1x{args.world} ring: {ring / MiB:.2f} MiB per rank")
     print(f"  the mesh sends {100 * planned / ring:.1f}% of the ring's bytes ({100 * (planned - ring) / ring:+.1f}%)")
     if planned > ring:

@@ -17,6 +17,7 @@ from mesh_cp.core.plan import (
     local_positions,
     make_plan,
     mask_kind,
+    most_square_tile,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "local_positions",
     "make_plan",
     "mask_kind",
+    "most_square_tile",
 ]

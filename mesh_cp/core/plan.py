@@ -62,6 +62,13 @@ def factorizations(world: int) -> tuple[tuple[int, int], ...]:
     return tuple((a, world // a) for a in range(1, world + 1) if world % a == 0)
 
 
+def most_square_tile(world: int) -> tuple[int, int]:
+    """The tile of ``world`` with ``|a - b|`` smallest; on a tie the larger ``a`` (8 -> 4x2), which
+    sends less for MHA since ``a`` weighs ``2(a-1)`` and ``b`` weighs ``2r(b-1)`` forward and
+    ``3(a-1)`` against ``4r(b-1)`` backward."""
+    return min(factorizations(world), key=lambda ab: (abs(ab[0] - ab[1]), -ab[0]))
+
+
 @dataclass(frozen=True)
 class Tiling:
     """The ``a x b`` tiling of a CP group of ``world = a * b`` ranks. See Note [Mesh tiling]."""
@@ -283,7 +290,7 @@ class AttentionShape:
     def __post_init__(self) -> None:
         for name in ("batch", "seq_local", "heads", "kv_heads", "head_dim", "itemsize"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"AttentionShape.{name} must be a positive int, got {value!r}")
         if self.heads % self.kv_heads:
             raise ValueError(
@@ -388,6 +395,10 @@ class AttentionPlan:
 
     def traffic_units(self, phase: Phase) -> float:
         """The traffic formula of ALGORITHMS.md in units of ``C`` (lse/delta left out).
+
+        It counts every transfer at the input's element size; since partial outputs and gradients
+        travel in fp32, ``traffic_units * C * itemsize`` equals the bytes sent (less the statistics)
+        for fp32 inputs only — :meth:`bytes_sent` is exact for every dtype.
 
         forward ``2(a-1) + 2r(b-1)``; backward ``3(a-1) + 4r(b-1)`` with re-gather and
         ``2(a-1) + 2r(b-1)`` when the forward's chunks are reused.

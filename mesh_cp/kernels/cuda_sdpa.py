@@ -62,4 +62,8 @@ class CudaSdpaKernel:
             causal,
             scale=scale,
         )
-        return dq.transpose(1, 2), fold_kv_grad(dk.transpose(1, 2), kv_heads), fold_kv_grad(dv.transpose(1, 2), kv_heads)
+        return (
+            dq.transpose(1, 2),
+            fold_kv_grad(dk.transpose(1, 2), kv_heads),
+            fold_kv_grad(dv.transpose(1, 2), kv_heads),
+        )

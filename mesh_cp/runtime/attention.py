@@ -110,9 +110,7 @@ def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D (batch, seq_local, heads, head_dim), got shape {tuple(t.shape)}"
-            )
+            raise ValueError(f"{name} must be 4-D (batch, seq_local, heads, head_dim), got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to one")
     if q.dtype not in SUPPORTED_DTYPES:

@@ -7,7 +7,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-
 # torch >= 2.10 names the flat all-gather all_gather_single; all_gather_into_tensor is its old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

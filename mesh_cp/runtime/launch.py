@@ -10,9 +10,9 @@ import datetime
 import os
 import pickle
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-import torch
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
@@ -25,9 +25,7 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=timeout
-    )
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world, timeout=timeout)
     try:
         result = fn(rank, world, *args)
     finally:
@@ -56,7 +54,11 @@ def spawn_gloo(
         raise ValueError(f"world must be >= 1, got {world}")
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _worker, args=(fn, world, tmp, threads_per_rank, timeout, args), nprocs=world, join=True, start_method="spawn"
+            _worker,
+            args=(fn, world, tmp, threads_per_rank, timeout, args),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
         )
         results = []
         for rank in range(world):

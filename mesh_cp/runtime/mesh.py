@@ -113,4 +113,6 @@ def _check_same_tile(group: ProcessGroup, tiling: Tiling) -> None:
     tiles = [tuple(pair) for pair in all_gather(mine, group).tolist()]
     if len(set(tiles)) != 1:
         listing = ", ".join(f"rank {r}: {a}x{b}" for r, (a, b) in enumerate(tiles))
-        raise ValueError(f"ranks of the CP group asked for different tiles ({listing}); pass the same tile on every rank")
+        raise ValueError(
+            f"ranks of the CP group asked for different tiles ({listing}); pass the same tile on every rank"
+        )

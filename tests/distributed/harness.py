@@ -6,7 +6,8 @@ seconds on two cores; a case costs milliseconds).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from mesh_cp.runtime.launch import spawn_gloo
 

@@ -31,8 +31,16 @@ def errors_worker(rank: int, world: int) -> dict:
 
     res: dict = {}
     world_group = dist.group.WORLD
-    _expect(res, "group None", ValueError, r"group=None is not accepted", lambda: mesh_cp.CPMesh.create(None, tile=(1, 2)))
-    _expect(res, "group type", ValueError, r"must be a torch.distributed ProcessGroup", lambda: mesh_cp.CPMesh.create("world", tile=(1, 2)))
+    _expect(
+        res, "group None", ValueError, r"group=None is not accepted", lambda: mesh_cp.CPMesh.create(None, tile=(1, 2))
+    )
+    _expect(
+        res,
+        "group type",
+        ValueError,
+        r"must be a torch.distributed ProcessGroup",
+        lambda: mesh_cp.CPMesh.create("world", tile=(1, 2)),
+    )
     _expect(
         res,
         "tile does not factor P",
@@ -57,12 +65,30 @@ def errors_worker(rank: int, world: int) -> dict:
         kwargs.setdefault("mesh", mesh)
         return mesh_cp.mesh_attn_func(*args, **kwargs)
 
-    _expect(res, "mesh None", ValueError, r"mesh must be a mesh_cp.CPMesh .*CPMesh.create", lambda: call(q, k, k, mesh=None))
-    _expect(res, "dtypes differ", ValueError, r"share one dtype, got torch.float32, torch.float64", lambda: call(q, k.double(), k))
-    _expect(res, "devices differ", ValueError, r"one device, got cpu, meta", lambda: call(q, k.to("meta"), k.to("meta")))
-    _expect(res, "3-D input", ValueError, r"q must be 4-D \(batch, seq_local, heads, head_dim\)", lambda: call(q[0], k, k))
+    _expect(
+        res, "mesh None", ValueError, r"mesh must be a mesh_cp.CPMesh .*CPMesh.create", lambda: call(q, k, k, mesh=None)
+    )
+    _expect(
+        res,
+        "dtypes differ",
+        ValueError,
+        r"share one dtype, got torch.float32, torch.float64",
+        lambda: call(q, k.double(), k),
+    )
+    _expect(
+        res, "devices differ", ValueError, r"one device, got cpu, meta", lambda: call(q, k.to("meta"), k.to("meta"))
+    )
+    _expect(
+        res, "3-D input", ValueError, r"q must be 4-D \(batch, seq_local, heads, head_dim\)", lambda: call(q[0], k, k)
+    )
     _expect(res, "k/v shapes differ", ValueError, r"k and v must have the same shape", lambda: call(q, k, k[:, :2]))
-    _expect(res, "seq differs", ValueError, r"batch, seq_local and head_dim must be equal", lambda: call(q, k[:, :2], k[:, :2]))
+    _expect(
+        res,
+        "seq differs",
+        ValueError,
+        r"batch, seq_local and head_dim must be equal",
+        lambda: call(q, k[:, :2], k[:, :2]),
+    )
     _expect(
         res,
         "heads not divisible",
@@ -77,11 +103,25 @@ def errors_worker(rank: int, world: int) -> dict:
         r"seq_local 3 must be even for the zigzag layout .*multiple of 2\*P = 4",
         lambda: call(q[:, :3], k[:, :3], k[:, :3], causal=True),
     )
-    _expect(res, "int dtype", NotImplementedError, r"dtype torch.int64 is not supported", lambda: call(q.long(), k.long(), k.long()))
+    _expect(
+        res,
+        "int dtype",
+        NotImplementedError,
+        r"dtype torch.int64 is not supported",
+        lambda: call(q.long(), k.long(), k.long()),
+    )
     _expect(res, "layout", ValueError, r"layout 'striped' is not supported", lambda: call(q, k, k, layout="striped"))
     _expect(res, "kernel", ValueError, r"unknown kernel 'xformers'", lambda: call(q, k, k, kernel="xformers"))
-    _expect(res, "schedule", ValueError, r"unknown schedule 'ring'; choose one of \['collective'\]", lambda: call(q, k, k, schedule="ring"))
-    _expect(res, "backward mode", ValueError, r"backward 'keep' is not supported", lambda: call(q, k, k, backward="keep"))
+    _expect(
+        res,
+        "schedule",
+        ValueError,
+        r"unknown schedule 'ring'; choose one of \['collective'\]",
+        lambda: call(q, k, k, schedule="ring"),
+    )
+    _expect(
+        res, "backward mode", ValueError, r"backward 'keep' is not supported", lambda: call(q, k, k, backward="keep")
+    )
     _expect(
         res,
         "shard not divisible",
@@ -121,7 +161,12 @@ def counter_checks(rank: int, mesh) -> dict:
     with mesh_cp.CommCounter() as counter:
         fc.all_gather_tensor(torch.zeros(25), 0, mesh.kv_group).wait()
     functional = counter.bytes_sent() == 100 and counter.bytes_by_role(mesh) == {"kv": 100}
-    return {"count send/recv": p2p, "count broadcast": bcast, "count all_reduce": allreduce, "count functional": functional}
+    return {
+        "count send/recv": p2p,
+        "count broadcast": bcast,
+        "count all_reduce": allreduce,
+        "count functional": functional,
+    }
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
@@ -147,7 +192,9 @@ def sharding_worker(rank: int, world: int) -> dict:
         res[f"round trip {layout}"] = torch.equal(mesh_cp.unshard_sequence(local, mesh=mesh, dim=1, layout=layout), x)
         pos = mesh_cp.position_ids(16, mesh=mesh, layout=layout)
         res[f"positions {layout}"] = torch.equal(local[0, :, 0], x[0, pos, 0])
-        res[f"permutation {layout}"] = layout_permutation(16, 2, layout)[8 * mesh.rank : 8 * mesh.rank + 8] == pos.tolist()
+        res[f"permutation {layout}"] = (
+            layout_permutation(16, 2, layout)[8 * mesh.rank : 8 * mesh.rank + 8] == pos.tolist()
+        )
 
     # Different data per DP replica: each CP group must compute its own sequence exactly.
     gen = torch.Generator().manual_seed(7 + dp_rank)
@@ -155,7 +202,9 @@ def sharding_worker(rank: int, world: int) -> dict:
     ref, _ = reference_attention(q, k, v, causal=True)
     local = [mesh_cp.shard_sequence(t, mesh=mesh, dim=1, layout="zigzag") for t in (q, k, v)]
     out = mesh_cp.mesh_attn_func(*local, mesh=mesh, causal=True)
-    res["dp x cp exact"] = (out - mesh_cp.shard_sequence(ref, mesh=mesh, dim=1, layout="zigzag")).abs().max().item() < 1e-12
+    res["dp x cp exact"] = (
+        out - mesh_cp.shard_sequence(ref, mesh=mesh, dim=1, layout="zigzag")
+    ).abs().max().item() < 1e-12
     res["dp rank"] = dp_rank
     dist.barrier()
     return res
@@ -204,7 +253,7 @@ def low_precision_worker(rank: int, world: int) -> dict:
             out = mesh_cp.mesh_attn_func(*leaves, mesh=mesh, causal=True)
             out.backward(shard(do))
             mine = [out.detach(), *(leaf.grad for leaf in leaves)]
-            for name, got, base, want in zip(("out", "dq", "dk", "dv"), mine, plain, gold):
+            for name, got, base, want in zip(("out", "dq", "dk", "dv"), mine, plain, gold, strict=True):
                 dist_err = (got.double() - shard(want)).abs().max().item()
                 plain_err = (shard(base).double() - shard(want)).abs().max().item()
                 res[f"{tile} {dtype} {name}"] = (dist_err, plain_err, got.dtype == dtype)
@@ -216,7 +265,9 @@ def test_low_precision_error_at_most_twice_plain_attention() -> None:
         assert len(res) == 16
         for name, (dist_err, plain_err, dtype_kept) in res.items():
             assert dtype_kept, name
-            assert dist_err <= 2 * plain_err, f"rank {rank} {name}: distributed {dist_err:.3g} > 2 x plain {plain_err:.3g}"
+            assert dist_err <= 2 * plain_err, (
+                f"rank {rank} {name}: distributed {dist_err:.3g} > 2 x plain {plain_err:.3g}"
+            )
 
 
 def test_tiling_of_the_mesh_is_the_core_tiling() -> None:

@@ -96,7 +96,9 @@ def run_case(mesh, case: Case, seed: int) -> dict:
     with bwd:
         ((out * shard(do)).sum() + (lse * shard(dlse, dim=2)).sum()).backward()
 
-    plan = make_plan(mesh.tiling, attention_shape(*local), causal=case.causal, layout=case.layout, backward=case.backward)
+    plan = make_plan(
+        mesh.tiling, attention_shape(*local), causal=case.causal, layout=case.layout, backward=case.backward
+    )
     errors = {
         "out": _max_err(out, shard(ref_out.detach())),
         "lse": _max_err(lse, shard(ref_lse.detach(), dim=2)),
@@ -168,6 +170,11 @@ def test_bytes_sent_equal_plan_and_ring_formula(world_results) -> None:
 def test_case_matrix_is_what_the_docstring_says() -> None:
     assert {c.head_dim for c in CASES} == {64, 80}
     assert {(c.heads == c.kv_heads, c.kv_heads == 1) for c in CASES} == {(True, False), (False, False), (False, True)}
-    assert {(c.causal, c.layout) for c in CASES} == {(True, "zigzag"), (False, "contiguous"), (True, "contiguous"), (False, "zigzag")}
+    assert {(c.causal, c.layout) for c in CASES} == {
+        (True, "zigzag"),
+        (False, "contiguous"),
+        (True, "contiguous"),
+        (False, "zigzag"),
+    }
     assert {c.backward for c in CASES} == {"regather", "reuse"} and all(c.half_chunk % 2 for c in CASES)
     assert asdict(CASES[0])["batch"] > 1
