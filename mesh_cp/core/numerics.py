@@ -67,6 +67,13 @@ def attention_delta(do: Tensor, out: Tensor) -> Tensor:
     return (do.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
+def mask_causal(scores: Tensor) -> Tensor:
+    """``scores (..., Sq, Sk)`` with entries above the top-left diagonal (key ``j > i``) set to ``-inf``."""
+    sq, sk = scores.shape[-2:]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(1)
+    return scores.masked_fill(mask, float("-inf"))
+
+
 def reference_attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -82,9 +89,7 @@ def reference_attention(
     vh = expand_kv(v, heads).transpose(1, 2)
     scores = (qh @ kh.transpose(-1, -2)) * scale
     if causal:
-        sq, sk = scores.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
+        scores = mask_causal(scores)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.exp(scores - lse.unsqueeze(-1)) @ vh
     return out.transpose(1, 2), lse

@@ -142,10 +142,15 @@ class Tiling:
 # Sequence layouts
 
 
-def check_seq_len(seq_len: int, world: int, layout: str) -> None:
-    """Raise ``ValueError`` unless a global ``seq_len`` can be laid out over ``world`` ranks."""
+def check_layout(layout: str) -> None:
+    """Raise ``ValueError`` unless ``layout`` is one of :data:`LAYOUTS`."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not supported; choose one of {sorted(LAYOUTS)}")
+
+
+def check_seq_len(seq_len: int, world: int, layout: str) -> None:
+    """Raise ``ValueError`` unless a global ``seq_len`` can be laid out over ``world`` ranks."""
+    check_layout(layout)
     parts = 2 * world if layout == "zigzag" else world
     if seq_len < parts or seq_len % parts:
         padded = max(parts, -(-seq_len // parts) * parts)
@@ -204,9 +209,8 @@ def mask_kind(x: int, y: int, *, causal: bool, layout: str) -> MaskKind:
         return MaskKind.CAUSAL
     if layout == "zigzag":
         return MaskKind.KV_FIRST_HALF if y < x else MaskKind.Q_SECOND_HALF
-    if layout == "contiguous":
-        return MaskKind.FULL if y < x else MaskKind.SKIP
-    raise ValueError(f"layout {layout!r} is not supported; choose one of {sorted(LAYOUTS)}")
+    check_layout(layout)
+    return MaskKind.FULL if y < x else MaskKind.SKIP
 
 
 @dataclass(frozen=True)
@@ -332,8 +336,7 @@ class AttentionPlan:
     chunks gathered in forward (less traffic)."""
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout {self.layout!r} is not supported; choose one of {sorted(LAYOUTS)}")
+        check_layout(self.layout)
         if self.backward not in BACKWARD_MODES:
             raise ValueError(f"backward {self.backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
         if self.layout == "zigzag" and self.shape.seq_local % 2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mesh_cp.core.numerics import acc_dtype, expand_kv, fold_kv_grad
+from mesh_cp.core.numerics import acc_dtype, expand_kv, fold_kv_grad, mask_causal
 
 
 def _scores(q: Tensor, k: Tensor, *, causal: bool, scale: float) -> Tensor:
@@ -14,11 +14,7 @@ def _scores(q: Tensor, k: Tensor, *, causal: bool, scale: float) -> Tensor:
     qh = q.to(acc).transpose(1, 2)
     kh = expand_kv(k, q.shape[2]).to(acc).transpose(1, 2)
     scores = (qh @ kh.transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = scores.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    return scores
+    return mask_causal(scores) if causal else scores
 
 
 class ReferenceKernel:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.numerics import SUPPORTED_DTYPES
-from mesh_cp.core.plan import BACKWARD_MODES, LAYOUTS, AttentionPlan, AttentionShape, make_plan
+from mesh_cp.core.plan import BACKWARD_MODES, AttentionPlan, AttentionShape, check_layout, make_plan
 from mesh_cp.kernels import BlockKernel, resolve_kernel
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.schedules import Schedule, get_schedule
@@ -92,8 +92,7 @@ def mesh_attn_func(
         )
     if layout is None:
         layout = "zigzag" if causal else "contiguous"
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not supported; choose one of {sorted(LAYOUTS)}")
+    check_layout(layout)
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward {backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
     shape = attention_shape(q, k, v)

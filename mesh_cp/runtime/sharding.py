@@ -5,14 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mesh_cp.core.plan import LAYOUTS, chunk_ranges, layout_permutation, local_positions
+from mesh_cp.core.plan import check_layout, chunk_ranges, layout_permutation, local_positions
 from mesh_cp.runtime.comm import all_gather
 from mesh_cp.runtime.mesh import CPMesh
-
-
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r} is not supported; choose one of {sorted(LAYOUTS)}")
 
 
 def shard_sequence(x: Tensor, *, mesh: CPMesh, dim: int, layout: str) -> Tensor:
@@ -22,7 +17,7 @@ def shard_sequence(x: Tensor, *, mesh: CPMesh, dim: int, layout: str) -> Tensor:
     ``2P-1-rank`` of ``2P``, concatenated. Local, differentiable, and the same on every rank for the
     same ``x``. The length along ``dim`` must be a multiple of ``P`` (contiguous) or ``2P`` (zig-zag).
     """
-    _check_layout(layout)
+    check_layout(layout)
     dim = dim % x.dim()
     ranges = chunk_ranges(x.shape[dim], mesh.size, mesh.rank, layout)
     pieces = [x.narrow(dim, start, stop - start) for start, stop in ranges]
@@ -35,7 +30,7 @@ def unshard_sequence(x_local: Tensor, *, mesh: CPMesh, dim: int, layout: str) ->
     Every rank gets the whole tensor in global sequence order. Not differentiable: it refuses an
     input that requires grad while grad mode is on (call it on ``x.detach()``).
     """
-    _check_layout(layout)
+    check_layout(layout)
     if x_local.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(
             "unshard_sequence is not differentiable; pass x_local.detach() or call it under torch.no_grad()"
@@ -53,5 +48,5 @@ def unshard_sequence(x_local: Tensor, *, mesh: CPMesh, dim: int, layout: str) ->
 def position_ids(seq_len: int, *, mesh: CPMesh, layout: str, device: torch.device | str | None = None) -> Tensor:
     """Global positions (``int64``, ``(seq_local,)``) of the tokens this rank holds for a sequence of
     ``seq_len`` tokens; feed them to RoPE / position embeddings of the sharded tokens."""
-    _check_layout(layout)
+    check_layout(layout)
     return torch.tensor(local_positions(seq_len, mesh.size, mesh.rank, layout), dtype=torch.int64, device=device)
