@@ -97,14 +97,13 @@ class BenchConfig:
         return (self.tile,) if self.tile == self.ring else (self.tile, self.ring)
 
     def shape(self) -> AttentionShape:
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
         return AttentionShape(
             batch=self.batch,
             seq_local=self.seq_local,
             heads=self.heads,
             kv_heads=self.kv_heads,
             head_dim=self.head_dim,
-            itemsize=itemsize,
+            itemsize=self.torch_dtype.itemsize,
         )
 
     def plan(self, tile: tuple[int, int]) -> AttentionPlan:
@@ -124,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str | None]:
     )
     p.add_argument("--world", type=int, default=4, help="number of gloo ranks P")
     p.add_argument(
-        "--tile", default=None, help="mesh tile AxB with A*B = P; None means the most square one (a <= b on a tie)"
+        "--tile", default=None, help="mesh tile AxB with A*B = P; None means the most square one (larger a on a tie)"
     )
     p.add_argument("--seq", type=int, default=8192, help="global sequence length S")
     p.add_argument("--heads", type=int, default=4)

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 import mesh_cp
-from mesh_cp.core import Tiling, make_plan, most_square_tile
-from mesh_cp.runtime.attention import attention_shape
+from mesh_cp.core import AttentionShape, Tiling, make_plan, most_square_tile
 from mesh_cp.runtime.launch import spawn_gloo
 
 MiB = 2**20
@@ -103,9 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         f"single process {results[0]['reference_seconds']:.2f} s"
     )
 
-    local = torch.empty(args.batch, args.seq // args.world, args.heads, args.head_dim)
-    kv_local = torch.empty(args.batch, args.seq // args.world, args.kv_heads, args.head_dim)
-    shape = attention_shape(local, kv_local, kv_local)
+    shape = AttentionShape(
+        batch=args.batch,
+        seq_local=args.seq // args.world,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        itemsize=torch.float32.itemsize,
+    )
     mesh_plan = make_plan(args.tiling, shape, causal=True, layout="zigzag")
     ring_plan = make_plan(Tiling(world=args.world, a=1, b=args.world), shape, causal=True, layout="zigzag")
     print("\nbytes sent per rank (forward + backward):")
