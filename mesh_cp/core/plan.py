@@ -50,11 +50,14 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from mesh_cp.core.schedule import OverlapSchedule, build_overlap_schedule
+
 Layout = Literal["contiguous", "zigzag"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
 Phase = Literal["forward", "backward"]
 BackwardMode = Literal["regather", "reuse"]
 BACKWARD_MODES: tuple[str, ...] = ("regather", "reuse")
+SCHEDULE_NAMES: tuple[str, ...] = ("overlap", "collective")
 
 
 def factorizations(world: int) -> tuple[tuple[int, int], ...]:
@@ -325,7 +328,7 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Everything the collective schedule does for one attention call, as data."""
+    """Everything one attention call does, as data: blocks, transfers, bytes and buffers."""
 
     tiling: Tiling
     shape: AttentionShape
@@ -334,16 +337,29 @@ class AttentionPlan:
     backward: str = "regather"
     """``"regather"`` gathers Q and KV again in backward (less memory); ``"reuse"`` keeps the
     chunks gathered in forward (less traffic)."""
+    schedule: str = "overlap"
+    """``"overlap"``: p2p rings with compute overlapped (Note [Overlapped schedule]);
+    ``"collective"``: all-gather, compute, all-to-all."""
+    link_cost: tuple[float, float] = (1.0, 1.0)
+    """Relative seconds per byte on the Q ring and on the KV ring; orders the overlapped schedule's moves."""
+    buffer_budget: int | None = None
+    """Most bytes of gathered Q/KV chunks the overlapped schedule may hold at once (``None``: no limit)."""
 
     def __post_init__(self) -> None:
         check_layout(self.layout)
         if self.backward not in BACKWARD_MODES:
             raise ValueError(f"backward {self.backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {sorted(SCHEDULE_NAMES)}")
         if self.layout == "zigzag" and self.shape.seq_local % 2:
             raise ValueError(
                 f"seq_local {self.shape.seq_local} must be even for the zigzag layout "
                 f"(global seq_len must be a multiple of 2*P = {2 * self.tiling.world}); pad the sequence"
             )
+        if len(self.link_cost) != 2 or min(self.link_cost) <= 0:
+            raise ValueError(f"link_cost must be two positive numbers (Q ring, KV ring), got {self.link_cost!r}")
+        if self.buffer_budget is not None and self.buffer_budget < 1:
+            raise ValueError(f"buffer_budget must be a positive number of bytes or None, got {self.buffer_budget!r}")
 
     @property
     def seq_len(self) -> int:
@@ -392,9 +408,61 @@ class AttentionPlan:
             if n > 1
         )
 
+    def chunk_bytes(self) -> tuple[int, int]:
+        """Bytes of one Q chunk and of one KV chunk (K and V), in the input dtype."""
+        s = self.shape
+        return s.chunk_elems * s.itemsize, 2 * s.batch * s.seq_local * s.kv_heads * s.head_dim * s.itemsize
+
+    def step_bytes(self, phase: Phase) -> dict[tuple[str, str], int]:
+        """Bytes one rank sends per step of the overlapped schedule, by ``(ring, "move" | "reduce")``."""
+        s = self.shape
+        q_bytes, kv_bytes = self.chunk_bytes()
+        acc, stats = s.acc_itemsize, s.stats_elems * s.acc_itemsize
+        if phase == "forward":
+            return {("q", "move"): q_bytes, ("kv", "move"): kv_bytes, ("q", "reduce"): s.chunk_elems * acc + stats}
+        if phase != "backward":
+            raise ValueError(f"phase {phase!r} must be 'forward' or 'backward'")
+        regather = self.backward == "regather"
+        return {
+            ("q", "move"): (2 if regather else 1) * q_bytes + 2 * stats,
+            ("kv", "move"): kv_bytes if regather else 0,
+            ("q", "reduce"): s.chunk_elems * acc,
+            ("kv", "reduce"): kv_bytes // s.itemsize * acc,
+        }
+
+    def overlap(self, phase: Phase) -> OverlapSchedule:
+        """The overlapped schedule of ``phase``: greedy path and actions (Note [Overlapped schedule])."""
+        nbytes = self.step_bytes(phase)
+        q_bytes, kv_bytes = self.chunk_bytes()
+        if phase == "backward" and self.backward == "regather":
+            # A Q move carries q and dO: two chunks held per Q offset.
+            q_bytes *= 2
+        return build_overlap_schedule(
+            self.tiling.a,
+            self.tiling.b,
+            t_q=nbytes[("q", "move")] * self.link_cost[0],
+            t_kv=nbytes[("kv", "move")] * self.link_cost[1],
+            reduce=("q",) if phase == "forward" else ("q", "kv"),
+            kv_present=phase == "backward" and self.backward == "reuse",
+            q_bytes=q_bytes,
+            kv_bytes=kv_bytes,
+            budget=self.buffer_budget,
+        )
+
     def bytes_sent(self, phase: Phase, group: str | None = None) -> int:
-        """Bytes one rank sends in ``phase`` (optionally only within the ``"q"`` or ``"kv"`` group)."""
-        return sum(t.bytes_sent for t in self.transfers(phase) if group is None or t.group == group)
+        """Bytes one rank sends in ``phase`` (optionally only within the ``"q"`` or ``"kv"`` group).
+
+        Both schedules send the same bytes: a ring all-gather or reduce-scatter step moves what the
+        bandwidth-optimal collective moves.
+        """
+        if self.schedule == "collective":
+            return sum(t.bytes_sent for t in self.transfers(phase) if group is None or t.group == group)
+        nbytes = self.step_bytes(phase)
+        return sum(
+            nbytes[(step.ring, step.kind)]
+            for step in self.overlap(phase).steps()
+            if group is None or step.ring == group
+        )
 
     def traffic_units(self, phase: Phase) -> float:
         """The traffic formula of ALGORITHMS.md in units of ``C`` (lse/delta left out).
@@ -420,7 +488,24 @@ class AttentionPlan:
 
 @functools.lru_cache(maxsize=256)
 def make_plan(
-    tiling: Tiling, shape: AttentionShape, *, causal: bool, layout: str, backward: str = "regather"
+    tiling: Tiling,
+    shape: AttentionShape,
+    *,
+    causal: bool,
+    layout: str,
+    backward: str = "regather",
+    schedule: str = "overlap",
+    link_cost: tuple[float, float] = (1.0, 1.0),
+    buffer_budget: int | None = None,
 ) -> AttentionPlan:
     """Cached :class:`AttentionPlan` constructor (plans are immutable and reused across layers)."""
-    return AttentionPlan(tiling=tiling, shape=shape, causal=causal, layout=layout, backward=backward)
+    return AttentionPlan(
+        tiling=tiling,
+        shape=shape,
+        causal=causal,
+        layout=layout,
+        backward=backward,
+        schedule=schedule,
+        link_cost=link_cost,
+        buffer_budget=buffer_budget,
+    )

@@ -57,8 +57,9 @@ def mesh_attn_func(
     return_lse: bool = False,
     layout: str | None = None,
     kernel: str | BlockKernel = "auto",
-    schedule: str = "collective",
+    schedule: str = "overlap",
     backward: str = "regather",
+    buffer_budget: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact softmax attention over the whole sequence, from this rank's shard of it.
 
@@ -76,9 +77,14 @@ def mesh_attn_func(
             :func:`mesh_cp.shard_sequence` with the same layout to shard inputs.
         kernel: block kernel: ``"auto"``, one of :data:`mesh_cp.kernels.KERNEL_NAMES`, or an object
             implementing :class:`mesh_cp.kernels.BlockKernel`.
-        schedule: ``"collective"`` (all-gather, compute, reduce).
+        schedule: ``"overlap"`` (p2p rings, transfers overlapped with block compute; see Note
+            [Overlapped schedule] in :mod:`mesh_cp.core.schedule`) or ``"collective"`` (all-gather,
+            compute, reduce). Both send the same bytes.
         backward: ``"regather"`` gathers Q, dO and K,V again in backward (less memory);
             ``"reuse"`` keeps the chunks gathered in forward (less traffic, more memory).
+            ``AttentionPlan.peak_bytes`` reports what each holds.
+        buffer_budget: most bytes of Q/KV chunks the overlapped schedule may hold at once
+            (``None``: no limit); a budget below what any path needs raises with that minimum.
 
     Returns:
         ``out`` shaped like ``q`` in ``q.dtype``; with ``return_lse``, ``(out, lse)`` where ``lse`` is
@@ -96,10 +102,19 @@ def mesh_attn_func(
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward {backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
     shape = attention_shape(q, k, v)
-    plan = make_plan(mesh.tiling, shape, causal=bool(causal), layout=layout, backward=backward)
+    plan = make_plan(
+        mesh.tiling,
+        shape,
+        causal=bool(causal),
+        layout=layout,
+        backward=backward,
+        schedule=schedule,
+        link_cost=mesh.link_cost,
+        buffer_budget=buffer_budget,
+    )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     block_kernel = resolve_kernel(kernel, q.device, q.dtype)
-    out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(schedule), scale)
+    out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale)
     return (out, lse) if return_lse else out
 
 

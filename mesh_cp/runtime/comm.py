@@ -1,4 +1,4 @@
-"""The two collectives of the collective schedule, on flat buffers (gloo- and NCCL-friendly)."""
+"""Communication of the schedules: flat collectives (gloo- and NCCL-friendly) and ring steps."""
 
 from __future__ import annotations
 
@@ -33,3 +33,16 @@ def all_to_all(x: Tensor, group: ProcessGroup) -> Tensor:
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
     return out
+
+
+def ring_step(sends: list[Tensor], recvs: list[Tensor], group: ProcessGroup, *, tag: int) -> list[dist.Work]:
+    """Post one ring step: send ``sends`` to the next group rank, receive ``recvs`` from the previous.
+
+    Returns the works to wait on. Tensors ``i`` use tag ``tag + i``; every member posts the same
+    step, so sends and receives pair up. ``batch_isend_irecv`` lets NCCL post both sides together.
+    """
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    ops = [dist.P2POp(dist.isend, t, group=group, tag=tag + i, group_peer=nxt) for i, t in enumerate(sends)]
+    ops += [dist.P2POp(dist.irecv, t, group=group, tag=tag + i, group_peer=prev) for i, t in enumerate(recvs)]
+    return dist.batch_isend_irecv(ops)

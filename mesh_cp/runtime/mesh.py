@@ -33,6 +33,8 @@ class CPMesh:
     """This process's rank within the CP group."""
     global_ranks: tuple[int, ...]
     """Global ranks of the CP group, indexed by CP rank."""
+    link_cost: tuple[float, float] = (1.0, 1.0)
+    """Relative seconds per byte on the Q ring and the KV ring (orders the overlapped schedule)."""
 
     @property
     def size(self) -> int:

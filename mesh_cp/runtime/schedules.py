@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
-from mesh_cp.core.plan import AttentionPlan
+from mesh_cp.core.plan import AttentionPlan, BlockWork
+from mesh_cp.core.schedule import RINGS, RingStep
 from mesh_cp.kernels.base import BlockKernel
-from mesh_cp.runtime.comm import all_gather, all_to_all
+from mesh_cp.runtime.comm import all_gather, all_to_all, ring_step
 from mesh_cp.runtime.mesh import CPMesh
 
 
@@ -162,7 +163,214 @@ def _reduce_rows_to_owners(o_acc: Tensor, lse_acc: Tensor, mesh: CPMesh) -> tupl
     return out, lse
 
 
-SCHEDULES: dict[str, Schedule] = {CollectiveSchedule.name: CollectiveSchedule()}
+class _Rings:
+    """This rank's place on its Q ring and KV ring, and what each offset of a ring refers to."""
+
+    def __init__(self, mesh: CPMesh, plan: AttentionPlan) -> None:
+        t, rank = plan.tiling, mesh.rank
+        self.groups = {"q": mesh.q_group, "kv": mesh.kv_group}
+        q_members, kv_members = t.q_group(rank), t.kv_group(rank)
+        p, pk = q_members.index(rank), kv_members.index(rank)
+        # Offset i of the Q ring is the chunk that started i positions before this rank.
+        self.x = [q_members[(p - i) % t.a] for i in range(t.a)]
+        self.y = [kv_members[(pk - j) % t.b] for j in range(t.b)]
+        self.blocks: dict[tuple[int, int], BlockWork] = {(w.x, w.y): w for w in plan.blocks(rank)}
+
+    def block(self, i: int, j: int) -> BlockWork | None:
+        """The kernel call of block ``(q offset i, kv offset j)``; ``None`` when the mask skips it."""
+        return self.blocks.get((self.x[i], self.y[j]))
+
+    def post(self, step: RingStep, sends: list[Tensor], recvs: list[Tensor]) -> list:
+        return ring_step(sends, recvs, self.groups[step.ring], tag=0 if step.kind == "move" else 4)
+
+
+class _Chunks:
+    """Chunks held per ring offset, dropped after their last use unless kept for backward.
+
+    With ``keep`` the chunks live in one preallocated ``(n, ...)`` tensor (what backward reuses);
+    otherwise each offset gets its own buffer, freed after the action that last needs it.
+    """
+
+    def __init__(self, first: Tensor, n: int, keep: bool, last_use: dict[int, int]) -> None:
+        self.keep, self.last_use = keep, last_use
+        self.shape, self.dtype, self.device = first.shape, first.dtype, first.device
+        self.store = torch.empty((n, *first.shape), dtype=first.dtype, device=first.device) if keep else None
+        self.held: dict[int, Tensor] = {}
+        self.put(0, first)
+
+    def put(self, offset: int, value: Tensor | None = None) -> Tensor:
+        """Hold ``value`` at ``offset`` (or an empty receive buffer shaped like offset 0); return it."""
+        if self.store is not None:
+            buf = self.store[offset]
+            if value is not None:
+                buf.copy_(value)
+        elif value is not None:
+            buf = value.contiguous()
+        else:
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.held[offset] = buf
+        return buf
+
+    def __getitem__(self, offset: int) -> Tensor:
+        return self.held[offset]
+
+    def release(self, action: int) -> None:
+        if not self.keep:
+            for offset in [o for o in self.held if self.last_use.get(o, -1) == action]:
+                del self.held[offset]
+
+
+class OverlappedSchedule:
+    """p2p rings inside the Q-group and the KV-group, transfers overlapped with block compute.
+
+    Runs the actions of :meth:`AttentionPlan.overlap` (Note [Overlapped schedule] in
+    :mod:`mesh_cp.core.schedule`): moves pass chunks one ring step at a time while the blocks already
+    held are computed; partial ``(o, lse)`` of rows travel along the Q ring and are merged on the way
+    (forward); ``dq`` travels along the Q ring and ``dk, dv`` along the KV ring, summed in fp32 on the
+    way (backward). Sends the same bytes as the collective schedule.
+    """
+
+    name = "overlap"
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, mesh: CPMesh, plan: AttentionPlan, kernel: BlockKernel, scale: float
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        sched = plan.overlap("forward")
+        rings, acc, a = _Rings(mesh, plan), acc_dtype(q.dtype), plan.tiling.a
+        keep = plan.backward == "reuse"
+        chunks = {
+            "q": _Chunks(q, a, keep, sched.last_use("q")),
+            "kv": _Chunks(torch.stack((k, v)), plan.tiling.b, keep, sched.last_use("kv")),
+        }
+        batch, seq, heads, dim = q.shape
+        o_acc = torch.zeros((a, batch, seq, heads, dim), dtype=acc, device=q.device)
+        lse_acc = torch.full((a, batch, heads, seq), float("-inf"), dtype=acc, device=q.device)
+        inflight: dict[RingStep, tuple[list, list[Tensor]]] = {}
+        for t, act in enumerate(sched.actions):
+            step = act.step
+            if act.op == "launch" and step.kind == "move":
+                held = chunks[step.ring]
+                sends = [held[step.index - 1]]
+                recvs = [held.put(step.index)]
+                inflight[step] = (rings.post(step, sends, recvs), sends + recvs)
+            elif act.op == "launch":  # reduce step s: send row offset s+1, receive row offset s+2
+                s = step.index
+                packed = torch.cat((o_acc[s + 1].reshape(-1), lse_acc[s + 1].reshape(-1)))
+                recv = torch.empty_like(packed)
+                inflight[step] = (rings.post(step, [packed], [recv]), [packed, recv])
+            elif act.op == "wait":
+                works, tensors = inflight.pop(step)
+                for work in works:
+                    work.wait()
+                if step.kind == "reduce":
+                    row = (step.index + 2) % a
+                    n_o = o_acc[row].numel()
+                    recv = tensors[1]
+                    merge_(o_acc[row], lse_acc[row], recv[:n_o].view_as(o_acc[row]), recv[n_o:].view_as(lse_acc[row]))
+            else:
+                i, j = act.block
+                w = rings.block(i, j)
+                if w is not None:
+                    (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+                    kv = chunks["kv"][j]
+                    o, lse = kernel.forward(
+                        chunks["q"][i][:, q0:q1], kv[0, :, k0:k1], kv[1, :, k0:k1], causal=w.causal, scale=scale
+                    )
+                    merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
+            for held in chunks.values():
+                held.release(t)
+        saved = (chunks["q"].store, chunks["kv"].store) if keep else ()
+        return o_acc[0], lse_acc[0], saved
+
+    def backward(
+        self,
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dlse: Tensor,
+        saved: tuple[Tensor, ...],
+        *,
+        mesh: CPMesh,
+        plan: AttentionPlan,
+        kernel: BlockKernel,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        sched = plan.overlap("backward")
+        rings, acc = _Rings(mesh, plan), acc_dtype(q.dtype)
+        a, b = plan.tiling.a, plan.tiling.b
+        # A gradient on the lse itself enters every block as delta - dlse (d lse_i / d s_ij = p_ij).
+        delta = attention_delta(do, out) - dlse.to(acc)
+        stats = torch.stack((lse.to(acc), delta))  # (2, B, Hq, L)
+        regather = plan.backward == "regather"
+        # What a Q move carries: q and dO with the rows' lse and delta (regather), or dO and the stats
+        # when q is kept from forward. A KV move carries K and V (regather only).
+        q_side = [torch.stack((q, do.to(q.dtype))) if regather else do.to(q.dtype).contiguous(), stats]
+        last_q, last_kv = sched.last_use("q"), sched.last_use("kv")
+        held = {"q": [_Chunks(t, a, False, last_q) for t in q_side]}
+        if regather:
+            held["kv"] = [_Chunks(torch.stack((k, v)), b, False, last_kv)]
+        q_all, kv_all = (None, None) if regather else saved
+
+        def q_chunk(i: int) -> tuple[Tensor, Tensor, Tensor]:
+            main, st = held["q"][0][i], held["q"][1][i]
+            return (main[0], main[1], st) if regather else (q_all[i], main, st)
+
+        def kv_chunk(j: int) -> Tensor:
+            return held["kv"][0][j] if regather else kv_all[j]
+
+        grads = {
+            "q": torch.zeros((a, *q.shape), dtype=acc, device=q.device),
+            "kv": torch.zeros((b, 2, *k.shape), dtype=acc, device=q.device),
+        }
+        sizes = {"q": a, "kv": b}
+        inflight: dict[RingStep, tuple[list, list[Tensor]]] = {}
+        for t, act in enumerate(sched.actions):
+            step = act.step
+            if act.op == "launch" and step.kind == "move":
+                sends = [c[step.index - 1] for c in held[step.ring]]
+                recvs = [c.put(step.index) for c in held[step.ring]]
+                inflight[step] = (rings.post(step, sends, recvs), sends + recvs)
+            elif act.op == "launch":  # reduce step s: send offset s+1's partial, receive offset s+2's
+                send = grads[step.ring][step.index + 1]
+                recv = torch.empty_like(send)
+                inflight[step] = (rings.post(step, [send], [recv]), [send, recv])
+            elif act.op == "wait":
+                works, tensors = inflight.pop(step)
+                for work in works:
+                    work.wait()
+                if step.kind == "reduce":
+                    grads[step.ring][(step.index + 2) % sizes[step.ring]] += tensors[1]
+            else:
+                i, j = act.block
+                w = rings.block(i, j)
+                if w is not None:
+                    (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+                    q_i, do_i, st = q_chunk(i)
+                    kv = kv_chunk(j)
+                    dq, dk, dv = kernel.backward(
+                        do_i[:, q0:q1],
+                        q_i[:, q0:q1],
+                        kv[0, :, k0:k1],
+                        kv[1, :, k0:k1],
+                        st[0, :, :, q0:q1],
+                        st[1, :, :, q0:q1],
+                        causal=w.causal,
+                        scale=scale,
+                    )
+                    grads["q"][i, :, q0:q1] += dq
+                    grads["kv"][j, 0, :, k0:k1] += dk
+                    grads["kv"][j, 1, :, k0:k1] += dv
+            for ring in RINGS:
+                for c in held.get(ring, ()):
+                    c.release(t)
+        dq, dkv = grads["q"][0], grads["kv"][0]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (OverlappedSchedule(), CollectiveSchedule())}
 
 
 def get_schedule(name: str) -> Schedule:

@@ -116,7 +116,7 @@ def errors_worker(rank: int, world: int) -> dict:
         res,
         "schedule",
         ValueError,
-        r"unknown schedule 'ring'; choose one of \['collective'\]",
+        r"unknown schedule 'ring'; choose one of \['collective', 'overlap'\]",
         lambda: call(q, k, k, schedule="ring"),
     )
     _expect(

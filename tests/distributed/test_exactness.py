@@ -1,8 +1,8 @@
 """Exactness of mesh_attn_func against a single-process fp64 reference, with the bytes it sends.
 
-For every P in {1, 2, 3, 4, 6, 8} one gloo group runs every tile a x b of P over a matrix of
-causal/full, layouts, MHA/GQA/MQA, head dims 64/80, batch 2, odd chunk lengths, both backward
-modes and two kernels. Every rank compares its shard of out, lse, dq, dk, dv (with a gradient on
+For every P in {1, 2, 3, 4, 6, 8} one gloo group runs every tile a x b of P, with both schedules
+(overlapped and collective), over a matrix of causal/full, layouts, MHA/GQA/MQA, head dims 64/80,
+batch 2, odd chunk lengths, both backward modes and two kernels. Every rank compares its shard of out, lse, dq, dk, dv (with a gradient on
 the lse too) and counts what it sent per group against the plan.
 """
 
@@ -38,10 +38,10 @@ class Case:
     def seq_len(self, world: int) -> int:
         return (2 * world if self.layout == "zigzag" else world) * self.half_chunk
 
-    def name(self, tile: tuple[int, int]) -> str:
+    def name(self, tile: tuple[int, int], schedule: str) -> str:
         mask = "causal" if self.causal else "full"
         return (
-            f"{tile[0]}x{tile[1]} {mask}/{self.layout} h{self.heads}/kv{self.kv_heads} d{self.head_dim} "
+            f"{tile[0]}x{tile[1]} {schedule} {mask}/{self.layout} h{self.heads}/kv{self.kv_heads} d{self.head_dim} "
             f"S/P~{self.half_chunk} bwd={self.backward} kernel={self.kernel}"
         )
 
@@ -63,7 +63,10 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def run_case(mesh, case: Case, seed: int) -> dict:
+SCHEDULES = ("overlap", "collective")
+
+
+def run_case(mesh, case: Case, schedule: str, seed: int) -> dict:
     """Run one case on this rank; return its errors and its bytes sent per group and phase."""
     world = mesh.size
     seq = case.seq_len(world)
@@ -92,12 +95,18 @@ def run_case(mesh, case: Case, seed: int) -> dict:
             return_lse=True,
             kernel=case.kernel,
             backward=case.backward,
+            schedule=schedule,
         )
     with bwd:
         ((out * shard(do)).sum() + (lse * shard(dlse, dim=2)).sum()).backward()
 
     plan = make_plan(
-        mesh.tiling, attention_shape(*local), causal=case.causal, layout=case.layout, backward=case.backward
+        mesh.tiling,
+        attention_shape(*local),
+        causal=case.causal,
+        layout=case.layout,
+        backward=case.backward,
+        schedule=schedule,
     )
     errors = {
         "out": _max_err(out, shard(ref_out.detach())),
@@ -132,7 +141,8 @@ def exactness_worker(rank: int, world: int) -> dict[str, dict]:
     for tile in factorizations(world):
         mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
         for index, case in enumerate(CASES):
-            results[case.name(tile)] = run_case(mesh, case, seed=1000 * world + index)
+            for schedule in SCHEDULES:
+                results[case.name(tile, schedule)] = run_case(mesh, case, schedule, seed=1000 * world + index)
     return results
 
 
@@ -144,7 +154,7 @@ def world_results(request) -> tuple[int, list[dict[str, dict]]]:
 
 def test_exact_against_fp64_for_every_tile(world_results) -> None:
     world, per_rank = world_results
-    expected = {case.name(tile) for tile in factorizations(world) for case in CASES}
+    expected = {case.name(tile, s) for tile in factorizations(world) for case in CASES for s in SCHEDULES}
     for rank, results in enumerate(per_rank):
         assert set(results) == expected, f"rank {rank} ran {sorted(results)}"
         for name, res in results.items():

@@ -1,0 +1,244 @@
+"""The overlapped schedule as data: a greedy lattice path of ring moves, cut into lockstep rounds.
+
+Pure Python (no torch): the executor in :mod:`mesh_cp.runtime.schedules` runs these rounds, the
+plan counts their bytes and buffers, and the simulator times them.
+
+Note [Overlapped schedule]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+Rank ``g`` sits at position ``p`` of its Q ring (its Q-group, ``a`` ranks, sending to ``p + 1``) and
+at position ``p'`` of its KV ring (its KV-group, ``b`` ranks). A *move* on a ring passes the chunk
+received last to the next rank and receives one from the previous rank. After ``i`` Q moves and
+``j`` KV moves the rank holds Q *offsets* ``0..i`` (offset ``i`` is the chunk that started at ring
+position ``p - i``) and KV offsets ``0..j``; block ``(i', j')`` can be computed for every pair held.
+All ``a * b`` blocks of the tile are reached by a lattice path from ``(0, 0)`` to ``(a-1, b-1)``::
+
+    KV offset j ->         path Q Q KV KV (a = b = 3)      numbers: the round that computes a block
+      Q  (0,0)-(0,1)-(0,2)     0  3  4
+      |    |     |     |       1  3  4
+      i  (1,0)-(1,1)-(1,2)     2  3  4
+           |     |     |
+         (2,0)-(2,1)-(2,2)
+
+*Greedy order.* At ``(i, j)`` a Q move unlocks ``j + 1`` blocks for its transfer time ``t_q``, a KV
+move unlocks ``i + 1`` blocks for ``t_kv``; take the move with the most blocks per unit of transfer
+time (ties: the cheaper move, then Q), skipping moves after which the path could not finish within
+the buffer budget. Every rank follows the same relative path, so every send has its receive.
+
+*Actions.* The path becomes one list of actions that every rank runs in the same order: launch
+move 1, compute the diagonal block; then for every move ``k``: wait for it, launch move ``k + 1`` (so
+the next transfer runs while the blocks move ``k`` unlocked are computed), compute those blocks.
+Results that belong to other ranks — partial ``(o, lse)`` of rows in forward, ``dq`` of rows and
+``dk, dv`` of columns in backward — are reduced by a ring reduce-scatter riding along: reduce step
+``s`` sends the partial of offset ``s + 1`` (already merged with what step ``s - 1`` brought) to the
+next rank and receives the partial of offset ``s + 2``. It is launched right after the block that
+completes offset ``s + 1`` on this rank once step ``s - 1`` has been waited for (pending reduce steps
+are waited for before each move's wait). After ``n - 1`` steps the partial of offset 0 — the rank's
+own chunk — has visited every member. Blocks unlocked by a KV move are computed in the order the
+reduce-scatter needs rows (offsets 1, 2, ..., 0). A chunk is freed after the last action that
+computes with it or forwards it (its send ends at the next move's wait); the buffer budget bounds
+the chunk bytes alive at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+Ring = Literal["q", "kv"]
+RINGS: tuple[Ring, ...] = ("q", "kv")
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One transfer on a ring: every member sends to the next member and receives from the previous."""
+
+    ring: Ring
+    kind: Literal["move", "reduce"]
+    index: int
+    """For a move, the offset it brings (``1..n-1``); for a reduce step, ``s`` (``0..n-2``)."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """``launch`` or ``wait`` a ring step, or ``compute`` block ``(q_offset, kv_offset)``."""
+
+    op: Literal["launch", "wait", "compute"]
+    step: RingStep | None = None
+    block: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class OverlapSchedule:
+    """The actions of one phase of the overlapped schedule on an ``a x b`` tile."""
+
+    a: int
+    b: int
+    path: tuple[Ring, ...]
+    """Ring moves in order (the lattice path)."""
+    actions: tuple[Action, ...]
+    kv_present: bool
+    """All KV offsets are held from the start (backward reusing the forward's chunks): no KV moves."""
+
+    def ring_size(self, ring: Ring) -> int:
+        return self.a if ring == "q" else self.b
+
+    def steps(self) -> tuple[RingStep, ...]:
+        return tuple(act.step for act in self.actions if act.op == "launch")
+
+    def last_use(self, ring: Ring) -> dict[int, int]:
+        """Offset -> index of the last action that needs that chunk: a block computed with it, or the
+        wait that ends the move forwarding it."""
+        last: dict[int, int] = {}
+        for t, act in enumerate(self.actions):
+            if act.op == "compute":
+                last[act.block[0] if ring == "q" else act.block[1]] = t
+            elif act.op == "wait" and act.step.ring == ring and act.step.kind == "move":
+                last[act.step.index - 1] = max(last.get(act.step.index - 1, -1), t)
+        return last
+
+    def arrival(self, ring: Ring) -> dict[int, int]:
+        """Offset -> index of the action that allocates its receive buffer (``-1``: held from the start)."""
+        held = range(self.ring_size(ring)) if ring == "kv" and self.kv_present else (0,)
+        first = dict.fromkeys(held, -1)
+        for t, act in enumerate(self.actions):
+            if act.op == "launch" and act.step.ring == ring and act.step.kind == "move":
+                first[act.step.index] = t
+        return first
+
+    def chunks_alive(self) -> list[tuple[int, int]]:
+        """Per action, the number of Q chunks and KV chunks held (including buffers being received)."""
+        spans = {
+            ring: [(start, self.last_use(ring).get(off, start)) for off, start in self.arrival(ring).items()]
+            for ring in RINGS
+        }
+        return [
+            tuple(sum(1 for start, stop in spans[ring] if start <= t <= stop) for ring in RINGS)
+            for t in range(max(len(self.actions), 1))
+        ]
+
+    def peak_chunk_bytes(self, q_bytes: int, kv_bytes: int) -> int:
+        return max(nq * q_bytes + nkv * kv_bytes for nq, nkv in self.chunks_alive())
+
+
+def _actions(a: int, b: int, path: tuple[Ring, ...], reduce: tuple[Ring, ...], kv_present: bool) -> tuple[Action, ...]:
+    size = {"q": a, "kv": b}
+    held = {"q": 1, "kv": b if kv_present else 1}
+    # Blocks each offset still needs before its partial is complete on this rank.
+    remaining = {"q": dict.fromkeys(range(a), b), "kv": dict.fromkeys(range(b), a)}
+    next_step = dict.fromkeys(reduce, 0)
+    pending: set[Ring] = set()
+    actions: list[Action] = []
+
+    def launch_reduces() -> None:
+        for ring in reduce:
+            s = next_step[ring]
+            if ring not in pending and s < size[ring] - 1 and remaining[ring][s + 1] == 0:
+                actions.append(Action("launch", RingStep(ring, "reduce", s)))
+                pending.add(ring)
+                next_step[ring] += 1
+
+    def wait_reduces() -> None:
+        for ring in reduce:
+            if ring in pending:
+                actions.append(Action("wait", RingStep(ring, "reduce", next_step[ring] - 1)))
+                pending.discard(ring)
+
+    def compute(blocks: list[tuple[int, int]]) -> None:
+        for i, j in blocks:
+            actions.append(Action("compute", block=(i, j)))
+            remaining["q"][i] -= 1
+            remaining["kv"][j] -= 1
+            launch_reduces()
+
+    moves = [RingStep(ring, "move", 0) for ring in path]
+    for k, ring in enumerate(path):  # number the moves by the offset they bring
+        moves[k] = RingStep(ring, "move", held[ring])
+        held[ring] += 1
+    held = {"q": 1, "kv": b if kv_present else 1}
+    if moves:
+        actions.append(Action("launch", moves[0]))
+    compute([(0, j) for j in range(held["kv"])])
+    for k, move in enumerate(moves):
+        wait_reduces()
+        actions.append(Action("wait", move))
+        launch_reduces()
+        if k + 1 < len(moves):
+            actions.append(Action("launch", moves[k + 1]))
+        new = held[move.ring]
+        held[move.ring] += 1
+        if move.ring == "q":
+            compute([(new, j) for j in range(held["kv"])])
+        else:
+            rows = sorted(range(held["q"]), key=lambda i: (i == 0, i))
+            compute([(i, new) for i in rows])
+    while pending:
+        wait_reduces()
+        launch_reduces()
+    return tuple(actions)
+
+
+@functools.lru_cache(maxsize=512)
+def build_overlap_schedule(
+    a: int,
+    b: int,
+    *,
+    t_q: float,
+    t_kv: float,
+    reduce: tuple[Ring, ...],
+    kv_present: bool = False,
+    q_bytes: int = 0,
+    kv_bytes: int = 0,
+    budget: int | None = None,
+) -> OverlapSchedule:
+    """Greedy lattice path and its actions; see Note [Overlapped schedule].
+
+    ``t_q``/``t_kv``: transfer time of one move on each ring (any unit). ``reduce``: the rings whose
+    partial results are reduce-scattered. ``q_bytes``/``kv_bytes``: size of one chunk held, for the
+    ``budget`` on the chunk bytes alive at once (``None``: no limit).
+    """
+    reduce = tuple(r for r in RINGS if r in reduce)
+    left = {"q": a - 1, "kv": 0 if kv_present else b - 1}
+    held = {"q": 1, "kv": b if kv_present else 1}
+    path: list[Ring] = []
+
+    def fits(candidate: tuple[Ring, ...]) -> bool:
+        rest = {ring: left[ring] - candidate[len(path) :].count(ring) for ring in RINGS}
+        finishes = (("q",) * rest["q"] + ("kv",) * rest["kv"], ("kv",) * rest["kv"] + ("q",) * rest["q"])
+        return any(_peak(a, b, candidate + tail, kv_present, q_bytes, kv_bytes) <= budget for tail in finishes)
+
+    while left["q"] or left["kv"]:
+        options = []
+        if left["q"]:
+            options.append((held["kv"] / t_q if t_q else float("inf"), -t_q, 1, "q"))
+        if left["kv"]:
+            options.append((held["q"] / t_kv if t_kv else float("inf"), -t_kv, 0, "kv"))
+        ring = next(
+            (ring for *_, ring in sorted(options, reverse=True) if budget is None or fits((*path, ring))),
+            None,
+        )
+        if ring is None:
+            raise ValueError(
+                f"buffer budget {budget} bytes is too small for the {a}x{b} tile: the overlapped schedule "
+                f"needs at least {minimum_budget(a, b, kv_present, q_bytes, kv_bytes)} bytes of chunk buffers; "
+                f"raise the budget or use a tile with smaller groups"
+            )
+        path.append(ring)
+        left[ring] -= 1
+        held[ring] += 1
+    return OverlapSchedule(
+        a=a, b=b, path=tuple(path), actions=_actions(a, b, tuple(path), reduce, kv_present), kv_present=kv_present
+    )
+
+
+def _peak(a: int, b: int, path: tuple[Ring, ...], kv_present: bool, q_bytes: int, kv_bytes: int) -> int:
+    actions = _actions(a, b, path, (), kv_present)
+    return OverlapSchedule(a=a, b=b, path=path, actions=actions, kv_present=kv_present).peak_chunk_bytes(
+        q_bytes, kv_bytes
+    )
+
+
+def minimum_budget(a: int, b: int, kv_present: bool, q_bytes: int, kv_bytes: int) -> int:
+    """Least chunk-buffer bytes of any path: all moves of one ring first, then the other streams."""
+    q_moves, kv_moves = ("q",) * (a - 1), ("kv",) * (0 if kv_present else b - 1)
+    return min(_peak(a, b, path, kv_present, q_bytes, kv_bytes) for path in (q_moves + kv_moves, kv_moves + q_moves))
