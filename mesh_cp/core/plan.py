@@ -449,6 +449,89 @@ class AttentionPlan:
             budget=self.buffer_budget,
         )
 
+    def peak_bytes(self, phase: Phase) -> int:
+        """Bytes one rank allocates at the peak of ``phase``, beyond its inputs and saved tensors.
+
+        Counts what the schedule holds — gathered Q/KV chunks (all of them for ``backward="reuse"``,
+        which keeps them from forward to backward), fp32 accumulators of partial outputs and
+        gradients, transfer buffers — plus one block's kernel outputs and temporaries. The
+        overlapped schedule frees a chunk after its last use, so its peak follows its path; the
+        collective schedule holds every gathered chunk and the reduce buffers together.
+        """
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"phase {phase!r} must be 'forward' or 'backward'")
+        if self.schedule == "collective":
+            return self._collective_peak(phase)
+        return self._overlap_peak(phase)
+
+    def _units(self) -> dict[str, int]:
+        s = self.shape
+        q_bytes, kv_bytes = self.chunk_bytes()
+        gqa = s.kv_heads != s.heads  # the kernels repeat K, V (and fold their gradients) for GQA
+        acc = s.chunk_elems * s.acc_itemsize
+        return {
+            "q": q_bytes,
+            "kv": kv_bytes,
+            "acc": acc,
+            "kv_acc": kv_bytes // s.itemsize * s.acc_itemsize,
+            "stats": s.stats_elems * s.acc_itemsize,
+            # one block's output and its weighted copy in the merge; dq, dk, dv and the kernel's out
+            "fwd_kernel": q_bytes + acc + (q_bytes if gqa else 0),
+            "bwd_kernel": (6 if gqa else 4) * q_bytes,
+        }
+
+    def _collective_peak(self, phase: Phase) -> int:
+        u, a, b = self._units(), self.tiling.a, self.tiling.b
+        if phase == "forward":
+            rows = a * (u["acc"] + u["stats"])
+            gathered = a * u["q"] + b * u["kv"]
+            # gloo stages an all-gather through a flat copy of its output (NCCL gathers in place)
+            stages = [
+                a * u["q"] * (2 if a > 1 else 1),  # the all-gather of Q
+                gathered + u["kv"] + (b * u["kv"] if b > 1 else 0),  # the all-gather of the stacked K, V
+                gathered + rows + u["fwd_kernel"],  # block compute
+                gathered + 3 * rows + u["acc"] + u["stats"] if a > 1 else 0,  # packed, received, merged row
+            ]
+            return max(stages)
+        regather = self.backward == "regather"
+        gathered = (a * 2 * u["q"] + b * u["kv"]) if regather else a * u["q"]
+        stats = (2 * a + 3) * u["stats"]
+        grads = 2 * (a * u["acc"] + b * u["kv_acc"]) + u["acc"] + u["kv_acc"]
+        return gathered + stats + max(grads, a * u["acc"] + b * u["kv_acc"] + u["bwd_kernel"])
+
+    def _overlap_peak(self, phase: Phase) -> int:
+        u, a, b = self._units(), self.tiling.a, self.tiling.b
+        sched = self.overlap(phase)
+        keep = self.backward == "reuse"
+        if phase == "forward":
+            fixed = a * (u["acc"] + u["stats"])
+            q_unit, kv_unit, q0_input = u["q"], u["kv"], not keep
+            reduce_buffers = {"q": 2 * (u["acc"] + u["stats"])}
+            kernel = u["fwd_kernel"]
+            if keep:  # the chunk stores are allocated whole
+                fixed += a * u["q"] + b * u["kv"]
+                q_unit = kv_unit = 0
+        else:
+            fixed = a * u["acc"] + b * u["kv_acc"] + u["stats"]  # gradients and delta
+            q_unit = (u["q"] if keep else 2 * u["q"]) + 2 * u["stats"]  # (dO) or (q, dO), with lse and delta
+            kv_unit, q0_input = (0, True) if keep else (u["kv"], False)  # reuse: offset 0's dO is the input
+            reduce_buffers = {"q": u["acc"], "kv": u["kv_acc"]}
+            kernel = u["bwd_kernel"]
+        last_q = sched.last_use("q")
+        inflight: dict[str, int] = {}
+        peak = 0
+        for t, (act, (nq, nkv)) in enumerate(zip(sched.actions, sched.chunks_alive(), strict=False)):
+            if act.op == "launch" and act.step.kind == "reduce":
+                inflight[act.step.ring] = reduce_buffers[act.step.ring]
+            held = nq * q_unit + nkv * kv_unit
+            if q0_input and last_q.get(0, -1) >= t:
+                held -= u["q"]
+            now = fixed + held + sum(inflight.values()) + (kernel if act.op == "compute" else 0)
+            peak = max(peak, now)
+            if act.op == "wait" and act.step.kind == "reduce":
+                inflight.pop(act.step.ring, None)
+        return peak
+
     def bytes_sent(self, phase: Phase, group: str | None = None) -> int:
         """Bytes one rank sends in ``phase`` (optionally only within the ``"q"`` or ``"kv"`` group).
 

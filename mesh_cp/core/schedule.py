@@ -108,14 +108,19 @@ class OverlapSchedule:
 
     def chunks_alive(self) -> list[tuple[int, int]]:
         """Per action, the number of Q chunks and KV chunks held (including buffers being received)."""
-        spans = {
-            ring: [(start, self.last_use(ring).get(off, start)) for off, start in self.arrival(ring).items()]
-            for ring in RINGS
-        }
-        return [
-            tuple(sum(1 for start, stop in spans[ring] if start <= t <= stop) for ring in RINGS)
-            for t in range(max(len(self.actions), 1))
-        ]
+        n = max(len(self.actions), 1)
+        counts = {}
+        for ring in RINGS:
+            last = self.last_use(ring)
+            change = [0] * (n + 1)  # +1 where a chunk's span starts, -1 after it ends
+            for offset, start in self.arrival(ring).items():
+                change[max(start, 0)] += 1
+                change[max(last.get(offset, start), start) + 1] -= 1
+            running, counts[ring] = 0, []
+            for t in range(n):
+                running += change[t]
+                counts[ring].append(running)
+        return list(zip(counts["q"], counts["kv"], strict=True))
 
     def peak_chunk_bytes(self, q_bytes: int, kv_bytes: int) -> int:
         return max(nq * q_bytes + nkv * kv_bytes for nq, nkv in self.chunks_alive())

@@ -6,6 +6,7 @@ methods, so :class:`~mesh_cp.runtime.attention.MeshAttnFunc` does not care which
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -13,7 +14,7 @@ from torch import Tensor
 
 from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
 from mesh_cp.core.plan import AttentionPlan, BlockWork
-from mesh_cp.core.schedule import RINGS, RingStep
+from mesh_cp.core.schedule import OverlapSchedule, RingStep
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.runtime.comm import all_gather, all_to_all, ring_step
 from mesh_cp.runtime.mesh import CPMesh
@@ -245,40 +246,35 @@ class OverlappedSchedule:
         batch, seq, heads, dim = q.shape
         o_acc = torch.zeros((a, batch, seq, heads, dim), dtype=acc, device=q.device)
         lse_acc = torch.full((a, batch, heads, seq), float("-inf"), dtype=acc, device=q.device)
-        inflight: dict[RingStep, tuple[list, list[Tensor]]] = {}
-        for t, act in enumerate(sched.actions):
-            step = act.step
-            if act.op == "launch" and step.kind == "move":
-                held = chunks[step.ring]
-                sends = [held[step.index - 1]]
-                recvs = [held.put(step.index)]
-                inflight[step] = (rings.post(step, sends, recvs), sends + recvs)
-            elif act.op == "launch":  # reduce step s: send row offset s+1, receive row offset s+2
-                s = step.index
-                packed = torch.cat((o_acc[s + 1].reshape(-1), lse_acc[s + 1].reshape(-1)))
-                recv = torch.empty_like(packed)
-                inflight[step] = (rings.post(step, [packed], [recv]), [packed, recv])
-            elif act.op == "wait":
-                works, tensors = inflight.pop(step)
-                for work in works:
-                    work.wait()
-                if step.kind == "reduce":
-                    row = (step.index + 2) % a
-                    n_o = o_acc[row].numel()
-                    recv = tensors[1]
-                    merge_(o_acc[row], lse_acc[row], recv[:n_o].view_as(o_acc[row]), recv[n_o:].view_as(lse_acc[row]))
-            else:
-                i, j = act.block
-                w = rings.block(i, j)
-                if w is not None:
-                    (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-                    kv = chunks["kv"][j]
-                    o, lse = kernel.forward(
-                        chunks["q"][i][:, q0:q1], kv[0, :, k0:k1], kv[1, :, k0:k1], causal=w.causal, scale=scale
-                    )
-                    merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
-            for held in chunks.values():
-                held.release(t)
+
+        def move(step: RingStep) -> tuple[list, list[Tensor]]:
+            held = chunks[step.ring]
+            sends, recvs = [held[step.index - 1]], [held.put(step.index)]
+            return rings.post(step, sends, recvs), sends + recvs
+
+        def reduce(step: RingStep) -> tuple[list, list[Tensor]]:  # send row offset s+1, receive s+2
+            row = step.index + 1
+            packed = torch.cat((o_acc[row].reshape(-1), lse_acc[row].reshape(-1)))
+            recv = torch.empty_like(packed)
+            return rings.post(step, [packed], [recv]), [packed, recv]
+
+        def land(step: RingStep, recv: Tensor) -> None:
+            row = (step.index + 2) % a
+            n_o = o_acc[row].numel()
+            merge_(o_acc[row], lse_acc[row], recv[:n_o].view_as(o_acc[row]), recv[n_o:].view_as(lse_acc[row]))
+
+        def compute(i: int, j: int) -> None:
+            w = rings.block(i, j)
+            if w is None:
+                return
+            (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+            kv = chunks["kv"][j]
+            o, lse = kernel.forward(
+                chunks["q"][i][:, q0:q1], kv[0, :, k0:k1], kv[1, :, k0:k1], causal=w.causal, scale=scale
+            )
+            merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
+
+        _run(sched, move=move, reduce=reduce, land=land, compute=compute, held=list(chunks.values()))
         saved = (chunks["q"].store, chunks["kv"].store) if keep else ()
         return o_acc[0], lse_acc[0], saved
 
@@ -326,48 +322,73 @@ class OverlappedSchedule:
             "kv": torch.zeros((b, 2, *k.shape), dtype=acc, device=q.device),
         }
         sizes = {"q": a, "kv": b}
-        inflight: dict[RingStep, tuple[list, list[Tensor]]] = {}
-        for t, act in enumerate(sched.actions):
-            step = act.step
-            if act.op == "launch" and step.kind == "move":
-                sends = [c[step.index - 1] for c in held[step.ring]]
-                recvs = [c.put(step.index) for c in held[step.ring]]
-                inflight[step] = (rings.post(step, sends, recvs), sends + recvs)
-            elif act.op == "launch":  # reduce step s: send offset s+1's partial, receive offset s+2's
-                send = grads[step.ring][step.index + 1]
-                recv = torch.empty_like(send)
-                inflight[step] = (rings.post(step, [send], [recv]), [send, recv])
-            elif act.op == "wait":
-                works, tensors = inflight.pop(step)
-                for work in works:
-                    work.wait()
-                if step.kind == "reduce":
-                    grads[step.ring][(step.index + 2) % sizes[step.ring]] += tensors[1]
-            else:
-                i, j = act.block
-                w = rings.block(i, j)
-                if w is not None:
-                    (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-                    q_i, do_i, st = q_chunk(i)
-                    kv = kv_chunk(j)
-                    dq, dk, dv = kernel.backward(
-                        do_i[:, q0:q1],
-                        q_i[:, q0:q1],
-                        kv[0, :, k0:k1],
-                        kv[1, :, k0:k1],
-                        st[0, :, :, q0:q1],
-                        st[1, :, :, q0:q1],
-                        causal=w.causal,
-                        scale=scale,
-                    )
-                    grads["q"][i, :, q0:q1] += dq
-                    grads["kv"][j, 0, :, k0:k1] += dk
-                    grads["kv"][j, 1, :, k0:k1] += dv
-            for ring in RINGS:
-                for c in held.get(ring, ()):
-                    c.release(t)
+
+        def move(step: RingStep) -> tuple[list, list[Tensor]]:
+            sends = [c[step.index - 1] for c in held[step.ring]]
+            recvs = [c.put(step.index) for c in held[step.ring]]
+            return rings.post(step, sends, recvs), sends + recvs
+
+        def reduce(step: RingStep) -> tuple[list, list[Tensor]]:  # send offset s+1's partial, receive s+2's
+            send = grads[step.ring][step.index + 1]
+            recv = torch.empty_like(send)
+            return rings.post(step, [send], [recv]), [send, recv]
+
+        def land(step: RingStep, recv: Tensor) -> None:
+            grads[step.ring][(step.index + 2) % sizes[step.ring]] += recv
+
+        def compute(i: int, j: int) -> None:
+            w = rings.block(i, j)
+            if w is None:
+                return
+            (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+            q_i, do_i, st = q_chunk(i)
+            kv = kv_chunk(j)
+            dq, dk, dv = kernel.backward(
+                do_i[:, q0:q1],
+                q_i[:, q0:q1],
+                kv[0, :, k0:k1],
+                kv[1, :, k0:k1],
+                st[0, :, :, q0:q1],
+                st[1, :, :, q0:q1],
+                causal=w.causal,
+                scale=scale,
+            )
+            grads["q"][i, :, q0:q1] += dq
+            grads["kv"][j, 0, :, k0:k1] += dk
+            grads["kv"][j, 1, :, k0:k1] += dv
+
+        _run(sched, move=move, reduce=reduce, land=land, compute=compute, held=[c for cs in held.values() for c in cs])
         dq, dkv = grads["q"][0], grads["kv"][0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _run(
+    sched: OverlapSchedule,
+    *,
+    move: Callable[[RingStep], tuple[list, list[Tensor]]],
+    reduce: Callable[[RingStep], tuple[list, list[Tensor]]],
+    land: Callable[[RingStep, Tensor], None],
+    compute: Callable[[int, int], None],
+    held: list[_Chunks],
+) -> None:
+    """Run the actions of ``sched``: post moves and reduce steps (which return their works and the
+    tensors to keep alive until the wait), wait and ``land`` received partials, compute blocks, and
+    free every chunk after its last use."""
+    inflight: dict[RingStep, tuple[list, list[Tensor]]] = {}
+    for t, act in enumerate(sched.actions):
+        if act.op == "launch":
+            inflight[act.step] = (move if act.step.kind == "move" else reduce)(act.step)
+        elif act.op == "wait":
+            works, tensors = inflight.pop(act.step)
+            for work in works:
+                work.wait()
+            if act.step.kind == "reduce":
+                land(act.step, tensors[-1])
+            del works, tensors
+        else:
+            compute(*act.block)
+        for chunks in held:
+            chunks.release(t)
 
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (OverlappedSchedule(), CollectiveSchedule())}

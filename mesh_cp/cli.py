@@ -1,0 +1,301 @@
+"""The ``mesh-cp`` command: predicted traffic, memory and time of every tile, and the tile to use.
+
+::
+
+    mesh-cp plan --world 256 --ranks-per-node 8 --seq 1048576 --heads 32 --kv-heads 8 --head-dim 128
+
+No torch import (only :mod:`mesh_cp.core` plans and the :mod:`mesh_cp.sim` cost model); matplotlib
+is imported only for ``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from mesh_cp.core import AttentionShape, Tiling, check_seq_len
+from mesh_cp.sim import (
+    PRESETS,
+    SimResult,
+    Topology,
+    choose_tile,
+    simulate_tiles,
+    simulate_ulysses,
+    ulysses_unavailable,
+)
+
+DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+PLOT_WORLDS = tuple(2**k for k in range(2, 11))  # P = 4 .. 1024
+
+
+def parse_bytes(text: str) -> int:
+    """``"40GiB"`` -> bytes; units B, KB/MB/GB/TB (powers of 1000) and KiB/MiB/GiB/TiB (of 1024)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} is not a number with an optional unit; write e.g. '40GiB', '512MiB' or '80GB'"
+        )
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be at least one byte")
+    return int(value)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def format_bytes(nbytes: float) -> str:
+    """Bytes as MiB below one GiB, as GiB above."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def load_topology(spec: str, *, head_dim: int, ranks_per_node: int | None) -> Topology:
+    """A preset name (``h100``, ``a100``) or a JSON file of :meth:`Topology.to_dict`.
+
+    ``ranks_per_node`` overrides the topology's value when given.
+    """
+    if spec in PRESETS:
+        return Topology.preset(spec, head_dim=head_dim, ranks_per_node=ranks_per_node or 8)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--topology {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a JSON file")
+    topology = Topology.from_dict(json.loads(path.read_text()))
+    return topology if ranks_per_node is None else dataclasses.replace(topology, ranks_per_node=ranks_per_node)
+
+
+def _shape(args: argparse.Namespace, world: int) -> AttentionShape:
+    check_seq_len(args.seq, world, "zigzag")
+    return AttentionShape(
+        batch=args.batch,
+        seq_local=args.seq // world,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        itemsize=DTYPES[args.dtype],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Table
+
+_HEADER = (
+    f"{'tile':>9}  {'intra':>10} {'inter':>10}  {'mem ovl':>10} {'mem coll':>10}  "
+    f"{'ovl fwd':>8} {'bwd':>8} {'total':>8}  {'coll fwd':>8} {'bwd':>8} {'total':>8}  {'ovl':>6} {'coll':>6}"
+)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.2f}"
+
+
+def _row(name: str, overlap: SimResult | None, collective: SimResult, ring: float, budget: int | None) -> str:
+    """One table row; ``overlap`` is ``None`` for Ulysses (it has no overlapped form)."""
+    runs = (overlap, collective)
+    mem = ["-" if r is None else format_bytes(r.memory) + ("!" if budget and r.memory > budget else "") for r in runs]
+    times = [f"{'-':>26}" if r is None else f"{_ms(r.forward.time)} {_ms(r.backward.time)} {_ms(r.time)}" for r in runs]
+    speedups = [f"{'-':>6}" if r is None else f"{ring / r.time:5.2f}x" for r in runs]
+    traffic = collective.traffic
+    return (
+        f"{name:>9}  {format_bytes(traffic.intra):>10} {format_bytes(traffic.inter):>10}  {mem[0]:>10} {mem[1]:>10}  "
+        f"{times[0]}  {times[1]}  {speedups[0]} {speedups[1]}"
+    )
+
+
+def _describe(args: argparse.Namespace, shape: AttentionShape, topology: Topology) -> list[str]:
+    nodes = -(-args.world // topology.ranks_per_node)
+    return [
+        f"P={args.world} ranks ({nodes} node(s) x {topology.ranks_per_node}), seq {args.seq} ({shape.seq_local} per rank), "
+        f"batch {shape.batch}, heads {shape.heads} (kv {shape.kv_heads}), head_dim {shape.head_dim}, {args.dtype}, "
+        f"{'causal' if args.causal else 'no mask'}, zigzag layout, backward {args.backward}",
+        f"topology {args.topology}: intra {topology.intra_bandwidth / 1e9:g} GB/s, inter {topology.inter_bandwidth / 1e9:g} "
+        f"GB/s per rank, latency {topology.intra_latency * 1e6:g}/{topology.inter_latency * 1e6:g} us, "
+        f"{topology.pairs_per_second:.3g} pairs/s, backward x{topology.backward_factor:g}",
+        f"one C (a rank's Q chunk) = {format_bytes(shape.chunk_elems * shape.itemsize)}",
+    ]
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    topology = load_topology(args.topology, head_dim=args.head_dim, ranks_per_node=args.ranks_per_node)
+    shape = _shape(args, args.world)
+    lines = [*_describe(args, shape, topology), ""]
+    runs = {
+        schedule: simulate_tiles(
+            args.world, shape, topology, causal=args.causal, backward=args.backward, schedule=schedule
+        )
+        for schedule in ("overlap", "collective")
+    }
+    ring = runs["overlap"][Tiling(world=args.world, a=1, b=args.world)].time
+    lines += [
+        f"{'':9}  {'traffic fwd+bwd / rank':^21}  {'peak memory / rank':^21}  {'overlap (ms)':^26}  "
+        f"{'collective (ms)':^26}  {'vs ring':^13}",
+        _HEADER,
+    ]
+    for tiling, overlap in runs["overlap"].items():
+        lines.append(_row(str(tiling), overlap, runs["collective"][tiling], ring, args.memory_budget))
+    reason = ulysses_unavailable(args.world, shape)
+    if reason is None:
+        lines.append(
+            _row(
+                "ulysses",
+                None,
+                simulate_ulysses(args.world, shape, topology, causal=args.causal),
+                ring,
+                args.memory_budget,
+            )
+        )
+    else:
+        lines.append(f"{'ulysses':>9}  unavailable: {reason}")
+    tile, why = choose_tile(
+        args.world, shape, topology, causal=args.causal, backward=args.backward, memory_budget=args.memory_budget
+    )
+    lines += [
+        "",
+        "traffic: bytes sent by the rank that sends the most across nodes; memory: peak beyond the inputs"
+        + (" ('!': over --memory-budget)" if args.memory_budget else ""),
+        f"chosen {why}",
+    ]
+    print("\n".join(lines))
+    if args.plot:
+        plot_scaling(args, topology, Path(args.plot))
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Plot
+
+
+def scaling(args: argparse.Namespace, topology: Topology) -> list[dict]:
+    """Ring and best tile for P = 4..1024 at the fixed global ``args.seq`` (P with seq % 2P skipped)."""
+    points = []
+    for world in PLOT_WORLDS:
+        if args.seq % (2 * world):
+            continue
+        shape = _shape(args, world)
+        try:
+            tile, _ = choose_tile(
+                world, shape, topology, causal=args.causal, backward=args.backward, memory_budget=args.memory_budget
+            )
+        except ValueError:  # no tile fits the memory budget at this P
+            continue
+        results = simulate_tiles(world, shape, topology, causal=args.causal, backward=args.backward)
+        ring = results[Tiling(world=world, a=1, b=world)]
+        points.append({"world": world, "tile": str(tile), "ring": ring, "best": results[tile]})
+    return points
+
+
+def plot_scaling(args: argparse.Namespace, topology: Topology, path: Path) -> None:
+    """Write a PNG: traffic per rank and predicted speed-up over ring versus P, ring and best tile."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ValueError("--plot needs matplotlib; install it with: pip install 'mesh-cp[plot]'") from err
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    points = scaling(args, topology)
+    if not points:
+        raise ValueError(f"--plot: no P in {PLOT_WORLDS} divides seq {args.seq} by 2P with a tile within the budget")
+    worlds = [p["world"] for p in points]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, style in (("ring", "o-"), ("best", "s-")):
+        for part, line in (("total", style), ("inter", style[0] + "--")):
+            gib = [getattr(p[key].traffic, part) / 2**30 for p in points]
+            label = f"{key} {'inter-node' if part == 'inter' else part}"
+            left.plot(worlds, [g if g > 0 else float("nan") for g in gib], line, label=label)  # log axis: no 0
+    left.set(xscale="log", yscale="log", xlabel="P (CP ranks)", ylabel="GiB sent per rank (fwd+bwd)")
+    left.set_title(f"traffic per rank, seq {args.seq}")
+    left.legend()
+    speedups = [p["ring"].time / p["best"].time for p in points]
+    right.plot(worlds, speedups, "s-", label="best tile (overlap)")
+    right.axhline(1.0, color="grey", linewidth=0.8, label="ring 1xP")
+    for world, speedup, p in zip(worlds, speedups, points, strict=True):
+        right.annotate(p["tile"], (world, speedup), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    right.set(xscale="log", xlabel="P (CP ranks)", ylabel="predicted speed-up over ring")
+    right.set_title(f"fwd+bwd time, {args.topology}, {args.heads}/{args.kv_heads} heads")
+    right.legend()
+    for ax in (left, right):
+        ax.set_xticks(worlds, [str(w) for w in worlds])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mesh-cp", description="Mesh-Attention context parallelism: plans and predictions (no GPU needed)."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    plan = commands.add_parser(
+        "plan",
+        help="predict traffic, memory and time of every a x b tile and choose one",
+        description="Simulate every tile a x b of --world ranks (overlapped and collective schedules) and "
+        "DeepSpeed-Ulysses on a topology; print one row each and the chosen tile. Sizes are global.",
+    )
+    plan.add_argument("--world", type=positive_int, required=True, help="CP group size P")
+    plan.add_argument(
+        "--ranks-per-node",
+        type=positive_int,
+        default=None,
+        help="GPUs per node (default: 8 for presets, the JSON's value)",
+    )
+    plan.add_argument("--seq", type=positive_int, required=True, help="global sequence length (a multiple of 2*world)")
+    plan.add_argument("--heads", type=positive_int, required=True, help="query heads")
+    plan.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (default: --heads, MHA)")
+    plan.add_argument("--head-dim", type=positive_int, required=True, help="head dimension")
+    plan.add_argument("--batch", type=positive_int, default=1, help="micro-batch size (default 1)")
+    plan.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of q, k, v (default bf16)")
+    plan.add_argument(
+        "--topology",
+        default="h100",
+        help=f"preset ({', '.join(sorted(PRESETS))}) or a JSON file of Topology.to_dict() (default h100)",
+    )
+    plan.add_argument(
+        "--memory-budget", type=parse_bytes, default=None, help="peak attention memory per rank, e.g. 40GiB"
+    )
+    plan.add_argument(
+        "--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask (default: causal)"
+    )
+    plan.add_argument(
+        "--backward", choices=("regather", "reuse"), default="regather", help="backward gathers again or reuses"
+    )
+    plan.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of traffic and speed-up vs P=4..1024")
+    plan.set_defaults(run=_plan_command, command_parser=plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mesh-cp``; returns the exit status (argument errors exit with 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "kv_heads", 0) is None:
+        args.kv_heads = args.heads
+    try:
+        return args.run(args)
+    except (ValueError, NotImplementedError) as err:
+        args.command_parser.error(str(err))  # usage of the subcommand, exit status 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
