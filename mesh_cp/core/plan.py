@@ -449,7 +449,7 @@ class AttentionPlan:
             budget=self.buffer_budget,
         )
 
-    def peak_bytes(self, phase: Phase) -> int:
+    def peak_bytes(self, phase: Phase, rank: int = 0) -> int:
         """Bytes one rank allocates at the peak of ``phase``, beyond its inputs and saved tensors.
 
         Counts what the schedule holds — gathered Q/KV chunks (all of them for ``backward="reuse"``,
@@ -461,13 +461,37 @@ class AttentionPlan:
         if phase not in ("forward", "backward"):
             raise ValueError(f"phase {phase!r} must be 'forward' or 'backward'")
         if self.schedule == "collective":
-            return self._collective_peak(phase)
-        return self._overlap_peak(phase)
+            return self._collective_peak(phase, rank)
+        return self._overlap_peak(phase, rank)
+
+    def block_at(self, rank: int, q_offset: int, kv_offset: int) -> BlockWork | None:
+        """The kernel call of ``rank``'s block at ring offsets ``(q_offset, kv_offset)`` of the
+        overlapped schedule (offset ``i`` is the chunk that started ``i`` ring positions before
+        ``rank``), or ``None`` when the mask leaves nothing to compute."""
+        t = self.tiling
+        q_members, kv_members = t.q_group(rank), t.kv_group(rank)
+        x = q_members[(q_members.index(rank) - q_offset) % t.a]
+        y = kv_members[(kv_members.index(rank) - kv_offset) % t.b]
+        return block_work(x, y, causal=self.causal, layout=self.layout, seq_local=self.shape.seq_local)
+
+    def _kernel_bytes(self, w: BlockWork | None, phase: Phase) -> int:
+        """Outputs and temporaries of one block's kernel call (calibrated on the CPU flash kernel):
+        forward its output and the merge's weighted copy; backward dq, dk, dv and the kernel's own
+        out; GQA adds the K, V repeated to every head."""
+        if w is None:
+            return 0
+        s = self.shape
+        q_bytes = s.chunk_elems * s.itemsize
+        rq = (w.q_rows[1] - w.q_rows[0]) / s.seq_local
+        rk = (w.kv_rows[1] - w.kv_rows[0]) / s.seq_local
+        gqa = rk if s.kv_heads != s.heads else 0.0
+        if phase == "forward":
+            return int(rq * (q_bytes + s.chunk_elems * s.acc_itemsize) + gqa * q_bytes // 2)
+        return int((2 * rq + 2 * rk + 1.5 * gqa) * q_bytes)
 
     def _units(self) -> dict[str, int]:
         s = self.shape
         q_bytes, kv_bytes = self.chunk_bytes()
-        gqa = s.kv_heads != s.heads  # the kernels repeat K, V (and fold their gradients) for GQA
         acc = s.chunk_elems * s.acc_itemsize
         return {
             "q": q_bytes,
@@ -475,13 +499,11 @@ class AttentionPlan:
             "acc": acc,
             "kv_acc": kv_bytes // s.itemsize * s.acc_itemsize,
             "stats": s.stats_elems * s.acc_itemsize,
-            # one block's output and its weighted copy in the merge; dq, dk, dv and the kernel's out
-            "fwd_kernel": q_bytes + acc + (q_bytes if gqa else 0),
-            "bwd_kernel": (6 if gqa else 4) * q_bytes,
         }
 
-    def _collective_peak(self, phase: Phase) -> int:
+    def _collective_peak(self, phase: Phase, rank: int) -> int:
         u, a, b = self._units(), self.tiling.a, self.tiling.b
+        kernel = max(self._kernel_bytes(w, phase) for w in self.blocks(rank))
         if phase == "forward":
             rows = a * (u["acc"] + u["stats"])
             gathered = a * u["q"] + b * u["kv"]
@@ -489,7 +511,7 @@ class AttentionPlan:
             stages = [
                 a * u["q"] * (2 if a > 1 else 1),  # the all-gather of Q
                 gathered + u["kv"] + (b * u["kv"] if b > 1 else 0),  # the all-gather of the stacked K, V
-                gathered + rows + u["fwd_kernel"],  # block compute
+                gathered + rows + kernel,  # block compute
                 gathered + 3 * rows + u["acc"] + u["stats"] if a > 1 else 0,  # packed, received, merged row
             ]
             return max(stages)
@@ -497,36 +519,40 @@ class AttentionPlan:
         gathered = (a * 2 * u["q"] + b * u["kv"]) if regather else a * u["q"]
         stats = (2 * a + 3) * u["stats"]
         grads = 2 * (a * u["acc"] + b * u["kv_acc"]) + u["acc"] + u["kv_acc"]
-        return gathered + stats + max(grads, a * u["acc"] + b * u["kv_acc"] + u["bwd_kernel"])
+        return gathered + stats + max(grads, a * u["acc"] + b * u["kv_acc"] + kernel)
 
-    def _overlap_peak(self, phase: Phase) -> int:
+    def _overlap_peak(self, phase: Phase, rank: int) -> int:
         u, a, b = self._units(), self.tiling.a, self.tiling.b
         sched = self.overlap(phase)
         keep = self.backward == "reuse"
         if phase == "forward":
-            fixed = a * (u["acc"] + u["stats"])
+            # Partial rows are packed into a copy when sent: the copy and the receive buffer are in flight.
+            partial = {"q": u["acc"] + u["stats"]}
+            alive = {"q": sched.partials_alive("q", sent_at="launch")}
+            inflight_bytes = {"q": 2 * (u["acc"] + u["stats"])}
+            fixed = 0
             q_unit, kv_unit, q0_input = u["q"], u["kv"], not keep
-            reduce_buffers = {"q": 2 * (u["acc"] + u["stats"])}
-            kernel = u["fwd_kernel"]
             if keep:  # the chunk stores are allocated whole
                 fixed += a * u["q"] + b * u["kv"]
                 q_unit = kv_unit = 0
         else:
-            fixed = a * u["acc"] + b * u["kv_acc"] + u["stats"]  # gradients and delta
+            # Partial gradients are sent as they are: only the receive buffer is extra while in flight.
+            partial = {"q": u["acc"], "kv": u["kv_acc"]}
+            alive = {ring: sched.partials_alive(ring, sent_at="wait") for ring in partial}
+            inflight_bytes = dict(partial)
+            fixed = u["stats"]  # delta
             q_unit = (u["q"] if keep else 2 * u["q"]) + 2 * u["stats"]  # (dO) or (q, dO), with lse and delta
             kv_unit, q0_input = (0, True) if keep else (u["kv"], False)  # reuse: offset 0's dO is the input
-            reduce_buffers = {"q": u["acc"], "kv": u["kv_acc"]}
-            kernel = u["bwd_kernel"]
         last_q = sched.last_use("q")
         inflight: dict[str, int] = {}
         peak = 0
-        for t, (act, (nq, nkv)) in enumerate(zip(sched.actions, sched.chunks_alive(), strict=False)):
+        for t, (act, (nq, nkv)) in enumerate(zip(sched.actions, sched.chunks_alive(), strict=True)):
             if act.op == "launch" and act.step.kind == "reduce":
-                inflight[act.step.ring] = reduce_buffers[act.step.ring]
-            held = nq * q_unit + nkv * kv_unit
-            if q0_input and last_q.get(0, -1) >= t:
-                held -= u["q"]
-            now = fixed + held + sum(inflight.values()) + (kernel if act.op == "compute" else 0)
+                inflight[act.step.ring] = inflight_bytes[act.step.ring]
+            held = nq * q_unit + nkv * kv_unit - (u["q"] if q0_input and last_q.get(0, -1) >= t else 0)
+            partials = sum(alive[ring][t] * partial[ring] for ring in partial)
+            kernel = self._kernel_bytes(self.block_at(rank, *act.block), phase) if act.op == "compute" else 0
+            now = fixed + held + partials + sum(inflight.values()) + kernel
             peak = max(peak, now)
             if act.op == "wait" and act.step.kind == "reduce":
                 inflight.pop(act.step.ring, None)

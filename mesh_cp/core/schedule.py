@@ -122,6 +122,34 @@ class OverlapSchedule:
                 counts[ring].append(running)
         return list(zip(counts["q"], counts["kv"], strict=True))
 
+    def partials_alive(self, ring: Ring, *, sent_at: Literal["launch", "wait"]) -> list[int]:
+        """Per action, the partial results (rows for ``"q"``, columns for ``"kv"``) held for reduction.
+
+        A partial lives from its first block (or from landing from the previous rank) until it is
+        sent on: until its reduce step is launched (``sent_at="launch"``, when a copy is sent) or
+        waited for (``"wait"``, when the partial itself is sent). Offset 0 lives to the end.
+        """
+        n, count = self.ring_size(ring), max(len(self.actions), 1)
+        steps = {}
+        for t, act in enumerate(self.actions):
+            if act.op in ("launch", "wait") and act.step.ring == ring and act.step.kind == "reduce":
+                steps[(act.op, act.step.index)] = t
+        if n > 1 and not steps:
+            return [0] * count  # this ring's partials are not reduced in this phase
+        start: dict[int, int] = {}
+        for t, act in enumerate(self.actions):
+            if act.op == "compute":
+                start.setdefault(act.block[0] if ring == "q" else act.block[1], t)
+        for s in range(n - 1):  # step s lands offset s + 2
+            landed = (s + 2) % n
+            start[landed] = min(start.get(landed, count), steps[("wait", s)])
+        alive = [0] * count
+        for offset, first in start.items():
+            last = count - 1 if offset == 0 else steps[(sent_at, offset - 1)]
+            for t in range(first, last + 1):
+                alive[t] += 1
+        return alive
+
     def peak_chunk_bytes(self, q_bytes: int, kv_bytes: int) -> int:
         return max(nq * q_bytes + nkv * kv_bytes for nq, nkv in self.chunks_alive())
 

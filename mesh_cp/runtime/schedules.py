@@ -165,21 +165,16 @@ def _reduce_rows_to_owners(o_acc: Tensor, lse_acc: Tensor, mesh: CPMesh) -> tupl
 
 
 class _Rings:
-    """This rank's place on its Q ring and KV ring, and what each offset of a ring refers to."""
+    """This rank's Q ring and KV ring, and its blocks by ring offsets."""
 
     def __init__(self, mesh: CPMesh, plan: AttentionPlan) -> None:
-        t, rank = plan.tiling, mesh.rank
         self.groups = {"q": mesh.q_group, "kv": mesh.kv_group}
-        q_members, kv_members = t.q_group(rank), t.kv_group(rank)
-        p, pk = q_members.index(rank), kv_members.index(rank)
-        # Offset i of the Q ring is the chunk that started i positions before this rank.
-        self.x = [q_members[(p - i) % t.a] for i in range(t.a)]
-        self.y = [kv_members[(pk - j) % t.b] for j in range(t.b)]
-        self.blocks: dict[tuple[int, int], BlockWork] = {(w.x, w.y): w for w in plan.blocks(rank)}
+        t = plan.tiling
+        self.blocks = {(i, j): plan.block_at(mesh.rank, i, j) for i in range(t.a) for j in range(t.b)}
 
     def block(self, i: int, j: int) -> BlockWork | None:
         """The kernel call of block ``(q offset i, kv offset j)``; ``None`` when the mask skips it."""
-        return self.blocks.get((self.x[i], self.y[j]))
+        return self.blocks[(i, j)]
 
     def post(self, step: RingStep, sends: list[Tensor], recvs: list[Tensor]) -> list:
         return ring_step(sends, recvs, self.groups[step.ring], tag=0 if step.kind == "move" else 4)
@@ -244,8 +239,16 @@ class OverlappedSchedule:
             "kv": _Chunks(torch.stack((k, v)), plan.tiling.b, keep, sched.last_use("kv")),
         }
         batch, seq, heads, dim = q.shape
-        o_acc = torch.zeros((a, batch, seq, heads, dim), dtype=acc, device=q.device)
-        lse_acc = torch.full((a, batch, heads, seq), float("-inf"), dtype=acc, device=q.device)
+        # Partial (o, lse) per row offset, created on first use and dropped once sent on.
+        rows: dict[int, tuple[Tensor, Tensor]] = {}
+
+        def row(i: int) -> tuple[Tensor, Tensor]:
+            if i not in rows:
+                rows[i] = (
+                    torch.zeros((batch, seq, heads, dim), dtype=acc, device=q.device),
+                    torch.full((batch, heads, seq), float("-inf"), dtype=acc, device=q.device),
+                )
+            return rows[i]
 
         def move(step: RingStep) -> tuple[list, list[Tensor]]:
             held = chunks[step.ring]
@@ -253,15 +256,19 @@ class OverlappedSchedule:
             return rings.post(step, sends, recvs), sends + recvs
 
         def reduce(step: RingStep) -> tuple[list, list[Tensor]]:  # send row offset s+1, receive s+2
-            row = step.index + 1
-            packed = torch.cat((o_acc[row].reshape(-1), lse_acc[row].reshape(-1)))
+            o, lse = row(step.index + 1)
+            del rows[step.index + 1]
+            packed = torch.cat((o.reshape(-1), lse.reshape(-1)))
             recv = torch.empty_like(packed)
             return rings.post(step, [packed], [recv]), [packed, recv]
 
         def land(step: RingStep, recv: Tensor) -> None:
-            row = (step.index + 2) % a
-            n_o = o_acc[row].numel()
-            merge_(o_acc[row], lse_acc[row], recv[:n_o].view_as(o_acc[row]), recv[n_o:].view_as(lse_acc[row]))
+            target, n_o = (step.index + 2) % a, batch * seq * heads * dim
+            o, lse = recv[:n_o].view(batch, seq, heads, dim), recv[n_o:].view(batch, heads, seq)
+            if target in rows:
+                merge_(*rows[target], o, lse)
+            else:
+                rows[target] = (o, lse)
 
         def compute(i: int, j: int) -> None:
             w = rings.block(i, j)
@@ -272,11 +279,12 @@ class OverlappedSchedule:
             o, lse = kernel.forward(
                 chunks["q"][i][:, q0:q1], kv[0, :, k0:k1], kv[1, :, k0:k1], causal=w.causal, scale=scale
             )
-            merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
+            o_acc, lse_acc = row(i)
+            merge_(o_acc[:, q0:q1], lse_acc[:, :, q0:q1], o, lse)
 
         _run(sched, move=move, reduce=reduce, land=land, compute=compute, held=list(chunks.values()))
         saved = (chunks["q"].store, chunks["kv"].store) if keep else ()
-        return o_acc[0], lse_acc[0], saved
+        return (*row(0), saved)
 
     def backward(
         self,
@@ -317,11 +325,15 @@ class OverlappedSchedule:
         def kv_chunk(j: int) -> Tensor:
             return held["kv"][0][j] if regather else kv_all[j]
 
-        grads = {
-            "q": torch.zeros((a, *q.shape), dtype=acc, device=q.device),
-            "kv": torch.zeros((b, 2, *k.shape), dtype=acc, device=q.device),
-        }
+        # Partial dq per row offset and dk, dv per column offset, created on first use, dropped once sent on.
+        grads: dict[str, dict[int, Tensor]] = {"q": {}, "kv": {}}
+        shapes = {"q": q.shape, "kv": (2, *k.shape)}
         sizes = {"q": a, "kv": b}
+
+        def grad(ring: str, offset: int) -> Tensor:
+            if offset not in grads[ring]:
+                grads[ring][offset] = torch.zeros(shapes[ring], dtype=acc, device=q.device)
+            return grads[ring][offset]
 
         def move(step: RingStep) -> tuple[list, list[Tensor]]:
             sends = [c[step.index - 1] for c in held[step.ring]]
@@ -329,12 +341,17 @@ class OverlappedSchedule:
             return rings.post(step, sends, recvs), sends + recvs
 
         def reduce(step: RingStep) -> tuple[list, list[Tensor]]:  # send offset s+1's partial, receive s+2's
-            send = grads[step.ring][step.index + 1]
+            send = grad(step.ring, step.index + 1)
+            del grads[step.ring][step.index + 1]
             recv = torch.empty_like(send)
             return rings.post(step, [send], [recv]), [send, recv]
 
         def land(step: RingStep, recv: Tensor) -> None:
-            grads[step.ring][(step.index + 2) % sizes[step.ring]] += recv
+            target = (step.index + 2) % sizes[step.ring]
+            if target in grads[step.ring]:
+                grads[step.ring][target] += recv
+            else:
+                grads[step.ring][target] = recv
 
         def compute(i: int, j: int) -> None:
             w = rings.block(i, j)
@@ -353,12 +370,13 @@ class OverlappedSchedule:
                 causal=w.causal,
                 scale=scale,
             )
-            grads["q"][i, :, q0:q1] += dq
-            grads["kv"][j, 0, :, k0:k1] += dk
-            grads["kv"][j, 1, :, k0:k1] += dv
+            grad("q", i)[:, q0:q1] += dq
+            dkv = grad("kv", j)
+            dkv[0, :, k0:k1] += dk
+            dkv[1, :, k0:k1] += dv
 
         _run(sched, move=move, reduce=reduce, land=land, compute=compute, held=[c for cs in held.values() for c in cs])
-        dq, dkv = grads["q"][0], grads["kv"][0]
+        dq, dkv = grad("q", 0), grad("kv", 0)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 

@@ -51,7 +51,7 @@ def memory_worker(rank: int, world: int) -> list[dict]:
             {
                 "config": (tile, schedule, backward, kv_heads),
                 "measured": (fwd.peak, bwd.peak),
-                "plan": (plan.peak_bytes("forward"), plan.peak_bytes("backward")),
+                "plan": (plan.peak_bytes("forward", rank), plan.peak_bytes("backward", rank)),
             }
         )
     return results
