@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mesh_cp.core.plan import Tiling
+from mesh_cp.core.plan import AttentionShape, Tiling
 from mesh_cp.runtime.comm import all_gather
+
+if TYPE_CHECKING:
+    from mesh_cp.sim import Topology
+
+logger = logging.getLogger("mesh_cp")
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,6 +42,8 @@ class CPMesh:
     """Global ranks of the CP group, indexed by CP rank."""
     link_cost: tuple[float, float] = (1.0, 1.0)
     """Relative seconds per byte on the Q ring and the KV ring (orders the overlapped schedule)."""
+    reason: str = ""
+    """Why ``tile="auto"`` chose this tile (empty for an explicit tile)."""
 
     @property
     def size(self) -> int:
@@ -45,8 +54,23 @@ class CPMesh:
         return self.tiling.shape
 
     @classmethod
-    def create(cls, group: ProcessGroup, *, tile: tuple[int, int] | str) -> CPMesh:
+    def create(
+        cls,
+        group: ProcessGroup,
+        *,
+        tile: tuple[int, int] | str,
+        topology: Topology | str | None = None,
+        shape: AttentionShape | None = None,
+        memory_budget: int | None = None,
+    ) -> CPMesh:
         """Tile the CP process group ``group`` as ``tile = (a, b)`` (or ``"axb"``), ``a * b = group size``.
+
+        ``tile="auto"`` picks the tile the cost model predicts fastest for ``topology`` (a
+        :class:`mesh_cp.sim.Topology` or a preset name such as ``"h100"``) and ``shape`` (the per-rank
+        :class:`mesh_cp.core.AttentionShape` of the attention calls), within ``memory_budget`` bytes per
+        rank, and logs why (logger ``mesh_cp``; also in :attr:`reason`). With a topology the
+        overlapped schedule orders its moves by the two rings' link speeds (Q-groups of
+        consecutive ranks sit inside a node when ``a`` divides the ranks per node).
 
         Collective: every rank of ``group`` must call it with the same tile. It creates this rank's
         Q-group and KV-group as new process groups among their members only, so several CP groups
@@ -68,8 +92,30 @@ class CPMesh:
                 f"(members {dist.get_process_group_ranks(group)}); pass the group this rank belongs to"
             )
         world = dist.get_world_size(group)
-        tiling = Tiling.parse(tile, world)
+        if isinstance(topology, str):
+            from mesh_cp.sim import Topology
+
+            topology = Topology.preset(topology, head_dim=shape.head_dim if shape else 128)
+        reason = ""
+        if tile == "auto":
+            if topology is None or shape is None:
+                raise ValueError(
+                    "tile='auto' needs topology= (a mesh_cp.sim.Topology or a preset name such as 'h100') and "
+                    "shape= (mesh_cp.core.AttentionShape of the per-rank attention inputs) to choose from"
+                )
+            from mesh_cp.sim import choose_tile
+
+            tiling, reason = choose_tile(world, shape, topology, memory_budget=memory_budget)
+            if cp_rank == 0:
+                logger.info("mesh_cp: %s", reason)
+        else:
+            tiling = Tiling.parse(tile, world)
         _check_same_tile(group, tiling)
+        link_cost = (1.0, 1.0)
+        if topology is not None:
+            from mesh_cp.sim import ring_link_cost
+
+            link_cost = ring_link_cost(tiling, topology)
         global_ranks = tuple(dist.get_process_group_ranks(group))
         backend = dist.get_backend(group)
         # Every member creates its Q-group first, then its KV-group. Q-groups are disjoint, and so
@@ -81,7 +127,14 @@ class CPMesh:
             [global_ranks[r] for r in tiling.kv_group(cp_rank)], backend=backend, use_local_synchronization=True
         )
         return cls(
-            group=group, q_group=q_group, kv_group=kv_group, tiling=tiling, rank=cp_rank, global_ranks=global_ranks
+            group=group,
+            q_group=q_group,
+            kv_group=kv_group,
+            tiling=tiling,
+            rank=cp_rank,
+            global_ranks=global_ranks,
+            link_cost=link_cost,
+            reason=reason,
         )
 
     @classmethod

@@ -253,8 +253,6 @@ def plan_for_topology(
     schedule: str = "overlap",
 ) -> AttentionPlan:
     """The plan with the overlapped schedule's greedy path ordered by the topology's link speeds."""
-    links = group_links(tiling, topology)
-    cost = [1.0 / topology.bandwidth(links[ring]) for ring in RINGS]
     return make_plan(
         tiling,
         shape,
@@ -262,8 +260,15 @@ def plan_for_topology(
         layout=layout,
         backward=backward,
         schedule=schedule,
-        link_cost=(cost[0] / min(cost), cost[1] / min(cost)),
+        link_cost=ring_link_cost(tiling, topology),
     )
+
+
+def ring_link_cost(tiling: Tiling, topology: Topology) -> tuple[float, float]:
+    """Relative seconds per byte on the Q ring and the KV ring under ``topology`` (the faster is 1)."""
+    links = group_links(tiling, topology)
+    cost = [1.0 / topology.bandwidth(links[ring]) for ring in RINGS]
+    return (cost[0] / min(cost), cost[1] / min(cost))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -274,3 +274,52 @@ def test_tiling_of_the_mesh_is_the_core_tiling() -> None:
     assert Tiling.parse("2x2", 4) == Tiling(world=4, a=2, b=2)
     with pytest.raises(ValueError, match="does not factor"):
         Tiling.parse("3x3", 4)
+
+
+def auto_tile_worker(rank: int, world: int) -> dict:
+    """``tile="auto"``: the cost model's choice, used exactly, with topology-ordered rings."""
+    import torch.distributed as dist
+
+    from mesh_cp.core import AttentionShape
+    from mesh_cp.sim import Topology, choose_tile
+
+    res: dict = {}
+    # Two "nodes" of two ranks, inter-node links 20x slower: the Q ring of a 2x2 tile stays inside a node.
+    topology = Topology(ranks_per_node=2, intra_bandwidth=2e10, inter_bandwidth=1e9, pairs_per_second=1e12)
+    shape = AttentionShape(batch=1, seq_local=8192, heads=8, kv_heads=8, head_dim=64, itemsize=2)
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology, shape=shape)
+    expected, reason = choose_tile(world, shape, topology)
+    res["auto tile"] = (mesh.tiling == expected) or (mesh.tile, expected.shape)
+    res["reason"] = (mesh.reason == reason and reason.startswith(f"tile {expected}")) or mesh.reason
+    fixed = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2), topology=topology)
+    res["link cost"] = (fixed.link_cost[0] == 1.0 and fixed.link_cost[1] == 20.0) or fixed.link_cost
+    _expect(
+        res,
+        "auto needs shape",
+        ValueError,
+        r"tile='auto' needs topology= .* and shape=",
+        lambda: mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology),
+    )
+    _expect(
+        res,
+        "budget below every tile",
+        ValueError,
+        r"memory_budget 1 bytes is below the peak of every tile",
+        lambda: mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology, shape=shape, memory_budget=1),
+    )
+    # The chosen mesh and the topology-ordered schedule are exact.
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 32, 4, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    ref, _ = reference_attention(q, k, v, causal=True)
+    for name, m in (("auto", mesh), ("topology 2x2", fixed)):
+        local = [mesh_cp.shard_sequence(t, mesh=m, dim=1, layout="zigzag") for t in (q, k, v)]
+        out = mesh_cp.mesh_attn_func(*local, mesh=m, causal=True)
+        err = (out - mesh_cp.shard_sequence(ref, mesh=m, dim=1, layout="zigzag")).abs().max().item()
+        res[f"{name} exact"] = err < 1e-12 or err
+    return res
+
+
+def test_auto_tile_uses_the_cost_model_choice() -> None:
+    for rank, res in enumerate(run_distributed(auto_tile_worker, 4)):
+        failures = {k: v for k, v in res.items() if v is not True}
+        assert not failures, f"rank {rank}: {failures}"
