@@ -41,6 +41,7 @@ import torch.distributed as dist
 import mesh_cp
 from mesh_cp.core.numerics import attention_delta
 from mesh_cp.kernels import get_kernel
+from mesh_cp.sim import Topology
 
 PING_PONG_ROUNDS = 20
 
@@ -294,11 +295,18 @@ def count_bytes(cfg: dict[str, Any], configs: list[Config], step: Callable[[Conf
         c.counted = gathered
 
 
-def run_benchmark(cfg: dict[str, Any], rank: Rank) -> list[dict[str, Any]]:
+def run_benchmark(cfg: dict[str, Any], rank: Rank, rates: dict[str, float]) -> list[dict[str, Any]]:
     q, k, v, do = bench_inputs(cfg, rank)
+    # The configured link rates order the overlapped schedule's ring moves (kernel speed plays no part).
+    topology = Topology(
+        ranks_per_node=cfg["ranks_per_node"],
+        intra_bandwidth=rates["intra_bytes_per_s"],
+        inter_bandwidth=rates["inter_bytes_per_s"],
+        pairs_per_second=1.0,
+    )
     configs = []
     for a, b in cfg["tiles"]:
-        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(a, b))
+        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(a, b), topology=topology)
         configs += [Config(tile=(a, b), schedule=s, mesh=mesh) for s in cfg["schedules"]]
 
     def step(c: Config) -> None:
@@ -336,7 +344,7 @@ def main(config_path: str) -> None:
     rates = wait_for_rates(cfg, rank, calibration)
     log(rank, "probing the links")
     links = probe_links(cfg, rank, rates)
-    results = run_benchmark(cfg, rank)
+    results = run_benchmark(cfg, rank, rates)
     if rank.rank == 0:
         write_json(cfg["results_path"], {"calibration": calibration, "links": links, "configs": results})
     dist.barrier()

@@ -7,10 +7,11 @@ for what it sends, one on the bridge port for what it receives), with two classe
 address: one for the 3 same-node peers (fast, "NVLink") and one for the 12 other-node peers
 (slow, "InfiniBand"). The intra-node and inter-node classes do not share bandwidth.
 
-Reference point (what the default rates reproduce): on a 256-GPU H100 cluster (8 GPUs per node,
-NVLink ~450 GB/s per GPU, InfiniBand ~50 GB/s per GPU), Ring-Attention at 8K-16K tokens per rank
-with MHA is communication-bound: moving one KV chunk across the inter-node link takes about 2-3x
-the time of computing one causal zig-zag block, while intra-node links are ~10x faster than
+Reference point (what the default rates reproduce): on an H100 cluster (8 GPUs per node, NVLink
+~450 GB/s per GPU, InfiniBand ~50 GB/s per GPU), Ring-Attention with MHA (32 heads x 128, bf16) at
+4K tokens per rank is communication-bound: one KV chunk (2 x 4096 x 4096 x 2 B = 67 MB) takes
+~1.3 ms over InfiniBand, one causal zig-zag block (4 x 4096^2 x 4096 / 2 = 1.4e11 FLOP) ~0.34 ms at
+~400 TFLOP/s, a ratio of ~4 (~2 at 8K tokens per rank); intra-node links are ~10x faster than
 inter-node ones. Here, at start-up and inside the emulation (so that the contention of 16
 processes on the machine's cores is included), the ranks time the block kernel all at once; the
 inter-node rate is then set so that one KV chunk (``2 * batch * seq_local * kv_heads * head_dim *
@@ -50,7 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from mesh_cp.core import Tiling
+from mesh_cp.core import AttentionShape, Tiling
+from mesh_cp.sim import Topology, plan_for_topology, simulate
 
 WORLD = 16
 RANKS_PER_NODE = 4
@@ -65,9 +67,9 @@ TC_CLASSES = {"intra": "1:10", "inter": "1:20"}
 WORKER = Path(__file__).with_name("_cluster_worker.py")
 RING = (1, WORLD)
 REFERENCE = (
-    "Reference: 256 x H100 (8 GPUs/node, NVLink ~450 GB/s, InfiniBand ~50 GB/s per GPU), Ring-Attention at "
-    "8K-16K tokens/rank, MHA: one KV chunk over the inter-node link takes ~2-3x one causal zig-zag block of "
-    "compute; intra-node links ~10x faster than inter-node."
+    "Reference: H100 cluster (8 GPUs/node, NVLink ~450 GB/s, InfiniBand ~50 GB/s per GPU), Ring-Attention, MHA "
+    "32x128 bf16 at 4K tokens/rank: one KV chunk over InfiniBand (~1.3 ms) takes ~4x one causal zig-zag block of "
+    "compute (~0.34 ms at ~400 TFLOP/s); intra-node links ~10x faster than inter-node."
 )
 
 
@@ -104,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--comm-ratio",
         type=float,
-        default=2.5,
+        default=4.0,
         help="inter-node seconds of one KV chunk / seconds of one causal zig-zag block (measured at start-up)",
     )
     p.add_argument("--intra-factor", type=float, default=10.0, help="intra-node rate / inter-node rate")
@@ -590,22 +592,50 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def topology(
     args: argparse.Namespace, calibration: dict[str, float], rates: dict[str, Any], links: dict[str, Any]
-) -> dict[str, Any]:
-    """The setting in the terms of a cost model: link rates, latency, kernel throughput."""
+) -> Topology:
+    """The setting as the cost model sees it: the shaped link rates (which one link alone achieves,
+    see the probe), the measured one-way latencies, and the block kernel throughput measured with
+    every rank computing at once."""
     pairs = args.seq_local**2 * args.batch * args.heads
-    return {
-        "world": WORLD,
-        "ranks_per_node": RANKS_PER_NODE,
-        "intra_bytes_per_s": rates["intra_bytes_per_s"],
-        "inter_bytes_per_s": rates["inter_bytes_per_s"],
-        "measured_intra_bytes_per_s": links["intra"]["measured_bytes_per_s"],
-        "measured_inter_bytes_per_s": links["inter"]["measured_bytes_per_s"],
-        "latency_s": max(links["intra"]["latency_s"], links["inter"]["latency_s"]),
-        "block_pairs_per_s": pairs / calibration["full_block_fwd_s"],
-        "block_bwd_pairs_per_s": pairs / calibration["full_block_bwd_s"],
-        "note": "pairs = query-key pairs (seq_local^2 * batch * heads per full block), all ranks computing at once; "
-        "latency_s = one-way gloo latency of a 4-byte message, the larger of intra/inter",
-    }
+    return Topology(
+        ranks_per_node=RANKS_PER_NODE,
+        intra_bandwidth=rates["intra_bytes_per_s"],
+        inter_bandwidth=rates["inter_bytes_per_s"],
+        intra_latency=links["intra"]["latency_s"],
+        inter_latency=links["inter"]["latency_s"],
+        pairs_per_second=pairs / calibration["full_block_fwd_s"],
+        backward_factor=calibration["full_block_bwd_s"] / calibration["full_block_fwd_s"],
+    )
+
+
+def predict(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology) -> None:
+    """Add the simulator's forward+backward seconds to every row that ran."""
+    shape = AttentionShape(
+        batch=args.batch,
+        seq_local=args.seq_local,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        itemsize=4,
+    )
+    for row in rows:
+        if row["skipped"] is None:
+            tiling = Tiling.parse(row["tile"], WORLD)
+            plan = plan_for_topology(tiling, shape, topo, causal=True, layout="zigzag", schedule=row["schedule"])
+            row["predicted_s"] = simulate(plan, topo).time
+            row["prediction_error"] = row["predicted_s"] / row["median_s"] - 1
+
+
+def print_predictions(rows: list[dict[str, Any]]) -> None:
+    print()
+    print("-- simulator (mesh_cp.sim, measured topology) vs measured median, forward+backward --")
+    print(f"{'tile':>5} {'schedule':<10} {'measured s':>10} {'predicted s':>11} {'error':>7}")
+    for row in rows:
+        if row["skipped"] is None:
+            print(
+                f"{row['tile']:>5} {row['schedule']:<10} {row['median_s']:>10.2f} {row['predicted_s']:>11.2f} "
+                f"{100 * row['prediction_error']:>+6.1f}%"
+            )
 
 
 def write_json(
@@ -648,7 +678,7 @@ def write_json(
             "comm_ratio_measured": measured_comm_ratio(args, rates, links),
         },
         "links": links,
-        "topology": topology(args, calibration, rates, links),
+        "topology": topology(args, calibration, rates, links).to_dict(),
         "results": rows,
         "runtime_s": runtime_s,
     }
@@ -704,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(results["configs"])
     print_links(args, rates, links)
     print_table(rows)
+    predict(args, rows, topology(args, results["calibration"], rates, links))
+    print_predictions(rows)
     print(f"total runtime {runtime:.0f} s (network set-up and removal included); load average now {load_average()}")
     if args.json:
         write_json(args.json, args, results["calibration"], rates, links, rows, runtime)

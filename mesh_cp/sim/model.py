@@ -165,17 +165,6 @@ def block_seconds(work: BlockWork, shape: AttentionShape, topology: Topology, ph
     return seconds * (topology.backward_factor if phase == "backward" else 1.0)
 
 
-def offset_blocks(plan: AttentionPlan, rank: int) -> dict[tuple[int, int], BlockWork]:
-    """``rank``'s blocks by ``(Q offset, KV offset)``; offset ``i`` of a ring is the chunk that started
-    ``i`` positions before the rank (Note [Overlapped schedule]). Masked-out blocks are absent."""
-    t = plan.tiling
-    q_members, kv_members = t.q_group(rank), t.kv_group(rank)
-    p, pk = q_members.index(rank), kv_members.index(rank)
-    by_chunk = {(w.x, w.y): w for w in plan.blocks(rank)}
-    pairs = ((i, j, q_members[(p - i) % t.a], kv_members[(pk - j) % t.b]) for i in range(t.a) for j in range(t.b))
-    return {(i, j): by_chunk[(x, y)] for i, j, x, y in pairs if (x, y) in by_chunk}
-
-
 def timed_ranks(plan: AttentionPlan) -> range:
     """Ranks to replay: rank 0 stands for all when every rank has equal block costs per offset."""
     equal = plan.layout == "zigzag" or not plan.causal
@@ -189,12 +178,11 @@ def timed_ranks(plan: AttentionPlan) -> range:
 def _overlap_seconds(plan: AttentionPlan, topology: Topology, phase: str, rank: int) -> float:
     """Replay the overlapped schedule's actions on ``rank``; see Note [Simulator cost model]."""
     nbytes, links = plan.step_bytes(phase), group_links(plan.tiling, topology)
-    blocks = offset_blocks(plan, rank)
     clock, link_free = 0.0, dict.fromkeys(LINK_CLASSES, 0.0)
     ends = {}
     for act in plan.overlap(phase).actions:
         if act.op == "compute":
-            work = blocks.get(act.block)
+            work = plan.block_at(rank, *act.block)
             clock += 0.0 if work is None else block_seconds(work, plan.shape, topology, phase)
         elif act.op == "launch":
             link = links[act.step.ring]
