@@ -73,6 +73,7 @@ class BenchConfig:
     warmup: int
     kernel: str
     backward: str
+    schedule: str
     seed: int
 
     @property
@@ -109,7 +110,14 @@ class BenchConfig:
     def plan(self, tile: tuple[int, int]) -> AttentionPlan:
         """The plan ``mesh_attn_func`` builds on every rank for ``tile``."""
         tiling = Tiling(world=self.world, a=tile[0], b=tile[1])
-        return make_plan(tiling, self.shape(), causal=self.causal, layout=self.layout, backward=self.backward)
+        return make_plan(
+            tiling,
+            self.shape(),
+            causal=self.causal,
+            layout=self.layout,
+            backward=self.backward,
+            schedule=self.schedule,
+        )
 
 
 def tile_name(tile: tuple[int, int]) -> str:
@@ -141,6 +149,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str | None]:
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations before the timed ones")
     p.add_argument("--kernel", choices=KERNEL_NAMES, default="cpu_flash")
     p.add_argument("--backward", choices=("regather", "reuse"), default="regather")
+    p.add_argument("--schedule", choices=("overlap", "collective"), default="overlap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
@@ -165,6 +174,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, str | None]:
             warmup=args.warmup,
             kernel=args.kernel,
             backward=args.backward,
+            schedule=args.schedule,
             seed=args.seed,
         )
         check_seq_len(cfg.seq, cfg.world, cfg.layout)
@@ -199,7 +209,15 @@ def bench_mesh(mesh, cfg: BenchConfig) -> dict[str, Any]:
 
     def forward() -> torch.Tensor:
         return mesh_cp.mesh_attn_func(
-            q, k, v, mesh=mesh, causal=cfg.causal, layout=cfg.layout, kernel=cfg.kernel, backward=cfg.backward
+            q,
+            k,
+            v,
+            mesh=mesh,
+            causal=cfg.causal,
+            layout=cfg.layout,
+            kernel=cfg.kernel,
+            backward=cfg.backward,
+            schedule=cfg.schedule,
         )
 
     def clear_grads() -> None:
@@ -407,7 +425,7 @@ def print_config(cfg: BenchConfig, kernel_threads: int) -> None:
         f"B={cfg.batch}  heads={cfg.heads}  kv_heads={cfg.kv_heads}  head_dim={cfg.head_dim}  dtype={cfg.dtype}"
     )
     print(
-        f"causal={cfg.causal} (layout {cfg.layout})  kernel={cfg.kernel}  backward={cfg.backward}  "
+        f"causal={cfg.causal} (layout {cfg.layout})  kernel={cfg.kernel}  backward={cfg.backward}  schedule={cfg.schedule}  "
         f"iters={cfg.iters}  warmup={cfg.warmup}  seed={cfg.seed}"
     )
     print(
