@@ -24,19 +24,20 @@ move unlocks ``i + 1`` blocks for ``t_kv``; take the move with the most blocks p
 time (ties: the cheaper move, then Q), skipping moves after which the path could not finish within
 the buffer budget. Every rank follows the same relative path, so every send has its receive.
 
-*Actions.* The path becomes one list of actions that every rank runs in the same order: launch
-move 1, compute the diagonal block; then for every move ``k``: wait for it, launch move ``k + 1`` (so
-the next transfer runs while the blocks move ``k`` unlocked are computed), compute those blocks.
+*Actions.* The path becomes one list of actions that every rank runs in the same order. Each ring
+keeps one move in flight: its next move is launched as soon as the previous one on that ring has
+been waited for, so the Q ring and the KV ring (different links when the Q-group sits inside a
+node) transfer side by side while blocks are computed. The path orders the waits: for every move in
+path order, wait for it, launch what became ready, compute the blocks the move unlocked.
 Results that belong to other ranks — partial ``(o, lse)`` of rows in forward, ``dq`` of rows and
 ``dk, dv`` of columns in backward — are reduced by a ring reduce-scatter riding along: reduce step
 ``s`` sends the partial of offset ``s + 1`` (already merged with what step ``s - 1`` brought) to the
 next rank and receives the partial of offset ``s + 2``. It is launched right after the block that
-completes offset ``s + 1`` on this rank once step ``s - 1`` has been waited for (pending reduce steps
-are waited for before each move's wait). After ``n - 1`` steps the partial of offset 0 — the rank's
-own chunk — has visited every member. Blocks unlocked by a KV move are computed in the order the
-reduce-scatter needs rows (offsets 1, 2, ..., 0). A chunk is freed after the last action that
-computes with it or forwards it (its send ends at the next move's wait); the buffer budget bounds
-the chunk bytes alive at once.
+completes offset ``s + 1`` on this rank, after waiting for step ``s - 1`` (whose partial it
+carries). After ``n - 1`` steps the partial of offset 0 — the rank's own chunk — has visited every
+member. Blocks unlocked by a KV move are computed in the order the reduce-scatter needs rows
+(offsets 1, 2, ..., 0). A chunk is freed after the last action that computes with it or forwards
+it (its send ends at the next move's wait); the buffer budget bounds the chunk bytes alive at once.
 """
 
 from __future__ import annotations
@@ -164,9 +165,13 @@ def _actions(a: int, b: int, path: tuple[Ring, ...], reduce: tuple[Ring, ...], k
     actions: list[Action] = []
 
     def launch_reduces() -> None:
+        """Launch each ring's next reduce step once its offset is complete, waiting for the previous
+        step first (its partial is part of what this step sends)."""
         for ring in reduce:
             s = next_step[ring]
-            if ring not in pending and s < size[ring] - 1 and remaining[ring][s + 1] == 0:
+            if s < size[ring] - 1 and remaining[ring][s + 1] == 0:
+                if ring in pending:
+                    actions.append(Action("wait", RingStep(ring, "reduce", s - 1)))
                 actions.append(Action("launch", RingStep(ring, "reduce", s)))
                 pending.add(ring)
                 next_step[ring] += 1
@@ -184,23 +189,31 @@ def _actions(a: int, b: int, path: tuple[Ring, ...], reduce: tuple[Ring, ...], k
             remaining["kv"][j] -= 1
             launch_reduces()
 
-    moves = [RingStep(ring, "move", 0) for ring in path]
-    for k, ring in enumerate(path):  # number the moves by the offset they bring
-        moves[k] = RingStep(ring, "move", held[ring])
-        held[ring] += 1
-    held = {"q": 1, "kv": b if kv_present else 1}
-    if moves:
-        actions.append(Action("launch", moves[0]))
+    # Each ring's moves in order, numbered by the offset they bring. A ring's next move is launched as
+    # soon as its previous one has been waited for, so the two rings (different links) run side by
+    # side; the path orders the waits, and so the compute.
+    queued = {
+        ring: [RingStep(ring, "move", k) for k in range(1, size[ring]) if path.count(ring) >= k] for ring in RINGS
+    }
+    busy = dict.fromkeys(RINGS, False)
+
+    def launch_moves() -> None:
+        for ring in RINGS:
+            if not busy[ring] and queued[ring]:
+                actions.append(Action("launch", queued[ring].pop(0)))
+                busy[ring] = True
+
+    launch_moves()
     compute([(0, j) for j in range(held["kv"])])
-    for k, move in enumerate(moves):
-        wait_reduces()
+    for ring in path:
+        move = RingStep(ring, "move", held[ring])
         actions.append(Action("wait", move))
+        busy[ring] = False
         launch_reduces()
-        if k + 1 < len(moves):
-            actions.append(Action("launch", moves[k + 1]))
-        new = held[move.ring]
-        held[move.ring] += 1
-        if move.ring == "q":
+        launch_moves()
+        new = held[ring]
+        held[ring] += 1
+        if ring == "q":
             compute([(new, j) for j in range(held["kv"])])
         else:
             rows = sorted(range(held["q"]), key=lambda i: (i == 0, i))
