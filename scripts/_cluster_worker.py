@@ -96,8 +96,8 @@ def timed(fn: Callable[[], None], calls: int = 1) -> float:
 # 1. Block kernel calibration
 
 
-def calibrate_kernel(cfg: dict[str, Any], rank: Rank) -> dict[str, float]:
-    """Forward and backward seconds of one full ``seq_local x seq_local`` block, all ranks at once."""
+def block_kernel_calls(cfg: dict[str, Any], rank: Rank) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Forward and backward of one full ``seq_local x seq_local`` block on seeded inputs (warmed up)."""
     kernel = get_kernel("cpu_flash")
     gen = torch.Generator().manual_seed(cfg["seed"] + 1000 + rank.rank)
     b, n, h, hkv, d = cfg["batch"], cfg["seq_local"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
@@ -114,8 +114,39 @@ def calibrate_kernel(cfg: dict[str, Any], rank: Rank) -> dict[str, float]:
         kernel.backward(do, q, k, v, lse, delta, causal=False, scale=scale)
 
     backward()  # warm-up
+    return forward, backward
+
+
+def calibrate_kernel(cfg: dict[str, Any], rank: Rank) -> dict[str, float]:
+    """Forward and backward seconds of one full ``seq_local x seq_local`` block, all ranks at once."""
+    forward, backward = block_kernel_calls(cfg, rank)
     calls = cfg["kernel_calls"]
     return {"full_block_fwd_s": timed(forward, calls), "full_block_bwd_s": timed(backward, calls)}
+
+
+def calibrate_host_cost(cfg: dict[str, Any], rank: Rank, rates: dict[str, float], quiet_s: float) -> float:
+    """Compute seconds a rank loses per byte it sends or receives while it computes.
+
+    Every rank runs the forward block kernel ``kernel_calls`` times while streaming a payload to its
+    intra-node neighbour (and receiving one), sized to last about 80% of the quiet kernel time at the
+    shaped rate; the slowdown against ``quiet_s`` (per call, no traffic) over the bytes moved.
+    """
+    forward, _ = block_kernel_calls(cfg, rank)
+    calls = cfg["kernel_calls"]
+    numel = max(int(0.8 * rates["intra_bytes_per_s"] * quiet_s * calls) // 4, 1)
+    payload, inbox = torch.zeros(numel), torch.empty(numel)
+    exchange(rank, "intra", torch.zeros(1024), everyone=True)  # opens the connections
+    dist.barrier()
+    works = [dist.isend(payload, rank.peer("intra", 1)), dist.irecv(inbox, rank.peer("intra", -1))]
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        forward()
+    busy = time.perf_counter() - t0
+    for w in works:
+        w.wait()
+    lost = torch.tensor([max(busy - quiet_s * calls, 0.0) / (2 * 4 * numel)], dtype=torch.float64)
+    dist.all_reduce(lost)
+    return lost.item() / rank.world
 
 
 def wait_for_rates(cfg: dict[str, Any], rank: Rank, calibration: dict[str, float]) -> dict[str, float]:
@@ -344,6 +375,8 @@ def main(config_path: str) -> None:
     rates = wait_for_rates(cfg, rank, calibration)
     log(rank, "probing the links")
     links = probe_links(cfg, rank, rates)
+    calibration["host_s_per_byte"] = calibrate_host_cost(cfg, rank, rates, calibration["full_block_fwd_s"])
+    log(rank, f"compute lost to transfers: {calibration['host_s_per_byte'] * 1e9:.2f} ns per byte sent or received")
     results = run_benchmark(cfg, rank, rates)
     if rank.rank == 0:
         write_json(cfg["results_path"], {"calibration": calibration, "links": links, "configs": results})

@@ -594,8 +594,9 @@ def topology(
     args: argparse.Namespace, calibration: dict[str, float], rates: dict[str, Any], links: dict[str, Any]
 ) -> Topology:
     """The setting as the cost model sees it: the shaped link rates (which one link alone achieves,
-    see the probe), the measured one-way latencies, and the block kernel throughput measured with
-    every rank computing at once."""
+    see the probe), the measured one-way latencies, the block kernel throughput measured with every
+    rank computing at once, and the compute a rank loses per byte it moves meanwhile (16 ranks share
+    the host's cores with the network stack)."""
     pairs = args.seq_local**2 * args.batch * args.heads
     return Topology(
         ranks_per_node=RANKS_PER_NODE,
@@ -605,6 +606,7 @@ def topology(
         inter_latency=links["inter"]["latency_s"],
         pairs_per_second=pairs / calibration["full_block_fwd_s"],
         backward_factor=calibration["full_block_bwd_s"] / calibration["full_block_fwd_s"],
+        host_seconds_per_byte=calibration["host_s_per_byte"],
     )
 
 

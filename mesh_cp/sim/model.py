@@ -18,7 +18,9 @@ at a node boundary sends both rings over its NIC) and pessimistic otherwise.
 
 *Overlapped schedule.* Replays ``plan.overlap(phase).actions``: ``compute`` advances the rank's
 clock by the block time, ``launch`` queues the ring step (``plan.step_bytes``), ``wait`` advances the
-clock to the step's end. Every rank runs the same relative schedule, so when every rank has the same
+clock to the step's end. A transfer also costs the rank ``host_seconds_per_byte`` of compute per byte
+sent and received, owed by the next block (a rank that waits pays nothing: the host is idle).
+Every rank runs the same relative schedule, so when every rank has the same
 block costs per ring offset (zig-zag layout or no mask: the only diagonal block is offset ``(0, 0)``)
 all timelines are equal and rank 0 stands for all. Otherwise (contiguous causal) every rank is replayed
 alone and the slowest is taken; that ignores how a slow rank delays its ring neighbours (a lower bound).
@@ -180,16 +182,17 @@ def _overlap_seconds(plan: AttentionPlan, topology: Topology, phase: str, rank: 
     nbytes, links = plan.step_bytes(phase), group_links(plan.tiling, topology)
     clock, link_free = 0.0, dict.fromkeys(LINK_CLASSES, 0.0)
     ends = {}
+    host = 0.0  # compute time owed to transfers in flight (paid by the next block)
     for act in plan.overlap(phase).actions:
         if act.op == "compute":
             work = plan.block_at(rank, *act.block)
-            clock += 0.0 if work is None else block_seconds(work, plan.shape, topology, phase)
+            clock += host + (0.0 if work is None else block_seconds(work, plan.shape, topology, phase))
+            host = 0.0
         elif act.op == "launch":
-            link = links[act.step.ring]
+            link, size = links[act.step.ring], nbytes[(act.step.ring, act.step.kind)]
             start = max(clock, link_free[link])
-            link_free[link] = ends[act.step] = start + topology.transfer_time(
-                link, nbytes[(act.step.ring, act.step.kind)]
-            )
+            link_free[link] = ends[act.step] = start + topology.transfer_time(link, size)
+            host += 2 * size * topology.host_seconds_per_byte  # every rank sends and receives one
         else:
             clock = max(clock, ends.pop(act.step))
     assert not ends, f"steps launched but never waited for: {sorted(ends, key=str)}"

@@ -49,13 +49,17 @@ class Topology:
     backward_factor: float = 2.5
     """Backward block time divided by forward block time (flash-attention's backward does 2.5x the
     matmul FLOPs of its forward)."""
+    host_seconds_per_byte: float = 0.0
+    """Compute time a rank loses per byte it sends or receives while it computes: the processor time
+    of the network stack on a CPU host, the SMs of communication kernels on a GPU. 0 in the presets
+    (GPU NICs move data by DMA); measured by scripts/emulated_cluster.py for its CPU host."""
 
     def __post_init__(self) -> None:
         rpn = self.ranks_per_node
         if not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1:
             raise ValueError(f"Topology.ranks_per_node must be a positive int (GPUs per node), got {rpn!r}")
         positive = ("intra_bandwidth", "inter_bandwidth", "pairs_per_second", "backward_factor")
-        for name in positive + ("intra_latency", "inter_latency"):
+        for name in positive + ("intra_latency", "inter_latency", "host_seconds_per_byte"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"Topology.{name} must be a finite number, got {value!r}")

@@ -187,6 +187,20 @@ def test_overlap_hides_communication_when_compute_dominates() -> None:
     assert exposed[0] < 0.5 * exposed[1]
 
 
+def test_host_cost_of_transfers_slows_overlapped_compute_only() -> None:
+    """Bytes moved while computing cost the rank compute time; a waiting rank (collective) pays none."""
+    base = topo(bandwidth=1e9, pairs_per_second=1e8)
+    costly = dataclasses.replace(base, host_seconds_per_byte=1e-8)
+    plan = make_plan(Tiling(world=16, a=4, b=4), shape(), causal=True, layout="zigzag")
+    moved = sum(
+        2 * plan.step_bytes(phase)[(step.ring, step.kind)] for phase in PHASES for step in plan.overlap(phase).steps()
+    )
+    slower = simulate(plan, costly).time - simulate(plan, base).time
+    assert 0 < slower <= moved * 1e-8 + 1e-12
+    collective = dataclasses.replace(plan, schedule="collective")
+    assert simulate(collective, costly).time == simulate(collective, base).time
+
+
 # ----------------------------------------------------------------------------------------------
 # Ulysses
 
