@@ -307,13 +307,30 @@ def auto_tile_worker(rank: int, world: int) -> dict:
         r"memory_budget 1 bytes is below the peak of every tile",
         lambda: mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology, shape=shape, memory_budget=1),
     )
-    # The chosen mesh and the topology-ordered schedule are exact.
+    # A buffer budget at the least any path needs streams one ring; one byte less is refused.
+    from mesh_cp.core import make_plan
+    from mesh_cp.core.schedule import minimum_budget
+    from mesh_cp.runtime.attention import attention_shape
+
+    q4, k4, v4 = (torch.randn(1, 8, 4, 16, dtype=torch.float64) for _ in range(3))
+    plan = make_plan(fixed.tiling, attention_shape(q4, k4, v4), causal=True, layout="zigzag")
+    q_bytes, kv_bytes = plan.chunk_bytes()
+    least = minimum_budget(2, 2, False, q_bytes, kv_bytes)
+    enough = minimum_budget(2, 2, False, 2 * q_bytes, kv_bytes)  # backward holds q and dO per Q chunk
+    _expect(
+        res,
+        "budget too small",
+        ValueError,
+        rf"buffer budget {least - 1} bytes is too small for the 2x2 tile.* at least {least} bytes",
+        lambda: mesh_cp.mesh_attn_func(q4, k4, v4, mesh=fixed, buffer_budget=least - 1),
+    )
+    # The chosen mesh, the topology-ordered schedule and the streaming one under a budget are exact.
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 32, 4, 16, generator=gen, dtype=torch.float64) for _ in range(3))
     ref, _ = reference_attention(q, k, v, causal=True)
-    for name, m in (("auto", mesh), ("topology 2x2", fixed)):
+    for name, m, budget in (("auto", mesh, None), ("topology 2x2", fixed, None), ("budget", fixed, enough)):
         local = [mesh_cp.shard_sequence(t, mesh=m, dim=1, layout="zigzag") for t in (q, k, v)]
-        out = mesh_cp.mesh_attn_func(*local, mesh=m, causal=True)
+        out = mesh_cp.mesh_attn_func(*local, mesh=m, causal=True, buffer_budget=budget)
         err = (out - mesh_cp.shard_sequence(ref, mesh=m, dim=1, layout="zigzag")).abs().max().item()
         res[f"{name} exact"] = err < 1e-12 or err
     return res
