@@ -1,1 +1,197 @@
-"""mesh_cp adapter for hf (see the README's "Integrations" section)."""
+"""Hugging Face transformers: the ``mesh_cp`` attention implementation and exact sequence sharding.
+
+::
+
+    import mesh_cp
+    from mesh_cp.integrations import hf
+
+    hf.register()                                     # once per process (idempotent)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="mesh_cp")
+    hf.attach(model, mesh)                            # every attention layer runs over this CP mesh
+    batch = hf.shard_batch(input_ids, mesh=mesh)      # this rank's input_ids, global position_ids, shift_labels
+    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+    loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
+    loss.backward()                                   # then sum parameter gradients over the CP group
+
+Each rank's ``loss`` is its share of the global mean (token losses summed over its shard, divided by
+the label count of the whole sequence), so the loss is the sum over the CP group and so is every
+parameter gradient (:func:`reduce_gradients`). Labels are shifted on the *full* sequence before
+sharding, so the last token of every shard keeps its label.
+
+What is supported is checked, never dropped: a padding mask is accepted only when it pads on the
+right (exact under causal attention, the padded tokens get no label); left or inner padding, 4-D
+masks, sliding windows, softcapping and attention dropout raise with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import mesh_cp
+from mesh_cp.runtime.mesh import CPMesh
+
+NAME = "mesh_cp"
+IGNORE_INDEX = -100
+
+
+def mesh_cp_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers attention function: ``query (B, Hq, S, D)``, ``key/value (B, Hkv, S, D)`` of this
+    rank's shard -> ``((B, S, Hq, D), None)`` over the whole sequence of the module's CP mesh."""
+    mesh = getattr(module, "mesh_cp_mesh", None)
+    if mesh is None:
+        raise ValueError(
+            f"{type(module).__name__} uses attn_implementation='mesh_cp' but has no CP mesh; "
+            f"call mesh_cp.integrations.hf.attach(model, mesh) after building the model"
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            f"mesh_cp attention got a {attention_mask.dim()}-D attention mask of shape {tuple(attention_mask.shape)}; "
+            f"only causal or full attention is supported: drop the mask, or right-pad and use shard_batch"
+        )
+    if dropout:
+        raise NotImplementedError(f"attention dropout {dropout} is not supported by mesh_cp; set attention_dropout=0")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(
+            f"sliding_window={kwargs['sliding_window']} is not supported by mesh_cp yet; set config.sliding_window=None "
+            f"(or use_sliding_window=False) for full attention"
+        )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"attention softcap {kwargs['softcap']} is not supported by mesh_cp yet")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = mesh_cp.mesh_attn_func(
+        q, k, v, mesh=mesh, causal=bool(getattr(module, "is_causal", True)), softmax_scale=scaling
+    )
+    return out, None
+
+
+def mesh_cp_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: Tensor | None = None,
+    **kwargs,
+) -> None:
+    """transformers mask function: no mask is built (the mesh applies causality itself); a 2-D padding
+    mask with any zero is refused — :func:`shard_batch` turns right padding into ignored labels."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "mesh_cp attention does not take padding masks: right-pad the batch and pass attention_mask to "
+            "mesh_cp.integrations.hf.shard_batch (padded tokens then get no label), not to the model"
+        )
+    return None
+
+
+def register() -> None:
+    """Register ``attn_implementation="mesh_cp"`` with transformers' attention and mask interfaces."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, mesh_cp_attention)
+    AttentionMaskInterface.register(NAME, mesh_cp_mask)
+
+
+def attach(model: torch.nn.Module, mesh: CPMesh) -> torch.nn.Module:
+    """Switch ``model`` to ``attn_implementation="mesh_cp"`` and give every attention layer ``mesh``."""
+    if not isinstance(mesh, CPMesh):
+        raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
+    register()
+    model.set_attn_implementation(NAME)
+    layers = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no attention layers (modules with is_causal) to attach to")
+    for layer in layers:
+        layer.mesh_cp_mesh = mesh
+    return model
+
+
+@dataclass(frozen=True)
+class ShardedBatch:
+    """One CP rank's share of a causal-LM batch."""
+
+    input_ids: Tensor
+    """``(batch, seq_local)`` token ids of this rank's shard."""
+    position_ids: Tensor
+    """``(batch, seq_local)`` global positions (pass them to the model: it would number the shard from 0)."""
+    shift_labels: Tensor
+    """``(batch, seq_local)`` next-token labels, shifted on the full sequence; ``-100`` where none."""
+    num_items_in_batch: int
+    """Labels that count in the whole batch (every shard of this CP group together)."""
+
+
+def shard_batch(
+    input_ids: Tensor,
+    *,
+    mesh: CPMesh,
+    labels: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    layout: str = "zigzag",
+) -> ShardedBatch:
+    """Shift labels on the full ``(batch, seq)`` sequence, then give this rank its shard (see module doc).
+
+    ``labels`` default to ``input_ids``; ``-100`` marks tokens without a label. A right-padding
+    ``attention_mask`` (ones then zeros per row) is exact under causal attention: the padded tokens
+    get no label and no real token attends to them. Left or inner padding is refused.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+    labels = input_ids if labels is None else labels
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+    labels = labels.clone()
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+            )
+        keep = attention_mask.bool()
+        if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
+            raise ValueError(
+                "attention_mask pads on the left or inside a sequence; mesh_cp supports right padding only "
+                "(tokenizer padding_side='right')"
+            )
+        labels[~keep] = IGNORE_INDEX
+    shift = torch.full_like(labels, IGNORE_INDEX)
+    shift[:, :-1] = labels[:, 1:]
+    positions = mesh_cp.position_ids(input_ids.shape[1], mesh=mesh, layout=layout).to(input_ids.device)
+    return ShardedBatch(
+        input_ids=mesh_cp.shard_sequence(input_ids, mesh=mesh, dim=1, layout=layout),
+        position_ids=positions.unsqueeze(0).expand(input_ids.shape[0], -1),
+        shift_labels=mesh_cp.shard_sequence(shift, mesh=mesh, dim=1, layout=layout),
+        num_items_in_batch=int((shift != IGNORE_INDEX).sum()),
+    )
+
+
+def causal_lm_loss(logits: Tensor, shift_labels: Tensor, num_items_in_batch: int) -> Tensor:
+    """This rank's share of the mean next-token loss: its token losses summed, over the global count."""
+    if num_items_in_batch < 1:
+        raise ValueError(f"num_items_in_batch must be >= 1 (labels that count in the batch), got {num_items_in_batch}")
+    summed = torch.nn.functional.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return summed / num_items_in_batch
+
+
+def reduce_gradients(model: torch.nn.Module, mesh: CPMesh) -> None:
+    """Sum every parameter gradient over the CP group (each rank holds the gradient of its loss share)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=mesh.group)

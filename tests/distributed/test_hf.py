@@ -1,0 +1,190 @@
+"""transformers models with attn_implementation="mesh_cp" against the single-process SDPA model.
+
+Tiny random-weight Llama (MHA and GQA), Qwen2 and Mistral: at P = 4 (tiles 2x2 and 1x4) and P = 2,
+logits, loss and every parameter gradient match the stock model to 1e-5 (fp32), and so do the
+parameters after 3 SGD steps with momentum. Right padding is exact; left padding, model-level padding masks and
+sliding windows are refused with their reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import mesh_cp  # noqa: E402
+from mesh_cp.core import factorizations  # noqa: E402
+from tests.distributed.harness import run_distributed  # noqa: E402
+
+TOL = 1e-5
+SEQ = 48
+BATCH = 2
+VOCAB = 96
+
+
+def configs() -> dict:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        attention_dropout=0.0,
+    )
+    return {
+        "llama": LlamaConfig(**common, num_key_value_heads=4),
+        "llama-gqa": LlamaConfig(**common, num_key_value_heads=2),
+        "qwen2": Qwen2Config(**common, num_key_value_heads=2, use_sliding_window=False),
+        "mistral": MistralConfig(**common, num_key_value_heads=2, sliding_window=None),
+    }
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def compare(model_name: str, config, mesh, attention_mask=None) -> dict[str, float]:
+    """Max errors of the mesh model against the stock SDPA model: logits, loss, grads, params after 3 steps."""
+    import torch.distributed as dist
+    from mesh_cp.integrations import hf
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = hf.attach(copy.deepcopy(ref), mesh)
+    gen = torch.Generator().manual_seed(1)
+    errors: dict[str, float] = {}
+    # SGD with momentum: Adam would turn roundoff-sized gradients of parameters whose exact gradient is
+    # zero (the k bias of Qwen2: a constant added to a whole row of scores) into full-size steps.
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    for step in range(3):
+        input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
+        out = ref(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        out.loss.backward()
+
+        batch = hf.shard_batch(input_ids, mesh=mesh, attention_mask=attention_mask)
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+        loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
+        loss.backward()
+        hf.reduce_gradients(model, mesh)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=mesh.group)
+        if step == 0:
+            shard_ref = mesh_cp.shard_sequence(out.logits.detach(), mesh=mesh, dim=1, layout="zigzag")
+            if attention_mask is not None:  # padded positions have no label: compare real tokens only
+                real = mesh_cp.shard_sequence(attention_mask, mesh=mesh, dim=1, layout="zigzag").bool()
+                errors["logits"] = _max_err(logits.detach()[real], shard_ref[real])
+            else:
+                errors["logits"] = _max_err(logits.detach(), shard_ref)
+            errors["loss"] = abs(total.item() - out.loss.item())
+            errors["grads"] = max(
+                _max_err(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+            )
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    errors["params after 3 steps"] = max(
+        _max_err(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+    return {f"{model_name} {k}": v for k, v in errors.items()}
+
+
+def hf_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from mesh_cp.integrations import hf
+
+    results: dict = {}
+    tiles = [(2, 2), (1, 4)] if world == 4 else factorizations(world)
+    for tile in tiles:
+        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
+        for name, config in configs().items():
+            for key, err in compare(name, config, mesh).items():
+                results[f"{tile[0]}x{tile[1]} {key}"] = err
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2) if world == 4 else (1, world))
+    if world == 4:
+        right = torch.ones(BATCH, SEQ, dtype=torch.long)
+        right[0, SEQ - 11 :] = 0
+        right[1, SEQ - 3 :] = 0
+        for key, err in compare("llama-gqa right-padded", configs()["llama-gqa"], mesh, attention_mask=right).items():
+            results[key] = err
+        checks = _refusals(mesh, hf)
+        results |= checks
+    return results
+
+
+def _refusals(mesh, hf) -> dict:
+    """Unsupported inputs raise with their reason (never silently dropped)."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    checks = {}
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    left = torch.ones(BATCH, SEQ, dtype=torch.long)
+    left[0, :5] = 0
+
+    def expect(name, exc, pattern, fn):
+        try:
+            fn()
+        except exc as err:
+            checks[name] = bool(re.search(pattern, str(err))) or f"wrong message: {err}"
+        else:
+            checks[name] = "did not raise"
+
+    expect(
+        "left padding refused",
+        ValueError,
+        "right padding only",
+        lambda: hf.shard_batch(ids, mesh=mesh, attention_mask=left),
+    )
+    model = hf.attach(AutoModelForCausalLM.from_config(configs()["llama"]), mesh)
+    batch = hf.shard_batch(ids, mesh=mesh)
+    local_mask = torch.ones_like(batch.input_ids)
+    local_mask[0, 0] = 0
+    expect(
+        "model padding mask refused",
+        ValueError,
+        "does not take padding masks",
+        lambda: model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=local_mask),
+    )
+    windowed = MistralConfig(**{**configs()["mistral"].to_dict(), "sliding_window": 16})
+    windowed_model = hf.attach(AutoModelForCausalLM.from_config(windowed), mesh)
+    expect(
+        "sliding window refused",
+        NotImplementedError,
+        "sliding_window=16 is not supported",
+        lambda: windowed_model(input_ids=batch.input_ids, position_ids=batch.position_ids),
+    )
+    bare = AutoModelForCausalLM.from_config(configs()["llama"])
+    hf.register()
+    bare.set_attn_implementation("mesh_cp")
+    expect(
+        "no mesh attached",
+        ValueError,
+        r"call mesh_cp.integrations.hf.attach\(model, mesh\)",
+        lambda: bare(input_ids=batch.input_ids, position_ids=batch.position_ids),
+    )
+    return checks
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_hf_models_match_single_process_sdpa(world: int) -> None:
+    for rank, res in enumerate(run_distributed(hf_worker, world)):
+        assert res, f"rank {rank} ran nothing"
+        refusals = {k: v for k, v in res.items() if isinstance(v, (bool, str))}
+        assert all(v is True for v in refusals.values()), f"rank {rank}: {refusals}"
+        errors = {k: v for k, v in res.items() if not isinstance(v, (bool, str))}
+        bad = {k: v for k, v in errors.items() if not v <= TOL}
+        assert not bad, f"rank {rank}: errors above {TOL}: {bad}"
+        tiles = ["2x2", "1x4"] if world == 4 else [f"{a}x{b}" for a, b in factorizations(world)]
+        metrics = ("logits", "loss", "grads", "params after 3 steps")
+        expected = {f"{t} {m} {metric}" for t in tiles for m in configs() for metric in metrics}
+        if world == 4:
+            expected |= {f"llama-gqa right-padded {metric}" for metric in metrics}
+        assert set(errors) == expected, sorted(set(errors) ^ expected)
