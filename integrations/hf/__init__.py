@@ -195,3 +195,56 @@ def reduce_gradients(model: torch.nn.Module, mesh: CPMesh) -> None:
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, group=mesh.group)
+
+
+@dataclass(frozen=True, eq=False)
+class DataContextParallel:
+    """Data parallel x context parallel over a process group: CP inner, DP outer.
+
+    Rank ``r`` of ``group`` is CP rank ``r % cp_size`` of data-parallel replica ``r // cp_size``; each
+    replica's CP group is tiled as a :class:`CPMesh`. Gradients are summed over the CP group (the loss
+    is split across it) and averaged over the replicas, in one all-reduce over ``group``.
+    """
+
+    mesh: CPMesh
+    """This replica's CP mesh."""
+    group: dist.ProcessGroup
+    """All DP x CP ranks."""
+    dp_group: dist.ProcessGroup
+    """The ranks holding the same CP rank in every replica."""
+    dp_size: int
+    dp_rank: int
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup, *, cp_size: int, tile, **mesh_options) -> DataContextParallel:
+        """Split ``group`` into ``size / cp_size`` replicas of ``cp_size`` consecutive ranks; ``tile`` and
+        ``mesh_options`` (``topology``, ``shape``, ``memory_budget``) go to :meth:`CPMesh.create`."""
+        if group is None:
+            raise ValueError("group=None is not accepted: pass the process group to split (e.g. dist.group.WORLD)")
+        world = dist.get_world_size(group)
+        if not isinstance(cp_size, int) or cp_size < 1 or world % cp_size:
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            raise ValueError(
+                f"cp_size {cp_size!r} must divide the {world} ranks of the group; choose one of {divisors}"
+            )
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_rank(group)
+        dp_rank, cp_rank = divmod(me, cp_size)
+        backend = dist.get_backend(group)
+        # Every rank creates its CP group, then its DP group; groups of one kind are disjoint.
+        cp_group = dist.new_group(
+            ranks[dp_rank * cp_size : (dp_rank + 1) * cp_size], backend=backend, use_local_synchronization=True
+        )
+        dp_group = dist.new_group(ranks[cp_rank::cp_size], backend=backend, use_local_synchronization=True)
+        mesh = CPMesh.create(cp_group, tile=tile, **mesh_options)
+        return cls(mesh=mesh, group=group, dp_group=dp_group, dp_size=world // cp_size, dp_rank=dp_rank)
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum gradients over CP and average them over DP (one all-reduce over all DP x CP ranks)."""
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad.div_(self.dp_size)
+
+    def __str__(self) -> str:
+        return f"DP({self.dp_size}) x {self.mesh}, replica {self.dp_rank}"

@@ -188,3 +188,51 @@ def test_hf_models_match_single_process_sdpa(world: int) -> None:
         if world == 4:
             expected |= {f"llama-gqa right-padded {metric}" for metric in metrics}
         assert set(errors) == expected, sorted(set(errors) ^ expected)
+
+
+def dp_cp_worker(rank: int, world: int) -> dict:
+    """DP 2 x CP 2 (tile 1x2 and 2x1): each replica trains on its own batch; the DP-averaged update must
+    equal the single-process model trained on the mean of the replicas' losses."""
+    import torch.distributed as dist
+    from mesh_cp.integrations import hf
+    from transformers import AutoModelForCausalLM
+
+    results: dict = {}
+    for tile in ((1, 2), (2, 1)):
+        layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=tile)
+        results[f"{tile} layout"] = (layout.dp_size, layout.dp_rank, list(layout.mesh.global_ranks))
+        torch.manual_seed(0)
+        ref = AutoModelForCausalLM.from_config(configs()["llama-gqa"], attn_implementation="sdpa")
+        model = hf.attach(copy.deepcopy(ref), layout.mesh)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(layout.dp_size)]
+            ref_loss = sum(ref(input_ids=b, labels=b).loss for b in batches) / len(batches)
+            ref_loss.backward()
+            batch = hf.shard_batch(batches[layout.dp_rank], mesh=layout.mesh)
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+            hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch).backward()
+            layout.reduce_gradients(model)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        results[f"{tile} params after 3 steps"] = max(
+            _max_err(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+        )
+    try:
+        hf.DataContextParallel.create(dist.group.WORLD, cp_size=3, tile=(1, 3))
+    except ValueError as err:
+        results["cp_size refused"] = "must divide the 4 ranks" in str(err) or str(err)
+    else:
+        results["cp_size refused"] = "did not raise"
+    return results
+
+
+def test_dp_by_cp_averages_over_dp_and_sums_over_cp() -> None:
+    per_rank = run_distributed(dp_cp_worker, 4)
+    for rank, res in enumerate(per_rank):
+        assert res["cp_size refused"] is True, res["cp_size refused"]
+        for tile in ((1, 2), (2, 1)):
+            assert res[f"{tile} layout"] == (2, rank // 2, [2 * (rank // 2), 2 * (rank // 2) + 1])
+            assert res[f"{tile} params after 3 steps"] <= TOL, (rank, tile, res)
