@@ -25,6 +25,8 @@ masks, sliding windows, softcapping and attention dropout raise with the reason.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -175,6 +177,47 @@ def shard_batch(
         shift_labels=mesh_cp.shard_sequence(shift, mesh=mesh, dim=1, layout=layout),
         num_items_in_batch=int((shift != IGNORE_INDEX).sum()),
     )
+
+
+class ShardingCollator:
+    """``DataLoader`` collate function: right-pad examples to a length the layout accepts, shift labels
+    on the full sequences, and return this CP rank's shard, ready for ``model(**batch)``.
+
+    Every rank of a CP group must see the same examples (same sampler seed, no DP split inside the
+    group). The batch holds ``input_ids``, ``position_ids``, ``labels`` and ``shift_labels`` (both the
+    shifted labels: transformers' causal-LM loss uses ``shift_labels`` when given) and
+    ``num_items_in_batch``, so the model's own ``loss`` is this rank's share of the global mean.
+    """
+
+    def __init__(self, mesh: CPMesh, *, pad_token_id: int, layout: str = "zigzag", pad_to_multiple_of: int = 1):
+        if not isinstance(mesh, CPMesh):
+            raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
+        if pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+        self.mesh, self.pad_token_id, self.layout = mesh, pad_token_id, layout
+        parts = 2 * mesh.size if layout == "zigzag" else mesh.size
+        self.multiple = math.lcm(parts, pad_to_multiple_of)
+
+    def __call__(self, examples: Sequence[Mapping[str, Sequence[int]] | Sequence[int]]) -> dict[str, Tensor]:
+        ids = [torch.as_tensor(e["input_ids"] if isinstance(e, Mapping) else e, dtype=torch.long) for e in examples]
+        labels = [
+            torch.as_tensor(e["labels"], dtype=torch.long) if isinstance(e, Mapping) and "labels" in e else i
+            for e, i in zip(examples, ids, strict=True)
+        ]
+        length = -(-max(len(i) for i in ids) // self.multiple) * self.multiple
+        input_ids = torch.full((len(ids), length), self.pad_token_id, dtype=torch.long)
+        label_ids = torch.full_like(input_ids, IGNORE_INDEX)
+        mask = torch.zeros_like(input_ids)
+        for row, (i, lab) in enumerate(zip(ids, labels, strict=True)):
+            input_ids[row, : len(i)], label_ids[row, : len(lab)], mask[row, : len(i)] = i, lab, 1
+        batch = shard_batch(input_ids, mesh=self.mesh, labels=label_ids, attention_mask=mask, layout=self.layout)
+        return {
+            "input_ids": batch.input_ids,
+            "position_ids": batch.position_ids,
+            "labels": batch.shift_labels,
+            "shift_labels": batch.shift_labels,
+            "num_items_in_batch": torch.tensor(batch.num_items_in_batch),
+        }
 
 
 def causal_lm_loss(logits: Tensor, shift_labels: Tensor, num_items_in_batch: int) -> Tensor:

@@ -236,3 +236,40 @@ def test_dp_by_cp_averages_over_dp_and_sums_over_cp() -> None:
         for tile in ((1, 2), (2, 1)):
             assert res[f"{tile} layout"] == (2, rank // 2, [2 * (rank // 2), 2 * (rank // 2) + 1])
             assert res[f"{tile} params after 3 steps"] <= TOL, (rank, tile, res)
+
+
+def collator_worker(rank: int, world: int) -> dict:
+    """Ragged examples through ShardingCollator: the model's own loss (shift_labels, num_items_in_batch)
+    summed over the CP group equals the stock model's mean loss on the right-padded batch."""
+    import torch.distributed as dist
+    from mesh_cp.integrations import hf
+    from transformers import AutoModelForCausalLM
+
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2))
+    gen = torch.Generator().manual_seed(4)
+    examples = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=gen).tolist()} for n in (37, 21, 30)]
+    batch = hf.ShardingCollator(mesh, pad_token_id=0)(examples)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(configs()["llama"], attn_implementation="sdpa")
+    model = hf.attach(copy.deepcopy(ref), mesh)
+    loss = model(**batch).loss
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=mesh.group)
+    padded = torch.zeros(3, 40, dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for row, e in enumerate(examples):
+        padded[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
+        mask[row, : len(e["input_ids"])] = 1
+    ref_loss = ref(input_ids=padded, attention_mask=mask, labels=padded.masked_fill(mask == 0, -100)).loss
+    return {
+        "shape": tuple(batch["input_ids"].shape),
+        "loss error": abs(total.item() - ref_loss.item()),
+        "items": int(batch["num_items_in_batch"]),
+    }
+
+
+def test_collator_pads_shards_and_gives_the_models_own_loss() -> None:
+    for rank, res in enumerate(run_distributed(collator_worker, 4)):
+        assert res["shape"] == (3, 10), res  # 37 tokens padded to 40 (a multiple of 2P = 8), 10 per rank
+        assert res["items"] == 36 + 20 + 29, res
+        assert res["loss error"] <= TOL, (rank, res)
