@@ -53,8 +53,9 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def compare(model_name: str, config, mesh, attention_mask=None) -> dict[str, float]:
     """Max errors of the mesh model against the stock SDPA model: logits, loss, grads, params after 3 steps."""
     import torch.distributed as dist
-    from mesh_cp.integrations import hf
     from transformers import AutoModelForCausalLM
+
+    from mesh_cp.integrations import hf
 
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
@@ -99,6 +100,7 @@ def compare(model_name: str, config, mesh, attention_mask=None) -> dict[str, flo
 
 def hf_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
+
     from mesh_cp.integrations import hf
 
     results: dict = {}
@@ -194,8 +196,9 @@ def dp_cp_worker(rank: int, world: int) -> dict:
     """DP 2 x CP 2 (tile 1x2 and 2x1): each replica trains on its own batch; the DP-averaged update must
     equal the single-process model trained on the mean of the replicas' losses."""
     import torch.distributed as dist
-    from mesh_cp.integrations import hf
     from transformers import AutoModelForCausalLM
+
+    from mesh_cp.integrations import hf
 
     results: dict = {}
     for tile in ((1, 2), (2, 1)):
@@ -242,8 +245,9 @@ def collator_worker(rank: int, world: int) -> dict:
     """Ragged examples through ShardingCollator: the model's own loss (shift_labels, num_items_in_batch)
     summed over the CP group equals the stock model's mean loss on the right-padded batch."""
     import torch.distributed as dist
-    from mesh_cp.integrations import hf
     from transformers import AutoModelForCausalLM
+
+    from mesh_cp.integrations import hf
 
     mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2))
     gen = torch.Generator().manual_seed(4)

@@ -1,0 +1,177 @@
+"""Long-context fine-tuning of a causal LM with Mesh-Attention context parallelism, under ``accelerate launch``.
+
+On CPU (4 gloo processes, 2x2 mesh, 8192-token sequences)::
+
+    ACCELERATE_USE_CPU=true .venv/bin/accelerate launch --config_file configs/accelerate_mesh_cp.yaml \\
+        integrations/accelerate/finetune.py --cp 4 --tile 2x2
+
+The processes form DP x CP replicas (``--cp`` consecutive ranks per replica, tiled ``--tile``); each
+replica trains on its own sequences, every rank of a replica holds a zig-zag shard of them. The text
+is the Python standard library's source and the tokenizer a BPE trained on it (no downloads).
+``--reference`` also trains, on rank 0, an unsharded copy with stock SDPA attention on the same global
+batches and prints both loss curves side by side. ``--checkpoint-dir`` saves every ``--save-every``
+steps and resumes from the latest checkpoint there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from pathlib import Path
+
+import torch
+import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at exit otherwise)
+import torch.distributed as dist
+
+from mesh_cp.core import most_square_tile
+from mesh_cp.integrations import hf
+from mesh_cp.integrations.accelerate import local_corpus, token_sequences, train_tokenizer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--cp", type=int, default=None, help="ranks per CP group (default: all processes)")
+    p.add_argument("--tile", default=None, help="mesh tile AxB with A*B = --cp (default: the most square)")
+    p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (a multiple of 2*cp)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per DP replica and step")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--hidden", type=int, default=64, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size")
+    p.add_argument("--corpus-mb", type=float, default=4.0, help="megabytes of text to train on")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights")
+    p.add_argument("--reference", action="store_true", help="also train an unsharded SDPA copy on rank 0")
+    p.add_argument("--checkpoint-dir", default=None, help="save here and resume from the latest checkpoint")
+    p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints")
+    return p.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace, vocab_size: int, pad_token_id: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq_len,
+        pad_token_id=pad_token_id,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(args.seed)
+    return LlamaForCausalLM(config)
+
+
+def replica_batch(sequences: torch.Tensor, step: int, replica: int, replicas: int, batch: int) -> torch.Tensor:
+    """The sequences replica ``replica`` trains on at ``step`` (every rank can compute every replica's)."""
+    first = (step * replicas + replica) * batch
+    return sequences[torch.arange(first, first + batch) % len(sequences)]
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    found = sorted(directory.glob("step_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    return found[-1] if found else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    from accelerate import Accelerator
+    from tqdm import tqdm
+
+    args = parse_args(argv)
+    accelerator = Accelerator()
+    world = accelerator.num_processes
+    if not dist.is_initialized():
+        raise RuntimeError("run under `accelerate launch` with several processes (see the module docstring)")
+    cp = args.cp or world
+    tile = args.tile or "x".join(map(str, most_square_tile(cp)))
+    layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=cp, tile=tile)
+    main_rank = accelerator.is_main_process
+    if main_rank:
+        print(f"{world} processes: {layout}")
+
+    text = local_corpus(int(args.corpus_mb * 1e6))
+    tokenizer = train_tokenizer(text, args.vocab)
+    sequences = token_sequences(text, tokenizer, args.seq_len)
+    model = build_model(args, len(tokenizer), tokenizer.pad_token_id)
+    reference = copy.deepcopy(model) if args.reference and main_rank else None
+    hf.attach(model, layout.mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if reference is not None else None
+
+    start = 0
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if ckpt_dir is not None and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if reference is not None and "reference" in state:
+            reference.load_state_dict(state["reference"])
+            ref_optimizer.load_state_dict(state["reference_optimizer"])
+        start = state["step"]
+        if main_rank:
+            print(f"resumed from {ckpt} at step {start}")
+
+    tokens_per_step = args.batch * layout.dp_size * args.seq_len
+    bar = tqdm(range(start, args.steps), disable=not main_rank, desc="fine-tuning", unit="step")
+    for step in bar:
+        t0 = time.perf_counter()
+        batch = hf.shard_batch(
+            replica_batch(sequences, step, layout.dp_rank, layout.dp_size, args.batch), mesh=layout.mesh
+        )
+        with accelerator.autocast():
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+            loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
+        loss.backward()
+        layout.reduce_gradients(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # sum over CP of the shares, summed over replicas ...
+        total /= layout.dp_size  # ... then averaged over them
+        seconds = time.perf_counter() - t0
+        postfix = {"loss": f"{total.item():.4f}", "tok/s": f"{tokens_per_step / seconds:,.0f}", "seq": args.seq_len}
+        if reference is not None:
+            ref_loss = (
+                sum(
+                    reference(input_ids=b, labels=b).loss
+                    for b in (
+                        replica_batch(sequences, step, r, layout.dp_size, args.batch) for r in range(layout.dp_size)
+                    )
+                )
+                / layout.dp_size
+            )
+            ref_loss.backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            postfix["reference"] = f"{ref_loss.item():.4f}"
+            bar.write(f"step {step + 1:3d}  mesh_cp loss {total.item():.6f}  reference loss {ref_loss.item():.6f}")
+        bar.set_postfix(postfix)
+        if ckpt_dir is not None and (step + 1) % args.save_every == 0:
+            save(ckpt_dir, step + 1, model, optimizer, reference, ref_optimizer, main_rank)
+    if main_rank:
+        print(f"done: {args.steps} steps, final loss {total.item():.4f}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save(directory: Path, step: int, model, optimizer, reference, ref_optimizer, main_rank: bool) -> None:
+    """Rank 0 writes the (replicated) model and optimizer state; every rank waits for it."""
+    if main_rank:
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        if reference is not None:
+            state |= {"reference": reference.state_dict(), "reference_optimizer": ref_optimizer.state_dict()}
+        torch.save(state, directory / f"step_{step}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
