@@ -16,7 +16,9 @@ steps and resumes from the latest checkpoint there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import statistics
 import time
 from pathlib import Path
 
@@ -24,6 +26,7 @@ import torch
 import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at exit otherwise)
 import torch.distributed as dist
 
+import mesh_cp
 from mesh_cp.core import most_square_tile
 from mesh_cp.integrations import hf
 from mesh_cp.integrations.accelerate import local_corpus, token_sequences, train_tokenizer
@@ -120,16 +123,21 @@ def main(argv: list[str] | None = None) -> None:
             print(f"resumed from {ckpt} at step {start}")
 
     tokens_per_step = args.batch * layout.dp_size * args.seq_len
+    rates: list[float] = []
+    sent = None  # bytes this rank sends in one step, counted on the first step
     bar = tqdm(range(start, args.steps), disable=not main_rank, desc="fine-tuning", unit="step")
     for step in bar:
         t0 = time.perf_counter()
         batch = hf.shard_batch(
             replica_batch(sequences, step, layout.dp_rank, layout.dp_size, args.batch), mesh=layout.mesh
         )
-        with accelerator.autocast():
+        counter = mesh_cp.CommCounter() if sent is None else contextlib.nullcontext()
+        with counter, accelerator.autocast():
             logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
             loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
-        loss.backward()
+            loss.backward()
+        if sent is None:
+            sent = counter.bytes_by_role(layout.mesh)
         layout.reduce_gradients(model)
         optimizer.step()
         optimizer.zero_grad()
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_reduce(total)  # sum over CP of the shares, summed over replicas ...
         total /= layout.dp_size  # ... then averaged over them
         seconds = time.perf_counter() - t0
+        rates.append(tokens_per_step / seconds)
         postfix = {"loss": f"{total.item():.4f}", "tok/s": f"{tokens_per_step / seconds:,.0f}", "seq": args.seq_len}
         if reference is not None:
             ref_loss = (
@@ -156,8 +165,13 @@ def main(argv: list[str] | None = None) -> None:
         bar.set_postfix(postfix)
         if ckpt_dir is not None and (step + 1) % args.save_every == 0:
             save(ckpt_dir, step + 1, model, optimizer, reference, ref_optimizer, main_rank)
-    if main_rank:
-        print(f"done: {args.steps} steps, final loss {total.item():.4f}")
+    if main_rank and rates:
+        attention_bytes = sent.get("q", 0) + sent.get("kv", 0)
+        print(
+            f"done: {args.steps} steps, final loss {total.item():.4f}; median {statistics.median(rates):,.0f} tokens/s; "
+            f"attention traffic {attention_bytes:,d} bytes per rank per step (rank 0; Q-group {sent.get('q', 0):,d}, "
+            f"KV-group {sent.get('kv', 0):,d})"
+        )
     dist.barrier()
     dist.destroy_process_group()
 
