@@ -291,3 +291,51 @@ class DataContextParallel:
 
     def __str__(self) -> str:
         return f"DP({self.dp_size}) x {self.mesh}, replica {self.dp_rank}"
+
+
+def mesh_cp_trainer_class():
+    """``transformers.Trainer`` subclass that trains with a :class:`DataContextParallel` layout.
+
+    ``MeshCPTrainer(model=..., args=..., train_dataset=..., layout=layout, pad_token_id=...)``: attaches
+    the layout's mesh to the model, feeds every rank of a CP group the same examples (a
+    ``DistributedSampler`` over the DP replicas) through :class:`ShardingCollator`, and lets Trainer's
+    own token counting do the rest: with ``average_tokens_across_devices`` (required) the loss is the
+    model's sum over this rank's tokens over the label count of all ranks, times the world size, so
+    the DDP gradient mean over all DP x CP ranks is the gradient of the global mean loss.
+    """
+    from torch.utils.data import DataLoader, DistributedSampler
+    from transformers import Trainer
+
+    class MeshCPTrainer(Trainer):
+        def __init__(self, *args, layout: DataContextParallel, pad_token_id: int, **kwargs):
+            if not isinstance(layout, DataContextParallel):
+                raise ValueError(f"layout must be a DataContextParallel, got {type(layout).__name__}")
+            attach(kwargs["model"], layout.mesh)
+            kwargs.setdefault("data_collator", ShardingCollator(layout.mesh, pad_token_id=pad_token_id))
+            super().__init__(*args, **kwargs)
+            if not self.args.average_tokens_across_devices:
+                raise ValueError(
+                    "MeshCPTrainer needs TrainingArguments(average_tokens_across_devices=True): the loss of a CP "
+                    "rank is its share of the global token mean"
+                )
+            self.layout = layout
+
+        def get_train_dataloader(self) -> DataLoader:
+            if self.train_dataset is None:
+                raise ValueError("Trainer: training requires a train_dataset.")
+            sampler = DistributedSampler(
+                self.train_dataset,
+                num_replicas=self.layout.dp_size,
+                rank=self.layout.dp_rank,
+                shuffle=True,
+                seed=self.args.seed,
+            )
+            return DataLoader(
+                self.train_dataset,
+                batch_size=self._train_batch_size,
+                sampler=sampler,
+                collate_fn=self.data_collator,
+                drop_last=self.args.dataloader_drop_last,
+            )
+
+    return MeshCPTrainer

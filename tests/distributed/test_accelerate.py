@@ -46,3 +46,15 @@ def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) ->
         assert first[step] == straight[step]
     for step in (3, 4):
         assert abs(resumed[step][0] - straight[step][0]) <= 1e-6, (step, resumed, straight)
+
+
+def test_trainer_with_dp_by_cp_equals_single_process(tmp_path: Path) -> None:
+    accelerate = Path(sys.executable).with_name("accelerate")
+    cmd = [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate_mesh_cp.yaml")]
+    cmd += ["--main_process_port", "29604", str(ROOT / "tests" / "distributed" / "trainer_script.py"), str(tmp_path)]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) params err ([0-9.e+-]+)", proc.stdout)}
+    assert sorted(errors) == [0, 1, 2, 3], proc.stdout[-2000:]
+    assert max(errors.values()) <= 1e-5, errors

@@ -1,0 +1,84 @@
+"""Run under ``accelerate launch`` (4 processes) by test_accelerate.py: transformers' Trainer with the mesh.
+
+DP 2 x CP 2 (tile 1x2) trains a tiny Llama for 3 SGD steps on ragged examples; the result must equal
+single-process training on the same global batches (both replicas' examples, right-padded, mean token
+loss). Prints ``rank R params err E``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at exit otherwise)
+import torch.distributed as dist
+from accelerate import PartialState
+from torch.utils.data import DistributedSampler
+from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+from mesh_cp.integrations import hf
+
+STEPS, BATCH, VOCAB, LR = 3, 2, 96, 0.1
+
+
+def reference_batch(data: list[dict], sampler_order: list[list[int]], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    examples = [data[i] for order in sampler_order for i in order[step * BATCH : (step + 1) * BATCH]]
+    length = max(len(e["input_ids"]) for e in examples)
+    ids = torch.zeros(len(examples), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(examples):
+        ids[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
+        mask[row, : len(e["input_ids"])] = 1
+    return ids, mask
+
+
+def main(output_dir: str) -> None:
+    PartialState()  # the process group, from accelerate launch
+    layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=(1, 2))
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(20, 33, (STEPS * BATCH * layout.dp_size,), generator=gen)
+    data = [{"input_ids": torch.randint(1, VOCAB, (int(n),), generator=gen).tolist()} for n in lengths]
+    args = TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=BATCH,
+        max_steps=STEPS,
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+    )
+    trainer = hf.mesh_cp_trainer_class()(model=model, args=args, train_dataset=data, layout=layout, pad_token_id=0)
+    trainer.train()
+
+    order = [list(DistributedSampler(data, num_replicas=layout.dp_size, rank=r, seed=0)) for r in range(layout.dp_size)]
+    optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        ids, mask = reference_batch(data, order, step)
+        reference(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    err = max((p - q).abs().max().item() for p, q in zip(trained.parameters(), reference.parameters(), strict=True))
+    print(f"rank {dist.get_rank()} params err {err:.3e}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
