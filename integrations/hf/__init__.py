@@ -301,7 +301,8 @@ def mesh_cp_trainer_class():
     ``DistributedSampler`` over the DP replicas) through :class:`ShardingCollator`, and lets Trainer's
     own token counting do the rest: with ``average_tokens_across_devices`` (required) the loss is the
     model's sum over this rank's tokens over the label count of all ranks, times the world size, so
-    the DDP gradient mean over all DP x CP ranks is the gradient of the global mean loss.
+    the DDP gradient mean over all DP x CP ranks is the gradient of the global mean loss. Evaluation
+    and prediction raise (Trainer gathers them as if every rank held different examples).
     """
     from torch.utils.data import DataLoader, DistributedSampler
     from transformers import Trainer
@@ -337,5 +338,14 @@ def mesh_cp_trainer_class():
                 collate_fn=self.data_collator,
                 drop_last=self.args.dataloader_drop_last,
             )
+
+        def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+            raise NotImplementedError(
+                "MeshCPTrainer trains only: Trainer's evaluation loop gathers predictions as if every rank held "
+                "different examples, which CP ranks do not; evaluate the trained model without CP"
+            )
+
+        def get_test_dataloader(self, test_dataset) -> DataLoader:
+            return self.get_eval_dataloader(test_dataset)
 
     return MeshCPTrainer

@@ -67,6 +67,12 @@ def main(output_dir: str) -> None:
     )
     trainer = hf.mesh_cp_trainer_class()(model=model, args=args, train_dataset=data, layout=layout, pad_token_id=0)
     trainer.train()
+    try:
+        trainer.evaluate(data)
+    except NotImplementedError as err:
+        assert "trains only" in str(err), err
+    else:
+        raise AssertionError("evaluation under CP must be refused")
 
     order = [list(DistributedSampler(data, num_replicas=layout.dp_size, rank=r, seed=0)) for r in range(layout.dp_size)]
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
