@@ -382,8 +382,7 @@ class AttentionPlan:
         """The collectives of ``phase``, in issue order; groups of size 1 move nothing."""
         s, a, b = self.shape, self.tiling.a, self.tiling.b
         item, acc = s.itemsize, s.acc_itemsize
-        q_bytes = s.chunk_elems * item
-        kv_bytes = 2 * s.batch * s.seq_local * s.kv_heads * s.head_dim * item
+        q_bytes, kv_bytes = self.chunk_bytes()
         stats_bytes = s.stats_elems * acc
         if phase == "forward":
             steps = [

@@ -21,15 +21,22 @@ SMALL = ["--seq-len", "512", "--hidden", "32", "--corpus-mb", "0.5", "--vocab", 
 STEP = re.compile(r"step\s+(\d+)\s+mesh_cp loss ([0-9.]+)\s+reference loss ([0-9.]+)")
 
 
-def launch(*args: str, port: int) -> dict[int, tuple[float, float]]:
+def accelerate_launch(script: Path, *args: str, port: int) -> str:
+    """Run ``script`` under ``accelerate launch`` with the project's CPU config; its stdout (must succeed)."""
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate_mesh_cp.yaml")]
-    cmd += ["--main_process_port", str(port), str(ROOT / "integrations" / "accelerate" / "finetune.py"), *SMALL, *args]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    cmd += ["--main_process_port", str(port), str(script), *args]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "DP(1) x CP(2x2)" in proc.stdout, proc.stdout[-2000:]
-    return {int(m[1]): (float(m[2]), float(m[3])) for m in STEP.finditer(proc.stdout)}
+    return proc.stdout
+
+
+def launch(*args: str, port: int) -> dict[int, tuple[float, float]]:
+    """The fine-tuning example's printed (mesh_cp, reference) loss per step."""
+    stdout = accelerate_launch(ROOT / "integrations" / "accelerate" / "finetune.py", *SMALL, *args, port=port)
+    assert "DP(1) x CP(2x2)" in stdout, stdout[-2000:]
+    return {int(m[1]): (float(m[2]), float(m[3])) for m in STEP.finditer(stdout)}
 
 
 def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) -> None:
@@ -49,12 +56,7 @@ def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) ->
 
 
 def test_trainer_with_dp_by_cp_equals_single_process(tmp_path: Path) -> None:
-    accelerate = Path(sys.executable).with_name("accelerate")
-    cmd = [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate_mesh_cp.yaml")]
-    cmd += ["--main_process_port", "29604", str(ROOT / "tests" / "distributed" / "trainer_script.py"), str(tmp_path)]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    errors = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) params err ([0-9.e+-]+)", proc.stdout)}
-    assert sorted(errors) == [0, 1, 2, 3], proc.stdout[-2000:]
+    stdout = accelerate_launch(ROOT / "tests" / "distributed" / "trainer_script.py", str(tmp_path), port=29604)
+    errors = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) params err ([0-9.e+-]+)", stdout)}
+    assert sorted(errors) == [0, 1, 2, 3], stdout[-2000:]
     assert max(errors.values()) <= 1e-5, errors

@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
 import mesh_cp
 from mesh_cp.core import Tiling, layout_permutation
 from mesh_cp.core.numerics import reference_attention
-from tests.distributed.harness import run_distributed
-
-
-def _expect(results: dict, name: str, exc: type[Exception], pattern: str, fn) -> None:
-    """Record whether ``fn()`` raised ``exc`` with a message matching ``pattern``."""
-    try:
-        fn()
-    except exc as err:
-        results[name] = bool(re.search(pattern, str(err))) or f"wrong message: {err}"
-        return
-    except Exception as err:  # noqa: BLE001 - any other exception is a failure to report
-        results[name] = f"raised {type(err).__name__}: {err}"
-        return
-    results[name] = "did not raise"
+from tests.distributed.harness import expect_error, run_distributed
 
 
 def errors_worker(rank: int, world: int) -> dict:
@@ -31,24 +16,24 @@ def errors_worker(rank: int, world: int) -> dict:
 
     res: dict = {}
     world_group = dist.group.WORLD
-    _expect(
+    expect_error(
         res, "group None", ValueError, r"group=None is not accepted", lambda: mesh_cp.CPMesh.create(None, tile=(1, 2))
     )
-    _expect(
+    expect_error(
         res,
         "group type",
         ValueError,
         r"must be a torch.distributed ProcessGroup",
         lambda: mesh_cp.CPMesh.create("world", tile=(1, 2)),
     )
-    _expect(
+    expect_error(
         res,
         "tile does not factor P",
         ValueError,
         r"tile 3x1 does not factor the CP group size 2 .*choose one of: 1x2, 2x1",
         lambda: mesh_cp.CPMesh.create(world_group, tile=(3, 1)),
     )
-    _expect(
+    expect_error(
         res,
         "tiles differ across ranks",
         ValueError,
@@ -65,71 +50,75 @@ def errors_worker(rank: int, world: int) -> dict:
         kwargs.setdefault("mesh", mesh)
         return mesh_cp.mesh_attn_func(*args, **kwargs)
 
-    _expect(
+    expect_error(
         res, "mesh None", ValueError, r"mesh must be a mesh_cp.CPMesh .*CPMesh.create", lambda: call(q, k, k, mesh=None)
     )
-    _expect(
+    expect_error(
         res,
         "dtypes differ",
         ValueError,
         r"share one dtype, got torch.float32, torch.float64",
         lambda: call(q, k.double(), k),
     )
-    _expect(
+    expect_error(
         res, "devices differ", ValueError, r"one device, got cpu, meta", lambda: call(q, k.to("meta"), k.to("meta"))
     )
-    _expect(
+    expect_error(
         res, "3-D input", ValueError, r"q must be 4-D \(batch, seq_local, heads, head_dim\)", lambda: call(q[0], k, k)
     )
-    _expect(res, "k/v shapes differ", ValueError, r"k and v must have the same shape", lambda: call(q, k, k[:, :2]))
-    _expect(
+    expect_error(
+        res, "k/v shapes differ", ValueError, r"k and v must have the same shape", lambda: call(q, k, k[:, :2])
+    )
+    expect_error(
         res,
         "seq differs",
         ValueError,
         r"batch, seq_local and head_dim must be equal",
         lambda: call(q, k[:, :2], k[:, :2]),
     )
-    _expect(
+    expect_error(
         res,
         "heads not divisible",
         ValueError,
         r"q heads 4 must be a multiple of k/v heads 3",
         lambda: call(q, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8)),
     )
-    _expect(
+    expect_error(
         res,
         "zigzag odd local length",
         ValueError,
         r"seq_local 3 must be even for the zigzag layout .*multiple of 2\*P = 4",
         lambda: call(q[:, :3], k[:, :3], k[:, :3], causal=True),
     )
-    _expect(
+    expect_error(
         res,
         "int dtype",
         NotImplementedError,
         r"dtype torch.int64 is not supported",
         lambda: call(q.long(), k.long(), k.long()),
     )
-    _expect(res, "layout", ValueError, r"layout 'striped' is not supported", lambda: call(q, k, k, layout="striped"))
-    _expect(res, "kernel", ValueError, r"unknown kernel 'xformers'", lambda: call(q, k, k, kernel="xformers"))
-    _expect(
+    expect_error(
+        res, "layout", ValueError, r"layout 'striped' is not supported", lambda: call(q, k, k, layout="striped")
+    )
+    expect_error(res, "kernel", ValueError, r"unknown kernel 'xformers'", lambda: call(q, k, k, kernel="xformers"))
+    expect_error(
         res,
         "schedule",
         ValueError,
         r"unknown schedule 'ring'; choose one of \['collective', 'overlap'\]",
         lambda: call(q, k, k, schedule="ring"),
     )
-    _expect(
+    expect_error(
         res, "backward mode", ValueError, r"backward 'keep' is not supported", lambda: call(q, k, k, backward="keep")
     )
-    _expect(
+    expect_error(
         res,
         "shard not divisible",
         ValueError,
         r"seq_len 6 must be a positive multiple of 4 .*pad the sequence to 8",
         lambda: mesh_cp.shard_sequence(torch.zeros(6), mesh=mesh, dim=0, layout="zigzag"),
     )
-    _expect(
+    expect_error(
         res,
         "unshard with grad",
         NotImplementedError,
@@ -293,14 +282,14 @@ def auto_tile_worker(rank: int, world: int) -> dict:
     res["reason"] = (mesh.reason == reason and reason.startswith(f"tile {expected}")) or mesh.reason
     fixed = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2), topology=topology)
     res["link cost"] = (fixed.link_cost[0] == 1.0 and fixed.link_cost[1] == 20.0) or fixed.link_cost
-    _expect(
+    expect_error(
         res,
         "auto needs shape",
         ValueError,
         r"tile='auto' needs topology= .* and shape=",
         lambda: mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology),
     )
-    _expect(
+    expect_error(
         res,
         "budget below every tile",
         ValueError,
@@ -317,7 +306,7 @@ def auto_tile_worker(rank: int, world: int) -> dict:
     q_bytes, kv_bytes = plan.chunk_bytes()
     least = minimum_budget(2, 2, False, q_bytes, kv_bytes)
     enough = minimum_budget(2, 2, False, 2 * q_bytes, kv_bytes)  # backward holds q and dO per Q chunk
-    _expect(
+    expect_error(
         res,
         "budget too small",
         ValueError,

@@ -9,7 +9,6 @@ sliding windows are refused with their reason.
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ pytest.importorskip("transformers")
 
 import mesh_cp  # noqa: E402
 from mesh_cp.core import factorizations  # noqa: E402
-from tests.distributed.harness import run_distributed  # noqa: E402
+from tests.distributed.harness import expect_error, run_distributed  # noqa: E402
 
 TOL = 1e-5
 SEQ = 48
@@ -131,15 +130,8 @@ def _refusals(mesh, hf) -> dict:
     left = torch.ones(BATCH, SEQ, dtype=torch.long)
     left[0, :5] = 0
 
-    def expect(name, exc, pattern, fn):
-        try:
-            fn()
-        except exc as err:
-            checks[name] = bool(re.search(pattern, str(err))) or f"wrong message: {err}"
-        else:
-            checks[name] = "did not raise"
-
-    expect(
+    expect_error(
+        checks,
         "left padding refused",
         ValueError,
         "right padding only",
@@ -149,7 +141,8 @@ def _refusals(mesh, hf) -> dict:
     batch = hf.shard_batch(ids, mesh=mesh)
     local_mask = torch.ones_like(batch.input_ids)
     local_mask[0, 0] = 0
-    expect(
+    expect_error(
+        checks,
         "model padding mask refused",
         ValueError,
         "does not take padding masks",
@@ -157,7 +150,8 @@ def _refusals(mesh, hf) -> dict:
     )
     windowed = MistralConfig(**{**configs()["mistral"].to_dict(), "sliding_window": 16})
     windowed_model = hf.attach(AutoModelForCausalLM.from_config(windowed), mesh)
-    expect(
+    expect_error(
+        checks,
         "sliding window refused",
         NotImplementedError,
         "sliding_window=16 is not supported",
@@ -166,7 +160,8 @@ def _refusals(mesh, hf) -> dict:
     bare = AutoModelForCausalLM.from_config(configs()["llama"])
     hf.register()
     bare.set_attn_implementation("mesh_cp")
-    expect(
+    expect_error(
+        checks,
         "no mesh attached",
         ValueError,
         r"call mesh_cp.integrations.hf.attach\(model, mesh\)",
