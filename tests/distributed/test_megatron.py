@@ -1,0 +1,332 @@
+"""Megatron-core GPT with Mesh-Attention core attention under TP x CP(a x b) x DP, against TP1 x CP1.
+
+One process trains the reference (TP1 x CP1, the mesh spec on one rank, whose attention is checked
+against plain causal SDPA); one group of 8 gloo ranks trains TP2 x CP2(1x2) x DP2, TP1 x CP4(2x2) x DP2
+and TP2 x CP4(2x2) x DP1 on the same global batches, with learned absolute and RoPE position
+embeddings. After each of 3 SGD steps the global loss and gradient norm, and after the last every
+rank's parameter shards, equal the reference within 1e-5 (fp32). The same group checks the layout
+printout, node placement of Q-groups, the CP group taken from ``pg_collection``, and every refusal.
+The pretraining script runs under torchrun and resumes from its checkpoint with the losses of not stopping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from tests.distributed.harness import expect_error, run_distributed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-5
+VOCAB = 128
+SEQ = 32
+GLOBAL_BATCH = 4
+STEPS = 3
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+LAYOUTS = ((2, 2, (1, 2)), (1, 4, (2, 2)), (2, 4, (2, 2)))
+"""(TP, CP, tile) on 8 ranks; DP = 8 / (TP * CP)."""
+
+
+def _config(tp: int, cp: int, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    options = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        params_dtype=torch.float32,
+    )
+    return TransformerConfig(**(options | overrides))
+
+
+def _global_batches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(STEPS)]
+
+
+def train(position_embedding: str, tp: int, cp: int, tile) -> dict:
+    """3 SGD steps of a tiny GPT under the current parallel_state; global losses, grad norms, parameters."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from mesh_cp.integrations import megatron as mcp
+    from mesh_cp.integrations.megatron import training
+
+    layout = mcp.MeshLayout.from_parallel_state(tile=tile)
+    torch.manual_seed(0)  # the full weights, split over TP by use_cpu_initialization
+    model = GPTModel(
+        config=_config(tp, cp),
+        transformer_layer_spec=layout.layer_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type=position_embedding,
+    )
+    training.use_cpu_rotary_embedding(model)
+    # SGD with momentum: Adam would turn roundoff-sized gradients into full-size steps.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per_replica = GLOBAL_BATCH // dp
+    losses, norms = [], []
+    for tokens in _global_batches():
+        batch = training.shard_batch(
+            tokens[dp_rank * per_replica : (dp_rank + 1) * per_replica], cp_group=ps.get_context_parallel_group()
+        )
+        per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss = training.loss_share(per_token, batch["loss_mask"], training.global_token_count(batch["loss_mask"]))
+        loss.backward()
+        training.reduce_gradients_cpu(model)
+        total = loss.detach().double()
+        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+        losses.append(total.item())
+        norms.append(training.grad_norm_cpu(model))
+        optimizer.step()
+        optimizer.zero_grad()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"layout": str(layout), "losses": losses, "norms": norms, "params": params, "model": model}
+
+
+def reference_worker(rank: int, world: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    results = {"attention vs sdpa": _attention_vs_sdpa()}
+    for pos in POSITION_EMBEDDINGS:
+        run = train(pos, 1, 1, (1, 1))
+        run.pop("model")
+        results[pos] = run
+    ps.destroy_model_parallel()
+    return results
+
+
+def _attention_vs_sdpa() -> float:
+    """MeshCoreAttention on one rank (the reference's attention) against causal SDPA, GQA 4:2."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mesh_cp.integrations import megatron as mcp
+
+    attn = mcp.MeshCoreAttention(
+        config=_config(1, 1),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        mesh_provider=mcp.MeshProvider(tile=(1, 1)),
+    )
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(SEQ, 2, 4, 16, generator=gen)
+    k, v = torch.randn(2, SEQ, 2, 2, 16, generator=gen)
+    out = attn(q, k, v, None)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3).double() for t in (q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2))),
+        is_causal=True,
+    )
+    return (out.double() - ref.permute(2, 0, 1, 3).reshape(SEQ, 2, -1)).abs().max().item()
+
+
+def _shard_of(param: torch.nn.Parameter, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    if getattr(param, "tensor_model_parallel", False):
+        return full.chunk(tp, dim=param.partition_dim)[tp_rank]
+    return full
+
+
+def mesh_worker(rank: int, world: int, reference: dict) -> dict:
+    from megatron.core import parallel_state as ps
+
+    results: dict = {}
+    for tp, cp, tile in LAYOUTS:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        name = f"TP{tp} x CP{cp}({tile[0]}x{tile[1]}) x DP{world // (tp * cp)}"
+        for pos in POSITION_EMBEDDINGS:
+            run, ref = train(pos, tp, cp, tile), reference[pos]
+            model = run["model"]
+            results[(name, pos)] = {
+                "layout": run["layout"],
+                "losses": run["losses"],
+                "norms": run["norms"],
+                "loss err": max(abs(a - b) for a, b in zip(run["losses"], ref["losses"], strict=True)),
+                "norm err": max(abs(a - b) for a, b in zip(run["norms"], ref["norms"], strict=True)),
+                "param err": max(
+                    (p.detach() - _shard_of(p, ref["params"][n], tp, tp_rank)).abs().max().item()
+                    for n, p in model.named_parameters()
+                ),
+            }
+        if (tp, cp) == (2, 4):
+            results |= _checks(rank, world)
+        ps.destroy_model_parallel()
+    return results
+
+
+def _checks(rank: int, world: int) -> dict:
+    """Layout printout, node placement, pg_collection, and every refusal (under TP2 x CP4)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mesh_cp.integrations import megatron as mcp
+    from mesh_cp.integrations.megatron import training
+
+    out: dict = {}
+    layout = mcp.MeshLayout.from_parallel_state(ranks_per_node=4)
+    out["layout str"] = str(layout)
+    cp_ranks = layout.mesh.global_ranks
+    out["q-group nodes"] = [cp_ranks[r] // 4 for r in layout.tiling.q_group(layout.mesh.rank)]
+    # 2 GPUs per node hold 1 CP rank each: the square tile would cross nodes, the node-local one is 1x4.
+    out["tile at 2 per node"] = mcp.build_mesh(ps.get_context_parallel_group(), ranks_per_node=2).tile
+
+    def attention(config=None, mask_type=AttnMaskType.causal, provider=None, **kw):
+        return mcp.MeshCoreAttention(
+            config=config or _config(2, 4),
+            layer_number=1,
+            attn_mask_type=mask_type,
+            attention_type="self",
+            mesh_provider=provider or mcp.MeshProvider(mesh=layout.mesh),
+            **kw,
+        )
+
+    # pg_collection.cp is used when given: here the whole world as one CP group of 8.
+    world_pg = ProcessGroupCollection(tp=ps.get_tensor_model_parallel_group(), cp=dist.group.WORLD)
+    on_world = attention(_config(2, 8), provider=mcp.MeshProvider(tile=(2, 4)), pg_collection=world_pg)
+    out["pg_collection cp ranks"] = list(on_world.mesh.global_ranks)
+
+    attn = attention()
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(SEQ // 4, 1, 2, 16, generator=gen)
+    k = torch.randn(SEQ // 4, 1, 1, 16, generator=gen)
+    positions = torch.arange(SEQ)
+    causal = training.shard_batch(torch.zeros(1, SEQ + 1, dtype=torch.long), cp_group=ps.get_context_parallel_group())
+    rows = causal["position_ids"][0]
+    causal_mask = (rows[:, None] < positions[None, :]).view(1, 1, SEQ // 4, SEQ)
+    out["causal mask accepted"] = (attn(q, k, k, causal_mask) - attn(q, k, k, None)).abs().max().item()
+
+    expect_error(
+        out,
+        "dropout",
+        NotImplementedError,
+        r"attention dropout 0\.1.*attention_dropout=0",
+        lambda: attention(_config(2, 4, attention_dropout=0.1)),
+    )
+    expect_error(
+        out,
+        "window",
+        NotImplementedError,
+        r"sliding window \(8, 0\)",
+        lambda: attention(_config(2, 4, window_size=(8, 0))),
+    )
+    expect_error(
+        out,
+        "padding mask type",
+        NotImplementedError,
+        r"attn_mask_type padding",
+        lambda: attention(mask_type=AttnMaskType.padding),
+    )
+    expect_error(out, "cp_comm_type", NotImplementedError, r"cp_comm_type 'a2a'", lambda: attention(cp_comm_type="a2a"))
+    expect_error(out, "cp size", ValueError, r"context_parallel_size 2 differs .* 4", lambda: attention(_config(2, 2)))
+    expect_error(
+        out,
+        "other mesh",
+        ValueError,
+        r"this layer's CP group",
+        lambda: attention(provider=mcp.MeshProvider(mesh=on_world.mesh)),
+    )
+    expect_error(
+        out, "bad tile", ValueError, r"3", lambda: mcp.build_mesh(ps.get_context_parallel_group(), tile=(3, 1))
+    )
+    expect_error(
+        out,
+        "packed",
+        NotImplementedError,
+        r"packed sequences",
+        lambda: attn(q, k, k, None, packed_seq_params=PackedSeqParams()),
+    )
+    expect_error(
+        out,
+        "bias",
+        NotImplementedError,
+        r"attention_bias of shape",
+        lambda: attn(q, k, k, None, attention_bias=torch.zeros(1)),
+    )
+    expect_error(
+        out, "arbitrary mask", NotImplementedError, r"not the causal mask", lambda: attn(q, k, k, ~causal_mask)
+    )
+    expect_error(
+        out,
+        "mask shape",
+        NotImplementedError,
+        r"attention_mask of shape \(1, 1, 32, 32\)",
+        lambda: attn(q, k, k, torch.zeros(1, 1, SEQ, SEQ, dtype=torch.bool)),
+    )
+    expect_error(
+        out,
+        "seq len",
+        ValueError,
+        r"sequence length 30 .* 2\*CP = 8 .*; use seq 32",
+        lambda: training.shard_batch(torch.zeros(1, 31, dtype=torch.long), cp_group=ps.get_context_parallel_group()),
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return run_distributed(reference_worker, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def mesh_results(reference) -> list[dict]:
+    ref = {pos: {k: reference[pos][k] for k in ("losses", "norms", "params")} for pos in POSITION_EMBEDDINGS}
+    return run_distributed(mesh_worker, 8, ref)
+
+
+def test_reference_attention_is_sdpa(reference) -> None:
+    assert reference["attention vs sdpa"] <= TOL
+    assert reference["rope"]["losses"][-1] < reference["rope"]["losses"][0]
+
+
+def test_layouts_equal_tp1_cp1(reference, mesh_results) -> None:
+    lines = [f"{'layout':<28}{'pos. emb.':<18}{'loss step 1..3':<36}{'grad norm step 1..3':<36}max |param err|"]
+    for pos in POSITION_EMBEDDINGS:
+        ref = reference[pos]
+        lines.append(f"{'TP1 x CP1 (reference)':<28}{pos:<18}{_fmt(ref['losses']):<36}{_fmt(ref['norms']):<36}-")
+    for key in sorted({k for k in mesh_results[0] if isinstance(k, tuple)}):
+        runs = [r[key] for r in mesh_results]
+        errs = {e: max(r[e] for r in runs) for e in ("loss err", "norm err", "param err")}
+        lines.append(
+            f"{key[0]:<28}{key[1]:<18}{_fmt(runs[0]['losses']):<36}{_fmt(runs[0]['norms']):<36}{errs['param err']:.1e}"
+        )
+        assert all(v <= TOL for v in errs.values()), (key, errs)
+    print("\n" + "\n".join(lines))
+    assert len(lines) == 1 + 2 + 2 * len(LAYOUTS)
+
+
+def _fmt(values: list[float]) -> str:
+    return " ".join(f"{v:.6f}" for v in values)
+
+
+def test_layout_placement_and_refusals(mesh_results) -> None:
+    for rank, res in enumerate(mesh_results):
+        # TP2 x CP4: CP group of rank r holds ranks r % 2 + 2 * cp; with 4 GPUs per node, 2 CP ranks per node.
+        assert res["layout str"].startswith(f"TP(2)-CP(2x2)-DP(1) rank {rank}: Q-group "), res["layout str"]
+        assert len(set(res["q-group nodes"])) == 1, res["q-group nodes"]
+        assert res["tile at 2 per node"] == (1, 4)
+        assert res["pg_collection cp ranks"] == list(range(8))
+        assert res["causal mask accepted"] == 0.0
+        refusals = {k: v for k, v in res.items() if isinstance(v, bool | str) and k != "layout str"}
+        failed = {k: v for k, v in refusals.items() if v is not True}
+        assert len(refusals) == 12 and not failed, failed
+    # rank 5 = tp 1 + 2 * cp 2: CP group [1, 3, 5, 7], Q-group CP ranks {2, 3}, KV-group CP ranks {0, 2}.
+    assert (
+        mesh_results[5]["layout str"] == "TP(2)-CP(2x2)-DP(1) rank 5: Q-group [5, 7], KV-group [1, 5], 4 GPUs per node"
+    )
