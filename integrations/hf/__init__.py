@@ -34,7 +34,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 import mesh_cp
+from mesh_cp.core.plan import BACKWARD_MODES
 from mesh_cp.runtime.mesh import CPMesh
+from mesh_cp.runtime.schedules import SCHEDULES
 
 NAME = "mesh_cp"
 IGNORE_INDEX = -100
@@ -74,7 +76,13 @@ def mesh_cp_attention(
         raise NotImplementedError(f"attention softcap {kwargs['softcap']} is not supported by mesh_cp yet")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out = mesh_cp.mesh_attn_func(
-        q, k, v, mesh=mesh, causal=bool(getattr(module, "is_causal", True)), softmax_scale=scaling
+        q,
+        k,
+        v,
+        mesh=mesh,
+        causal=bool(getattr(module, "is_causal", True)),
+        softmax_scale=scaling,
+        **getattr(module, "mesh_cp_options", {}),
     )
     return out, None
 
@@ -108,10 +116,17 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, mesh_cp_mask)
 
 
-def attach(model: torch.nn.Module, mesh: CPMesh) -> torch.nn.Module:
-    """Switch ``model`` to ``attn_implementation="mesh_cp"`` and give every attention layer ``mesh``."""
+def attach(
+    model: torch.nn.Module, mesh: CPMesh, *, schedule: str = "overlap", backward: str = "regather"
+) -> torch.nn.Module:
+    """Switch ``model`` to ``attn_implementation="mesh_cp"`` and give every attention layer ``mesh``
+    (and the ``schedule`` and ``backward`` of :func:`mesh_cp.mesh_attn_func`)."""
     if not isinstance(mesh, CPMesh):
         raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not supported; choose one of {sorted(SCHEDULES)}")
+    if backward not in BACKWARD_MODES:
+        raise ValueError(f"backward {backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
     register()
     model.set_attn_implementation(NAME)
     layers = [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
@@ -119,6 +134,7 @@ def attach(model: torch.nn.Module, mesh: CPMesh) -> torch.nn.Module:
         raise ValueError(f"{type(model).__name__} has no attention layers (modules with is_causal) to attach to")
     for layer in layers:
         layer.mesh_cp_mesh = mesh
+        layer.mesh_cp_options = {"schedule": schedule, "backward": backward}
     return model
 
 
@@ -303,17 +319,27 @@ def mesh_cp_trainer_class():
     model's sum over this rank's tokens over the label count of all ranks, times the world size, so
     the DDP gradient mean over all DP x CP ranks is the gradient of the global mean loss. Evaluation
     and prediction raise (Trainer gathers them as if every rank held different examples).
+
+    With DeepSpeed (``TrainingArguments(deepspeed="ds_config.json")``, or ``--deepspeed`` on the command
+    line) leave ``layout`` out: the trainer builds it from the config's ``"mesh_attention"`` block
+    (:mod:`mesh_cp.integrations.deepspeed`), and DeepSpeed's gradient mean over all ranks is exact at
+    every ZeRO stage for the same reason.
     """
     from torch.utils.data import DataLoader, DistributedSampler
     from transformers import Trainer
 
     class MeshCPTrainer(Trainer):
-        def __init__(self, *args, layout: DataContextParallel, pad_token_id: int, **kwargs):
-            if not isinstance(layout, DataContextParallel):
+        def __init__(self, *args, layout: DataContextParallel | None = None, pad_token_id: int, **kwargs):
+            if args:
+                raise ValueError("MeshCPTrainer takes keyword arguments only (model=..., args=..., ...)")
+            if layout is None:
+                layout = _layout_from_deepspeed_args(kwargs.get("args"), kwargs.get("model"))
+            elif isinstance(layout, DataContextParallel):
+                attach(kwargs["model"], layout.mesh)
+            else:
                 raise ValueError(f"layout must be a DataContextParallel, got {type(layout).__name__}")
-            attach(kwargs["model"], layout.mesh)
             kwargs.setdefault("data_collator", ShardingCollator(layout.mesh, pad_token_id=pad_token_id))
-            super().__init__(*args, **kwargs)
+            super().__init__(**kwargs)
             if not self.args.average_tokens_across_devices:
                 raise ValueError(
                     "MeshCPTrainer needs TrainingArguments(average_tokens_across_devices=True): the loss of a CP "
@@ -349,3 +375,22 @@ def mesh_cp_trainer_class():
             return self.get_eval_dataloader(test_dataset)
 
     return MeshCPTrainer
+
+
+def _layout_from_deepspeed_args(training_args, model) -> DataContextParallel:
+    """The layout of an enabled ``"mesh_attention"`` block in ``training_args.deepspeed`` (model switched)."""
+    ds_config = getattr(training_args, "hf_deepspeed_config", None)
+    if ds_config is None:
+        raise ValueError(
+            "MeshCPTrainer needs layout=DataContextParallel.create(...), or TrainingArguments(deepspeed=...) whose "
+            'config has an enabled "mesh_attention" block'
+        )
+    from mesh_cp.integrations.deepspeed import layout_from_config
+
+    mesh_attention = layout_from_config(ds_config.config, model)
+    if mesh_attention is None:
+        raise ValueError(
+            'the DeepSpeed config has no enabled "mesh_attention" block: add {"enabled": true, "cp_size": ..., '
+            '"tile": ...} to it, or pass layout= to MeshCPTrainer'
+        )
+    return mesh_attention.layout

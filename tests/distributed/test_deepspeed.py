@@ -1,0 +1,263 @@
+"""DeepSpeed with a ``"mesh_attention"`` config block against training without CP.
+
+On 4 gloo ranks, for ZeRO stages 0-3 and the layouts CP 4 (2x2) and DP 2 x CP 2 (1x2), a tiny Llama
+trained 3 steps through :func:`mesh_cp.integrations.deepspeed.initialize` ends with the parameters of
+the same model trained in one process with ``torch.optim.AdamW`` on the same global batches (the mean of
+the replicas' token-mean losses); the losses are printed side by side. A model that is not a Hugging
+Face model runs through ``MeshDistributedAttention``. Bad blocks stop with their reason before
+DeepSpeed starts. The example script runs under the deepspeed launcher and under torchrun, and resuming
+from an engine checkpoint gives the losses of not stopping.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+from tests.distributed.harness import expect_error, run_distributed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-5
+STEPS, SEQ, VOCAB, LR = 3, 48, 96, 1e-2
+LAYOUTS = {"CP4(2x2)": (4, "2x2"), "DP2xCP2(1x2)": (2, "1x2")}
+
+
+def ds_config(stage: int, cp_size: int, tile: str, **block) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**6,
+        "mesh_attention": {"enabled": True, "cp_size": cp_size, "tile": tile, **block},
+    }
+
+
+def tiny_llama():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def batches(dp_size: int) -> list[list[torch.Tensor]]:
+    """``batches[step][replica]``: one ``(1, SEQ)`` sequence per replica and step."""
+    gen = torch.Generator().manual_seed(1)
+    return [[torch.randint(0, VOCAB, (1, SEQ), generator=gen) for _ in range(dp_size)] for _ in range(STEPS)]
+
+
+def train_reference(model, data: list[list[torch.Tensor]], forward) -> list[float]:
+    """One process, no CP: AdamW on the mean over replicas of each replica's token-mean loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for step_batches in data:
+        loss = sum(forward(model, ids) for ids in step_batches) / len(step_batches)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def full_params(engine) -> list[torch.Tensor]:
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = []
+    for p in engine.module.parameters():
+        full = safe_get_full_fp32_param(p)  # ZeRO 1-3: the optimizer's fp32 copy, gathered
+        out.append((p if full is None else full).detach().clone())
+    return out
+
+
+def train_mesh(model, config: dict, data, forward_sharded) -> tuple[list[float], list[torch.Tensor]]:
+    from mesh_cp.integrations import deepspeed as mesh_ds
+
+    engine, *_ = mesh_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    cp = engine.mesh_attention
+    losses = []
+    for step_batches in data:
+        batch = cp.shard(step_batches[cp.layout.dp_rank])
+        loss = cp.loss(forward_sharded(engine, batch), batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(cp.mean_loss(loss))
+    return losses, full_params(engine)
+
+
+def hf_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def hf_logits(engine, batch):
+    return engine(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+
+
+class TinyGPT(torch.nn.Module):
+    """A model that is not a Hugging Face model: learned positions, one attention layer whose core is a
+    ``MeshDistributedAttention`` (local fallback: SDPA), called in ``(seq, batch, heads, dim)`` layout."""
+
+    def __init__(self, width: int = 32, heads: int = 4, kv_heads: int = 2):
+        super().__init__()
+        from mesh_cp.integrations.deepspeed import MeshDistributedAttention
+
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.pos = torch.nn.Embedding(SEQ, width)
+        self.q = torch.nn.Linear(width, width)
+        # No K bias: its exact gradient is zero, and Adam would turn roundoff into full-size steps.
+        self.kv = torch.nn.Linear(width, 2 * kv_heads * self.head_dim, bias=False)
+        self.attn = MeshDistributedAttention(self.local_attention, causal=True)
+        self.out = torch.nn.Linear(width, VOCAB)
+
+    def local_attention(self, q, k, v):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # (seq, batch, h, d) -> (batch, h, seq, d)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return o.permute(2, 0, 1, 3)
+
+    def forward(self, input_ids, position_ids):
+        x = (self.embed(input_ids) + self.pos(position_ids)).transpose(0, 1)  # (seq, batch, width)
+        s, b, _ = x.shape
+        q = self.q(x).view(s, b, self.heads, self.head_dim)
+        k, v = self.kv(x).view(s, b, 2, self.kv_heads, self.head_dim).unbind(2)
+        o = self.attn(q, k, v, batch_dim_idx=1).reshape(s, b, -1)
+        return self.out(x + o).transpose(0, 1)  # logits (batch, seq, vocab)
+
+
+def tiny_gpt_loss(model, ids):
+    logits = model(ids, torch.arange(ids.shape[1]).unsqueeze(0))
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def tiny_gpt_logits(engine, batch):
+    return engine(batch.input_ids, batch.position_ids)
+
+
+def _max_err(a: list[torch.Tensor], b) -> float:
+    return max((x.double() - y.detach().double()).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def deepspeed_worker(rank: int, world: int) -> dict:
+    os.environ["LOCAL_RANK"] = str(rank)  # what DeepSpeed's launchers set
+    results: dict = {"cases": {}}
+    for name, (cp_size, tile) in LAYOUTS.items():
+        data = batches(world // cp_size)
+        reference = tiny_llama()
+        ref_losses = train_reference(reference, data, hf_loss)
+        for stage in range(4):
+            losses, params = train_mesh(tiny_llama(), ds_config(stage, cp_size, tile), data, hf_logits)
+            results["cases"][(name, stage)] = (losses, ref_losses, _max_err(params, reference.parameters()))
+    data = batches(1)
+    torch.manual_seed(0)
+    gpt = TinyGPT()
+    reference = copy.deepcopy(gpt)
+    ref_losses = train_reference(reference, data, tiny_gpt_loss)
+    losses, params = train_mesh(gpt, ds_config(2, 4, "2x2"), data, tiny_gpt_logits)
+    results["cases"][("TinyGPT CP4(2x2)", 2)] = (losses, ref_losses, _max_err(params, reference.parameters()))
+    results["errors"] = _bad_blocks(world)
+    return results
+
+
+def _bad_blocks(world: int) -> dict:
+    from mesh_cp.integrations import deepspeed as mesh_ds
+
+    def start(**block_and_kwargs):
+        kwargs = {k: block_and_kwargs.pop(k) for k in ("mpu", "training_data") if k in block_and_kwargs}
+        config = ds_config(0, 4, "2x2")
+        config["mesh_attention"] = {"enabled": True, **block_and_kwargs}
+        model = tiny_llama()
+        mesh_ds.initialize(model=model, model_parameters=model.parameters(), config=config, **kwargs)
+
+    errors: dict = {}
+    expect_error(errors, "cp_size 3", ValueError, r'"cp_size" 3 does not divide the 4 ranks; choose one of \[1, 2, 4\]',
+                 lambda: start(cp_size=3, tile="3x1"))  # fmt: skip
+    expect_error(errors, "tile 3x1", ValueError, r"tile 3x1 does not factor the CP group size 4.*1x4, 2x2, 4x1",
+                 lambda: start(cp_size=4, tile="3x1"))  # fmt: skip
+    expect_error(errors, "unknown key", ValueError, r'unknown key "tiles"', lambda: start(cp_size=4, tiles="2x2"))
+    expect_error(errors, "no cp_size", ValueError, r'needs "cp_size"', lambda: start(tile="2x2"))
+    expect_error(errors, "schedule", ValueError, r"\"schedule\": Input should be 'overlap' or 'collective'",
+                 lambda: start(cp_size=4, schedule="ring"))  # fmt: skip
+    expect_error(errors, "auto", ValueError, r"needs \['topology', 'seq_len'\]", lambda: start(cp_size=4, tile="auto"))
+    expect_error(errors, "seq_len", ValueError, r'"seq_len" 100 must be a multiple of 2 \* cp_size = 8',
+                 lambda: start(cp_size=4, seq_len=100))  # fmt: skip
+    expect_error(errors, "mpu", ValueError, r"\['mpu'\] cannot be used", lambda: start(cp_size=4, mpu=object()))
+    expect_error(errors, "training_data", ValueError, r"\['training_data'\] cannot be used",
+                 lambda: start(cp_size=4, training_data=[1]))  # fmt: skip
+    return errors
+
+
+@pytest.fixture(scope="module")
+def deepspeed_results() -> list[dict]:
+    return run_distributed(deepspeed_worker, 4)
+
+
+def test_every_zero_stage_trains_like_no_cp(deepspeed_results: list[dict]) -> None:
+    print(f"\n{'layout':<18} {'ZeRO':>4} {'step':>4} {'mesh_cp loss':>14} {'no-CP loss':>14} {'param err':>10}")
+    for (name, stage), (losses, ref_losses, err) in deepspeed_results[0]["cases"].items():
+        for step, (mine, ref) in enumerate(zip(losses, ref_losses, strict=True), start=1):
+            print(f"{name:<18} {stage:>4} {step:>4} {mine:>14.8f} {ref:>14.8f} {err if step == STEPS else '':>10}")
+    for rank, result in enumerate(deepspeed_results):
+        assert len(result["cases"]) == 9
+        for case, (losses, ref_losses, err) in result["cases"].items():
+            assert len(losses) == STEPS, case
+            assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) <= TOL, (rank, case)
+            assert err <= TOL, (rank, case, err)
+
+
+def test_bad_blocks_stop_before_training(deepspeed_results: list[dict]) -> None:
+    for result in deepspeed_results:
+        assert len(result["errors"]) == 9
+        assert all(v is True for v in result["errors"].values()), result["errors"]
+
+
+STEP = re.compile(r"step\s+(\d+)\s+mesh_cp loss ([0-9.]+)\s+reference loss ([0-9.]+)")
+SMALL = ["--seq-len", "512", "--hidden", "32", "--corpus-mb", "0.5", "--vocab", "512", "--reference"]
+
+
+def launch(launcher: str, stage: int, *args: str, port: int) -> dict[int, tuple[float, float]]:
+    """Run the example under ``deepspeed`` or ``torchrun`` with 4 CPU processes; its losses per step."""
+    script = str(ROOT / "integrations" / "deepspeed" / "finetune.py")
+    bin_dir = Path(sys.executable).parent
+    if launcher == "deepspeed":
+        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "4", "--master_port", str(port), script]
+    else:
+        cmd = [str(bin_dir / "torchrun"), "--nproc-per-node", "4", "--master-port", str(port), script]
+    cmd += ["--deepspeed_config", str(ROOT / "configs" / f"ds_mesh_cp_zero{stage}.json"), *SMALL, *args]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"ZeRO stage {stage}: DP(1) x CP(2x2)" in proc.stdout, proc.stdout[-2000:]
+    return {int(m[1]): (float(m[2]), float(m[3])) for m in STEP.finditer(proc.stdout)}
+
+
+def test_example_under_both_launchers_and_resume_equals_not_stopping(tmp_path: Path) -> None:
+    straight = launch("deepspeed", 2, "--steps", "4", port=29621)
+    assert sorted(straight) == [1, 2, 3, 4]
+    for step, (mesh, ref) in straight.items():
+        assert abs(mesh - ref) <= 1e-5, (step, mesh, ref)  # printed with 6 decimals
+    assert straight[4][0] < straight[1][0]  # it learns
+    ckpt = str(tmp_path / "ckpt")
+    first = launch("torchrun", 3, "--steps", "2", "--checkpoint-dir", ckpt, "--save-every", "2", port=29622)
+    resumed = launch("torchrun", 3, "--steps", "4", "--checkpoint-dir", ckpt, "--save-every", "2", port=29623)
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
+    for step, losses in (first | resumed).items():
+        assert abs(losses[0] - straight[step][0]) <= 1e-5, (step, losses, straight[step])  # ZeRO 3 vs 2
+        assert abs(losses[1] - straight[step][1]) <= 1e-6, (step, losses, straight[step])
