@@ -12,6 +12,7 @@ from an engine checkpoint gives the losses of not stopping.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -173,7 +174,25 @@ def deepspeed_worker(rank: int, world: int) -> dict:
     losses, params = train_mesh(gpt, ds_config(2, 4, "2x2"), data, tiny_gpt_logits)
     results["cases"][("TinyGPT CP4(2x2)", 2)] = (losses, ref_losses, _max_err(params, reference.parameters()))
     results["errors"] = _bad_blocks(world)
+    results["other blocks"] = _other_blocks()
     return results
+
+
+def _other_blocks() -> dict:
+    """``"tile": "auto"`` picks a tile of cp_size with its reason; ``"enabled": false`` is plain DeepSpeed."""
+    from mesh_cp.integrations import deepspeed as mesh_ds
+
+    config = ds_config(0, 4, "auto", topology="h100", seq_len=4096)
+    auto = mesh_ds.layout_from_config(config, tiny_llama())
+    config["mesh_attention"] = {"enabled": False, "cp_size": 4}
+    model = tiny_llama()
+    engine, *_ = mesh_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return {
+        "auto tile": auto.mesh.tile,
+        "auto reason": auto.mesh.reason,
+        "disabled": getattr(engine, "mesh_attention", "absent"),
+        "disabled attention": model.config._attn_implementation,
+    }
 
 
 def _bad_blocks(world: int) -> dict:
@@ -261,3 +280,30 @@ def test_example_under_both_launchers_and_resume_equals_not_stopping(tmp_path: P
     for step, losses in (first | resumed).items():
         assert abs(losses[0] - straight[step][0]) <= 1e-5, (step, losses, straight[step])  # ZeRO 3 vs 2
         assert abs(losses[1] - straight[step][1]) <= 1e-6, (step, losses, straight[step])
+
+
+def test_trainer_with_deepspeed_flag_equals_single_process(tmp_path: Path) -> None:
+    """``--deepspeed`` with the shipped Trainer config (ZeRO 3), its block set to DP 2 x CP 2 (1x2)."""
+    config = json.loads((ROOT / "configs" / "ds_mesh_cp.json").read_text())
+    config["mesh_attention"] |= {"cp_size": 2, "tile": "1x2"}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    script = str(ROOT / "tests" / "distributed" / "trainer_script.py")
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port", "29624", script]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [*cmd, str(tmp_path / "out"), "--deepspeed", str(path)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) params err ([0-9.e+-]+)", proc.stdout)}
+    assert sorted(errors) == [0, 1, 2, 3], proc.stdout[-2000:]
+    assert max(errors.values()) <= TOL, errors
+
+
+def test_auto_tile_and_disabled_block(deepspeed_results: list[dict]) -> None:
+    for result in deepspeed_results:
+        other = result["other blocks"]
+        assert other["auto tile"] in {(1, 4), (2, 2), (4, 1)}, other
+        assert "predicted" in other["auto reason"], other
+        assert other["disabled"] == "absent" and other["disabled attention"] == "sdpa", other

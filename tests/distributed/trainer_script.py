@@ -1,4 +1,6 @@
-"""Run under ``accelerate launch`` (4 processes) by test_accelerate.py: transformers' Trainer with the mesh.
+"""transformers' Trainer with the mesh, on 4 processes: under ``accelerate launch`` (test_accelerate.py),
+or with ``--deepspeed CONFIG`` under the deepspeed launcher (test_deepspeed.py), where the Trainer builds
+the layout from the config's ``"mesh_attention"`` block.
 
 DP 2 x CP 2 (tile 1x2) trains a tiny Llama for 3 SGD steps on ragged examples; the result must equal
 single-process training on the same global batches (both replicas' examples, right-padded, mean token
@@ -7,8 +9,8 @@ loss). Prints ``rank R params err E``.
 
 from __future__ import annotations
 
+import argparse
 import copy
-import sys
 
 import torch
 import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at exit otherwise)
@@ -33,9 +35,12 @@ def reference_batch(data: list[dict], sampler_order: list[list[int]], step: int)
     return ids, mask
 
 
-def main(output_dir: str) -> None:
-    PartialState()  # the process group, from accelerate launch
-    layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=(1, 2))
+def main(output_dir: str, deepspeed: str | None) -> None:
+    if deepspeed is None:
+        PartialState()  # the process group, from accelerate launch
+        layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=(1, 2))
+    else:
+        layout = None  # the Trainer builds it from the config's "mesh_attention" block
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -48,7 +53,8 @@ def main(output_dir: str) -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1)
-    lengths = torch.randint(20, 33, (STEPS * BATCH * layout.dp_size,), generator=gen)
+    dp_size = 2
+    lengths = torch.randint(20, 33, (STEPS * BATCH * dp_size,), generator=gen)
     data = [{"input_ids": torch.randint(1, VOCAB, (int(n),), generator=gen).tolist()} for n in lengths]
     args = TrainingArguments(
         output_dir=output_dir,
@@ -61,11 +67,14 @@ def main(output_dir: str) -> None:
         weight_decay=0.0,
         max_grad_norm=0.0,
         use_cpu=True,
+        deepspeed=deepspeed,
         report_to=[],
         save_strategy="no",
         seed=0,
     )
     trainer = hf.mesh_cp_trainer_class()(model=model, args=args, train_dataset=data, layout=layout, pad_token_id=0)
+    layout = trainer.layout
+    assert layout.dp_size == dp_size and layout.mesh.tile == (1, 2), layout
     trainer.train()
     try:
         trainer.evaluate(data)
@@ -81,10 +90,20 @@ def main(output_dir: str) -> None:
         reference(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    trained = trainer.accelerator.unwrap_model(trainer.model)
-    err = max((p - q).abs().max().item() for p, q in zip(trained.parameters(), reference.parameters(), strict=True))
+    if deepspeed is None:
+        trained = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
+    else:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        trained = [p if (full := safe_get_full_fp32_param(p)) is None else full for p in trainer.model.parameters()]
+    err = max((p - q).abs().max().item() for p, q in zip(trained, reference.parameters(), strict=True))
     print(f"rank {dist.get_rank()} params err {err:.3e}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir")
+    parser.add_argument("--deepspeed", default=None, help="DeepSpeed config with a mesh_attention block")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    cli = parser.parse_args()
+    main(cli.output_dir, cli.deepspeed)
