@@ -413,7 +413,7 @@ class MeshLayout:
         pp = f"-PP({self.pp})" if self.pp > 1 else ""
         q = [self.mesh.global_ranks[r] for r in self.mesh.tiling.q_group(self.mesh.rank)]
         kv = [self.mesh.global_ranks[r] for r in self.mesh.tiling.kv_group(self.mesh.rank)]
-        node = f", {self.ranks_per_node} GPUs per node" if self.ranks_per_node else ""
+        node = f", {self.ranks_per_node} ranks per node" if self.ranks_per_node else ""
         return f"TP({self.tp})-CP({a}x{b})-DP({self.dp}){pp} rank {self.rank}: Q-group {q}, KV-group {kv}{node}"
 
 

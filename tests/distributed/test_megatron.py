@@ -11,6 +11,10 @@ The pretraining script runs under torchrun and resumes from its checkpoint with 
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -328,5 +332,40 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
         assert len(refusals) == 12 and not failed, failed
     # rank 5 = tp 1 + 2 * cp 2: CP group [1, 3, 5, 7], Q-group CP ranks {2, 3}, KV-group CP ranks {0, 2}.
     assert (
-        mesh_results[5]["layout str"] == "TP(2)-CP(2x2)-DP(1) rank 5: Q-group [5, 7], KV-group [1, 5], 4 GPUs per node"
+        mesh_results[5]["layout str"] == "TP(2)-CP(2x2)-DP(1) rank 5: Q-group [5, 7], KV-group [1, 5], 4 ranks per node"
     )
+
+
+STEP_LINE = re.compile(r"step\s+(\d+)\s+loss ([0-9.]+)\s+grad norm ([0-9.]+)")
+
+
+def torchrun_pretrain(*args: str, port: int) -> str:
+    """``pretrain_gpt.py`` under torchrun on 4 CPU processes (TP 1 x CP 2 (1x2) x DP 2); its stdout."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc-per-node", "4", "--master-port", str(port)]
+    cmd += [
+        str(ROOT / "integrations" / "megatron" / "pretrain_gpt.py"),
+        "--config",
+        str(ROOT / "configs" / "megatron_cpu_test.yaml"),
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_pretrain_script_learns_and_resumes(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    common = ["--checkpoint-dir", str(ckpt), "--data-dir", str(tmp_path / "data"), "--save-every", "2"]
+    straight = torchrun_pretrain("--steps", "4", *common, port=29611)
+    assert "TP(1)-CP(1x2)-DP(2) rank 3: Q-group [3], KV-group [2, 3]" in straight, straight[-2000:]
+    losses = {int(m[1]): (float(m[2]), float(m[3])) for m in STEP_LINE.finditer(straight)}
+    assert sorted(losses) == [1, 2, 3, 4], straight[-2000:]
+    assert losses[4][0] < losses[1][0]  # it learns
+    # Stop after step 2: resuming from that checkpoint gives the losses and norms of not stopping.
+    (ckpt / "latest").write_text("2")
+    resumed = torchrun_pretrain("--steps", "4", *common, port=29612)
+    assert f"resumed from {ckpt / 'step_2'} at step 2" in resumed, resumed[-2000:]
+    again = {int(m[1]): (float(m[2]), float(m[3])) for m in STEP_LINE.finditer(resumed)}
+    assert sorted(again) == [3, 4] and all(again[s] == losses[s] for s in (3, 4)), (again, losses)

@@ -1,0 +1,361 @@
+"""Pretrain a GPT with megatron-core, Mesh-Attention context parallelism, tensor and data parallelism.
+
+On CPU (8 gloo processes, TP 2 x CP 4 on a 2x2 mesh, 8192-token sequences)::
+
+    .venv/bin/torchrun --nproc-per-node 8 integrations/megatron/pretrain_gpt.py \\
+        --config configs/megatron_cpu_demo.yaml
+
+Megatron-core only (``GPTModel``, ``parallel_state``, ``GPTDataset``, ``get_batch_on_this_cp_rank``);
+the layer spec is :func:`mesh_cp.integrations.megatron.get_gpt_layer_mesh_spec`. The text is the Python
+standard library's source read from this machine, tokenized by megatron-core's byte-level tokenizer into
+a Megatron indexed dataset (nothing is downloaded). Each step every DP replica takes its own
+``--micro-batch`` samples; each CP rank holds their zig-zag chunks ``r`` and ``2CP-1-r``; the loss is
+every rank's token losses over the token count of the whole global batch, and gradients are summed
+over ``get_data_parallel_group(with_context_parallel=True)``. On CUDA Megatron's
+``DistributedDataParallel`` and ``get_megatron_optimizer`` do that (bf16); on CPU (fp32) a plain torch
+AdamW steps after :func:`~mesh_cp.integrations.megatron.training.reduce_gradients_cpu`, because both
+assert CUDA. ``--checkpoint-dir`` saves every ``--save-every`` steps and resumes from the latest save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sysconfig
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at exit otherwise)
+import torch.distributed as dist
+
+# megatron-core warns at import, once per process, that TransformerEngine/Apex are absent and about CUDA
+# settings; on CPU those are expected.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+DEFAULTS = dict(
+    tp=1,
+    cp=None,
+    tile="square",
+    ranks_per_node=None,
+    seq_len=8192,
+    micro_batch=1,
+    steps=30,
+    lr=3e-3,
+    min_lr=3e-4,
+    warmup=3,
+    clip_grad=1.0,
+    layers=2,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    ffn_hidden=256,
+    position_embedding="rope",
+    normalization="RMSNorm",
+    vocab=512,
+    corpus_mb=4.0,
+    data_dir=None,
+    seed=1234,
+    checkpoint_dir=None,
+    save_every=10,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--config", default=None, help="YAML file of these options (dashes as underscores); flags override")
+    p.add_argument("--tp", type=int, help="tensor-parallel size")
+    p.add_argument("--cp", type=int, help="context-parallel size (default: world / TP, so DP = 1)")
+    p.add_argument(
+        "--tile", help="mesh tile AxB with A*B = CP; 'square' (node-local when ranks per node known) or 'auto'"
+    )
+    p.add_argument("--ranks-per-node", type=int, help="GPUs per node (default: torchrun's LOCAL_WORLD_SIZE)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (a multiple of 2*CP)")
+    p.add_argument("--micro-batch", type=int, help="sequences per DP replica and step")
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--lr", type=float, help="peak AdamW learning rate")
+    p.add_argument("--min-lr", type=float, help="learning rate at the end of the cosine decay")
+    p.add_argument("--warmup", type=int, help="linear warm-up steps")
+    p.add_argument("--clip-grad", type=float, help="clip the global gradient norm to this (0: off)")
+    p.add_argument("--layers", type=int, help="transformer layers")
+    p.add_argument("--hidden", type=int, help="model width")
+    p.add_argument("--heads", type=int, help="attention heads")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (query groups, GQA)")
+    p.add_argument("--ffn-hidden", type=int, help="MLP width")
+    p.add_argument("--position-embedding", choices=["rope", "learned_absolute"], help="position embedding")
+    p.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], help="layer norm kind")
+    p.add_argument("--vocab", type=int, help="vocabulary size of the byte-level tokenizer (>= 257)")
+    p.add_argument("--corpus-mb", type=float, help="megabytes of standard-library source to train on")
+    p.add_argument("--data-dir", help="where the indexed dataset is written (default: <checkpoint-dir or /tmp>/data)")
+    p.add_argument("--seed", type=int, help="seed of the initial weights and of the sample order")
+    p.add_argument("--checkpoint-dir", help="save here and resume from the latest checkpoint")
+    p.add_argument("--save-every", type=int, help="steps between checkpoints")
+    p.set_defaults(**DEFAULTS)
+    first, _ = p.parse_known_args(argv)
+    if first.config:
+        import yaml
+
+        with open(first.config) as f:
+            values = yaml.safe_load(f) or {}
+        unknown = sorted(set(values) - set(DEFAULTS))
+        if unknown:
+            raise ValueError(f"unknown keys {unknown} in {first.config}; the keys are {sorted(DEFAULTS)}")
+        p.set_defaults(**values)
+    return p.parse_args(argv)
+
+
+def build_dataset(args, tokenizer, samples: int, rank: int):
+    """Megatron's ``GPTDataset`` over the standard library's ``.py`` files (one document each), written
+    once by rank 0 as an indexed dataset; ``samples`` windows of ``seq_len + 1`` tokens."""
+    import numpy
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    root = Path(args.data_dir or Path(args.checkpoint_dir or "/tmp/mesh_cp_megatron") / "data")
+    prefix = root / f"stdlib_{round(args.corpus_mb * 1000)}kb_v{args.vocab}"
+    if rank == 0 and not prefix.with_suffix(".idx").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        builder = IndexedDatasetBuilder(str(prefix.with_suffix(".bin")), dtype=numpy.uint16)
+        size = 0
+        for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            ids = tokenizer.tokenize(path.read_text(encoding="utf-8", errors="replace")) + [tokenizer.eod]
+            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+            size += len(ids)
+            if size >= args.corpus_mb * 1e6:
+                break
+        builder.finalize(str(prefix.with_suffix(".idx")))
+    dist.barrier()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_len,
+        blend=([str(prefix)], None),
+        split="100,0,0",
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=str(root / "cache"),
+    )
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [samples, None, None], lambda: True, config).build()
+    return train
+
+
+def replica_batch(dataset, step: int, dp_rank: int, dp: int, micro_batch: int) -> dict[str, torch.Tensor]:
+    """The full-length samples DP replica ``dp_rank`` trains on at ``step`` (global batch = all replicas')."""
+    first = (step * dp + dp_rank) * micro_batch
+    samples = [dataset[i % len(dataset)] for i in range(first, first + micro_batch)]
+    return {
+        k: torch.stack([torch.as_tensor(s[k]) for s in samples])
+        for k in ("tokens", "labels", "loss_mask", "position_ids")
+    }
+
+
+def learning_rate(args, step: int) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from megatron.core import parallel_state as ps
+
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if "RANK" not in os.environ:
+        raise RuntimeError("start it with torchrun (see the module docstring)")
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        run(args, cuda)
+    finally:
+        dist.barrier()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, cuda: bool) -> None:
+    """Build the layout, data, model and optimizer, then train (see the module docstring)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tokenizers import MegatronTokenizer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    from tqdm import tqdm
+
+    from mesh_cp.integrations.megatron import MeshLayout, training
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cp = args.cp or world // args.tp
+    if world % (args.tp * cp):
+        raise ValueError(f"TP {args.tp} x CP {cp} = {args.tp * cp} must divide the {world} processes")
+    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=cp)
+    ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    tile = tuple(int(x) for x in args.tile.split("x")) if "x" in str(args.tile) else args.tile
+    layout = MeshLayout.from_parallel_state(tile=tile, ranks_per_node=ranks_per_node)
+    lines = [None] * world
+    dist.all_gather_object(lines, str(layout))
+    main_rank = rank == 0
+    if main_rank:
+        print(f"{world} processes ({'cuda/nccl' if cuda else 'cpu/gloo'}), {ranks_per_node} per node:")
+        print("\n".join(lines), flush=True)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+
+    tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"}, vocab_size=args.vocab)
+    dataset = build_dataset(args, tokenizer, args.steps * dp * args.micro_batch, rank)
+
+    config = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads,
+        ffn_hidden_size=args.ffn_hidden,
+        normalization=args.normalization,
+        tensor_model_parallel_size=args.tp,
+        context_parallel_size=cp,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=not cuda,
+        params_dtype=torch.bfloat16 if cuda else torch.float32,
+        bf16=cuda,
+        calculate_per_token_loss=True,  # DDP sums gradients: each rank's loss is its share of the global mean
+    )
+    torch.manual_seed(args.seed)  # CPU: the full weights, split over TP by use_cpu_initialization
+    if cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layout.layer_spec(normalization=args.normalization),
+        vocab_size=args.vocab,
+        max_sequence_length=args.seq_len,
+        position_embedding_type=args.position_embedding,
+    )
+    step_fn = cuda_step(model, config, args) if cuda else cpu_step(model, args, training)
+
+    start = 0
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if ckpt_dir is not None and (ckpt_dir / "latest").exists():
+        start = int((ckpt_dir / "latest").read_text())
+        state = torch.load(ckpt_dir / f"step_{start}" / f"rank_{rank}.pt", map_location="cpu", weights_only=False)
+        if state["layout"] != str(layout):
+            raise ValueError(f"checkpoint layout {state['layout']!r} differs from this run's {str(layout)!r}")
+        step_fn.load(state)
+        if main_rank:
+            print(f"resumed from {ckpt_dir / f'step_{start}'} at step {start}", flush=True)
+
+    tokens_per_step = args.seq_len * args.micro_batch * dp
+    dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+    bar = tqdm(range(start, args.steps), disable=not main_rank, desc="pretraining", unit="step", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        batch = replica_batch(dataset, step, dp_rank, dp, args.micro_batch)
+        batch = get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
+        if cuda:
+            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+        global_tokens = training.global_token_count(batch["loss_mask"])
+        per_token = step_fn.model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        loss = training.loss_share(per_token, batch["loss_mask"], global_tokens)
+        loss.backward()
+        norm = step_fn.step(learning_rate(args, step))
+        total = loss.detach().double()
+        dist.all_reduce(total, group=dp_cp)
+        seconds = time.perf_counter() - t0
+        bar.set_postfix(loss=f"{total.item():.4f}", gnorm=f"{norm:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}")
+        if main_rank:
+            bar.write(
+                f"step {step + 1:4d}  loss {total.item():.6f}  grad norm {norm:.6f}  tokens/s {tokens_per_step / seconds:,.0f}"
+            )
+        if ckpt_dir is not None and (step + 1) % args.save_every == 0:
+            save(ckpt_dir, step + 1, rank, str(layout), step_fn)
+
+
+def save(directory: Path, step: int, rank: int, layout: str, step_fn) -> None:
+    """Every rank writes its own shard (torch.save); rank 0 then marks the step as the latest."""
+    folder = directory / f"step_{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"step": step, "layout": layout, **step_fn.state()}, folder / f"rank_{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (directory / "latest").write_text(str(step))
+    dist.barrier()
+
+
+class cpu_step:
+    """CPU: gradients summed over DP x CP by hand, global norm, clipping, torch AdamW (Megatron's DDP and
+    optimizer assert CUDA)."""
+
+    def __init__(self, model, args, training):
+        training.use_cpu_rotary_embedding(model)
+        self.model, self.args, self.training = model, args, training
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step(self, lr: float) -> float:
+        self.training.reduce_gradients_cpu(self.model)
+        norm = self.training.grad_norm_cpu(self.model)
+        self.training.clip_gradients_cpu(self.model, self.args.clip_grad, norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return norm
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class cuda_step:
+    """CUDA: Megatron's ``DistributedDataParallel`` (summing, as ``calculate_per_token_loss`` is set),
+    ``finalize_model_grads`` and ``get_megatron_optimizer`` (Adam, bf16 with fp32 main weights)."""
+
+    def __init__(self, model, config, args):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        model.cuda()
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        self.finalize = finalize_model_grads
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=0.1,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            bf16=True,
+            clip_grad=args.clip_grad,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+
+    def step(self, lr: float) -> float:
+        self.finalize([self.model])
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        _, norm, _ = self.optimizer.step()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return float(norm or 0.0)
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+if __name__ == "__main__":
+    main()
