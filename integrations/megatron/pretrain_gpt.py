@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sysconfig
 import time
 import warnings
@@ -252,6 +253,7 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
             print(f"resumed from {ckpt_dir / f'step_{start}'} at step {start}", flush=True)
 
     tokens_per_step = args.seq_len * args.micro_batch * dp
+    losses, rates = [], []
     dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
     bar = tqdm(range(start, args.steps), disable=not main_rank, desc="pretraining", unit="step", dynamic_ncols=True)
     for step in bar:
@@ -268,6 +270,8 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
         total = loss.detach().double()
         dist.all_reduce(total, group=dp_cp)
         seconds = time.perf_counter() - t0
+        losses.append(total.item())
+        rates.append(tokens_per_step / seconds)
         bar.set_postfix(loss=f"{total.item():.4f}", gnorm=f"{norm:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}")
         if main_rank:
             bar.write(
@@ -275,6 +279,12 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
             )
         if ckpt_dir is not None and (step + 1) % args.save_every == 0:
             save(ckpt_dir, step + 1, rank, str(layout), step_fn)
+    if main_rank and losses:
+        print(
+            f"done: steps {start + 1}-{args.steps}, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+            f"median {statistics.median(rates):,.0f} tokens/s ({tokens_per_step} tokens per step)",
+            flush=True,
+        )
 
 
 def save(directory: Path, step: int, rank: int, layout: str, step_fn) -> None:

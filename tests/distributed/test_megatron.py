@@ -206,6 +206,20 @@ def _checks(rank: int, world: int) -> dict:
     on_world = attention(_config(2, 8), provider=mcp.MeshProvider(tile=(2, 4)), pg_collection=world_pg)
     out["pg_collection cp ranks"] = list(on_world.mesh.global_ranks)
 
+    # Megatron-LM: --spec mesh_cp.integrations.megatron gpt_layer_mesh_spec, looked up the way it does.
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.spec_utils import import_module
+
+    spec = import_module(("mesh_cp.integrations.megatron", "gpt_layer_mesh_spec"))
+    lm = GPTModel(config=_config(2, 4), transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
+    training.use_cpu_rotary_embedding(lm)
+    cores = [m for m in lm.modules() if isinstance(m, mcp.MeshCoreAttention)]
+    out["--spec meshes"] = [c.mesh.tile for c in cores] + [len({id(c.mesh) for c in cores})]
+    sharded = training.shard_batch(torch.arange(SEQ + 1).unsqueeze(0) % VOCAB, cp_group=ps.get_context_parallel_group())
+    out["--spec loss finite"] = bool(
+        lm(sharded["tokens"], sharded["position_ids"], None, labels=sharded["labels"]).isfinite().all()
+    )
+
     attn = attention()
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(SEQ // 4, 1, 2, 16, generator=gen)
@@ -300,16 +314,16 @@ def test_reference_attention_is_sdpa(reference) -> None:
 
 
 def test_layouts_equal_tp1_cp1(reference, mesh_results) -> None:
-    lines = [f"{'layout':<28}{'pos. emb.':<18}{'loss step 1..3':<36}{'grad norm step 1..3':<36}max |param err|"]
+    head = f"{'layout':<24}{'pos. emb.':<18}{'loss step 1..3':<30}{'grad norm step 1..3':<30}"
+    lines = [head + "max |loss err| |norm err| |param err|"]
     for pos in POSITION_EMBEDDINGS:
         ref = reference[pos]
-        lines.append(f"{'TP1 x CP1 (reference)':<28}{pos:<18}{_fmt(ref['losses']):<36}{_fmt(ref['norms']):<36}-")
+        lines.append(f"{'TP1 x CP1 (reference)':<24}{pos:<18}{_fmt(ref['losses']):<30}{_fmt(ref['norms']):<30}-")
     for key in sorted({k for k in mesh_results[0] if isinstance(k, tuple)}):
         runs = [r[key] for r in mesh_results]
         errs = {e: max(r[e] for r in runs) for e in ("loss err", "norm err", "param err")}
-        lines.append(
-            f"{key[0]:<28}{key[1]:<18}{_fmt(runs[0]['losses']):<36}{_fmt(runs[0]['norms']):<36}{errs['param err']:.1e}"
-        )
+        row = f"{key[0]:<24}{key[1]:<18}{_fmt(runs[0]['losses']):<30}{_fmt(runs[0]['norms']):<30}"
+        lines.append(row + " ".join(f"{v:.1e}" for v in errs.values()))
         assert all(v <= TOL for v in errs.values()), (key, errs)
     print("\n" + "\n".join(lines))
     assert len(lines) == 1 + 2 + 2 * len(LAYOUTS)
@@ -327,7 +341,11 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
         assert res["tile at 2 per node"] == (1, 4)
         assert res["pg_collection cp ranks"] == list(range(8))
         assert res["causal mask accepted"] == 0.0
-        refusals = {k: v for k, v in res.items() if isinstance(v, bool | str) and k != "layout str"}
+        assert res["--spec meshes"] == [(2, 2), (2, 2), 1]  # both layers share one mesh over the CP group
+        assert res["--spec loss finite"] is True
+        refusals = {
+            k: v for k, v in res.items() if isinstance(v, bool | str) and k not in ("layout str", "--spec loss finite")
+        }
         failed = {k: v for k, v in refusals.items() if v is not True}
         assert len(refusals) == 12 and not failed, failed
     # rank 5 = tp 1 + 2 * cp 2: CP group [1, 3, 5, 7], Q-group CP ranks {2, 3}, KV-group CP ranks {0, 2}.
