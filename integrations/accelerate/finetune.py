@@ -29,7 +29,7 @@ import torch.distributed as dist
 import mesh_cp
 from mesh_cp.core import most_square_tile
 from mesh_cp.integrations import hf
-from mesh_cp.integrations.accelerate import local_corpus, token_sequences, train_tokenizer
+from mesh_cp.integrations.examples import add_example_arguments, build_model, example_data, replica_batch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,45 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--cp", type=int, default=None, help="ranks per CP group (default: all processes)")
     p.add_argument("--tile", default=None, help="mesh tile AxB with A*B = --cp (default: the most square)")
-    p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (a multiple of 2*cp)")
     p.add_argument("--batch", type=int, default=1, help="sequences per DP replica and step")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--hidden", type=int, default=64, help="model width")
-    p.add_argument("--layers", type=int, default=2, help="transformer layers")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
-    p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size")
-    p.add_argument("--corpus-mb", type=float, default=4.0, help="megabytes of text to train on")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights")
-    p.add_argument("--reference", action="store_true", help="also train an unsharded SDPA copy on rank 0")
-    p.add_argument("--checkpoint-dir", default=None, help="save here and resume from the latest checkpoint")
-    p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints")
+    add_example_arguments(p, steps=30)
     return p.parse_args(argv)
-
-
-def build_model(args: argparse.Namespace, vocab_size: int, pad_token_id: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.seq_len,
-        pad_token_id=pad_token_id,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(args.seed)
-    return LlamaForCausalLM(config)
-
-
-def replica_batch(sequences: torch.Tensor, step: int, replica: int, replicas: int, batch: int) -> torch.Tensor:
-    """The sequences replica ``replica`` trains on at ``step`` (every rank can compute every replica's)."""
-    first = (step * replicas + replica) * batch
-    return sequences[torch.arange(first, first + batch) % len(sequences)]
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
@@ -100,9 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     if main_rank:
         print(f"{world} processes: {layout}")
 
-    text = local_corpus(int(args.corpus_mb * 1e6))
-    tokenizer = train_tokenizer(text, args.vocab)
-    sequences = token_sequences(text, tokenizer, args.seq_len)
+    tokenizer, sequences = example_data(args)
     model = build_model(args, len(tokenizer), tokenizer.pad_token_id)
     reference = copy.deepcopy(model) if args.reference and main_rank else None
     hf.attach(model, layout.mesh)

@@ -28,8 +28,7 @@ import torch
 import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at exit otherwise)
 import torch.distributed as dist
 
-from mesh_cp.integrations.accelerate import local_corpus, token_sequences, train_tokenizer
-from mesh_cp.integrations.accelerate.finetune import build_model, replica_batch
+from mesh_cp.integrations.examples import add_example_arguments, build_model, example_data, replica_batch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,18 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (a multiple of 2*cp_size)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--hidden", type=int, default=64, help="model width")
-    p.add_argument("--layers", type=int, default=2, help="transformer layers")
-    p.add_argument("--heads", type=int, default=4, help="attention heads")
-    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
-    p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size")
-    p.add_argument("--corpus-mb", type=float, default=4.0, help="megabytes of text to train on")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights")
-    p.add_argument("--reference", action="store_true", help="also train an unsharded SDPA copy on rank 0")
-    p.add_argument("--checkpoint-dir", default=None, help="save here through the engine and resume from it")
-    p.add_argument("--save-every", type=int, default=10, help="steps between checkpoints")
+    add_example_arguments(p, steps=20)
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return deepspeed.add_config_arguments(p).parse_args(argv)
 
@@ -73,9 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.deepspeed_config is None:
         raise SystemExit("give --deepspeed_config, for example configs/ds_mesh_cp_zero2.json")
     config = deepspeed.load_ds_config(args.deepspeed_config)
-    text = local_corpus(int(args.corpus_mb * 1e6))
-    tokenizer = train_tokenizer(text, args.vocab)
-    sequences = token_sequences(text, tokenizer, args.seq_len)
+    tokenizer, sequences = example_data(args)
     model = build_model(args, len(tokenizer), tokenizer.pad_token_id)
     reference = copy.deepcopy(model) if args.reference else None
 

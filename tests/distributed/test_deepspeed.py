@@ -26,10 +26,11 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
 from tests.distributed.harness import expect_error, run_distributed  # noqa: E402
+from tests.distributed.test_hf import VOCAB, configs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
-STEPS, SEQ, VOCAB, LR = 3, 48, 96, 1e-2
+STEPS, SEQ, LR = 3, 48, 1e-2
 LAYOUTS = {"CP4(2x2)": (4, "2x2"), "DP2xCP2(1x2)": (2, "1x2")}
 
 
@@ -45,19 +46,10 @@ def ds_config(stage: int, cp_size: int, tile: str, **block) -> dict:
 
 
 def tiny_llama():
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_dropout=0.0,
-    )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(configs()["llama-gqa"], attn_implementation="sdpa", dtype=torch.float32)
 
 
 def batches(dp_size: int) -> list[list[torch.Tensor]]:
