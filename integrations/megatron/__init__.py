@@ -63,12 +63,6 @@ def _cp_group(pg_collection) -> dist.ProcessGroup:
     return parallel_state.get_context_parallel_group()
 
 
-def _tp_size(pg_collection) -> int:
-    if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
-        return pg_collection.tp.size()
-    return parallel_state.get_tensor_model_parallel_world_size()
-
-
 def cp_ranks_per_node(cp_ranks: tuple[int, ...], ranks_per_node: int) -> int | None:
     """How many consecutive CP ranks share a node of ``ranks_per_node`` GPUs (global rank // R is the
     node), when every node holds the same number of consecutive CP ranks; ``None`` otherwise."""
@@ -262,9 +256,6 @@ class MeshCoreAttention(MegatronModule):
                 f"{cp_group.size()}; build the TransformerConfig with the CP size of parallel_state"
             )
         self.mesh = mesh_provider.mesh_for(cp_group)
-        tp = _tp_size(pg_collection)
-        self.heads = config.num_attention_heads // tp
-        self.kv_heads = max(1, config.num_query_groups // tp)
         self.head_dim = config.kv_channels
         # Megatron's apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
         # scores back inside its softmax (an fp16 range trick); the product is the plain scale.

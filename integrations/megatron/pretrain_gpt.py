@@ -41,6 +41,7 @@ DEFAULTS = dict(
     cp=None,
     tile="square",
     ranks_per_node=None,
+    topology=None,
     seq_len=8192,
     micro_batch=1,
     steps=30,
@@ -75,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tile", help="mesh tile AxB with A*B = CP; 'square' (node-local when ranks per node known) or 'auto'"
     )
     p.add_argument("--ranks-per-node", type=int, help="GPUs per node (default: torchrun's LOCAL_WORLD_SIZE)")
+    p.add_argument("--topology", help="cluster preset for --tile auto (h100, a100; default h100)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (a multiple of 2*CP)")
     p.add_argument("--micro-batch", type=int, help="sequences per DP replica and step")
     p.add_argument("--steps", type=int, help="optimizer steps")
@@ -201,7 +203,20 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=cp)
     ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     tile = tuple(int(x) for x in args.tile.split("x")) if "x" in str(args.tile) else args.tile
-    layout = MeshLayout.from_parallel_state(tile=tile, ranks_per_node=ranks_per_node)
+    auto = {}
+    if tile == "auto":  # the cost model needs the cluster and the per-rank attention shape
+        from mesh_cp.core import AttentionShape
+
+        auto["topology"] = args.topology or "h100"
+        auto["shape"] = AttentionShape(
+            batch=args.micro_batch,
+            seq_local=args.seq_len // cp,
+            heads=args.heads // args.tp,
+            kv_heads=max(1, args.kv_heads // args.tp),
+            head_dim=args.hidden // args.heads,
+            itemsize=2 if cuda else 4,
+        )
+    layout = MeshLayout.from_parallel_state(tile=tile, ranks_per_node=ranks_per_node, **auto)
     lines = [None] * world
     dist.all_gather_object(lines, str(layout))
     main_rank = rank == 0
