@@ -254,7 +254,7 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
         max_sequence_length=args.seq_len,
         position_embedding_type=args.position_embedding,
     )
-    step_fn = cuda_step(model, config, args) if cuda else cpu_step(model, args, training)
+    step_fn = CudaStep(model, config, args) if cuda else CpuStep(model, args)
 
     start = 0
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -313,11 +313,13 @@ def save(directory: Path, step: int, rank: int, layout: str, step_fn) -> None:
     dist.barrier()
 
 
-class cpu_step:
+class CpuStep:
     """CPU: gradients summed over DP x CP by hand, global norm, clipping, torch AdamW (Megatron's DDP and
     optimizer assert CUDA)."""
 
-    def __init__(self, model, args, training):
+    def __init__(self, model, args):
+        from mesh_cp.integrations.megatron import training
+
         training.use_cpu_rotary_embedding(model)
         self.model, self.args, self.training = model, args, training
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -340,7 +342,7 @@ class cpu_step:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-class cuda_step:
+class CudaStep:
     """CUDA: Megatron's ``DistributedDataParallel`` (summing, as ``calculate_per_token_loss`` is set),
     ``finalize_model_grads`` and ``get_megatron_optimizer`` (Adam, bf16 with fp32 main weights)."""
 
