@@ -81,6 +81,20 @@ def replica_batch(sequences: torch.Tensor, step: int, replica: int, replicas: in
     return sequences[torch.arange(first, first + batch) % len(sequences)]
 
 
+def reference_step(model, optimizer, sequences: torch.Tensor, step: int, replicas: int, batch: int) -> float:
+    """One step of the unsharded reference on the step's global batch: the mean over the replicas of their
+    token-mean losses (what the CP run's gradients are of); returns that loss."""
+    loss = sum(
+        model(input_ids=ids, labels=ids).loss
+        for ids in (replica_batch(sequences, step, r, replicas, batch) for r in range(replicas))
+    )
+    loss = loss / replicas
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def add_example_arguments(p: argparse.ArgumentParser, *, steps: int) -> argparse.ArgumentParser:
     """The options of the data, the model, the side-by-side reference and checkpoints."""
     p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence (a multiple of 2 * CP size)")

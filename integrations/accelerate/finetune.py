@@ -29,7 +29,13 @@ import torch.distributed as dist
 import mesh_cp
 from mesh_cp.core import most_square_tile
 from mesh_cp.integrations import hf
-from mesh_cp.integrations.examples import add_example_arguments, build_model, example_data, replica_batch
+from mesh_cp.integrations.examples import (
+    add_example_arguments,
+    build_model,
+    example_data,
+    reference_step,
+    replica_batch,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,20 +117,9 @@ def main(argv: list[str] | None = None) -> None:
         rates.append(tokens_per_step / seconds)
         postfix = {"loss": f"{total.item():.4f}", "tok/s": f"{tokens_per_step / seconds:,.0f}", "seq": args.seq_len}
         if reference is not None:
-            ref_loss = (
-                sum(
-                    reference(input_ids=b, labels=b).loss
-                    for b in (
-                        replica_batch(sequences, step, r, layout.dp_size, args.batch) for r in range(layout.dp_size)
-                    )
-                )
-                / layout.dp_size
-            )
-            ref_loss.backward()
-            ref_optimizer.step()
-            ref_optimizer.zero_grad()
-            postfix["reference"] = f"{ref_loss.item():.4f}"
-            bar.write(f"step {step + 1:3d}  mesh_cp loss {total.item():.6f}  reference loss {ref_loss.item():.6f}")
+            ref_loss = reference_step(reference, ref_optimizer, sequences, step, layout.dp_size, args.batch)
+            postfix["reference"] = f"{ref_loss:.4f}"
+            bar.write(f"step {step + 1:3d}  mesh_cp loss {total.item():.6f}  reference loss {ref_loss:.6f}")
         bar.set_postfix(postfix)
         if ckpt_dir is not None and (step + 1) % args.save_every == 0:
             save(ckpt_dir, step + 1, model, optimizer, reference, ref_optimizer, main_rank)
