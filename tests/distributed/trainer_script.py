@@ -17,11 +17,12 @@ import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at
 import torch.distributed as dist
 from accelerate import PartialState
 from torch.utils.data import DistributedSampler
-from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+from transformers import AutoModelForCausalLM, TrainingArguments
 
 from mesh_cp.integrations import hf
+from tests.distributed.test_hf import VOCAB, configs
 
-STEPS, BATCH, VOCAB, LR = 3, 2, 96, 0.1
+STEPS, BATCH, LR = 3, 2, 0.1
 
 
 def reference_batch(data: list[dict], sampler_order: list[list[int]], step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,16 +42,8 @@ def main(output_dir: str, deepspeed: str | None) -> None:
         layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=(1, 2))
     else:
         layout = None  # the Trainer builds it from the config's "mesh_attention" block
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(configs()["llama-gqa"], attn_implementation="sdpa")
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1)
     dp_size = 2
