@@ -159,12 +159,18 @@ def shard_batch(
     labels: Tensor | None = None,
     attention_mask: Tensor | None = None,
     layout: str = "zigzag",
+    device: torch.device | str | None = None,
 ) -> ShardedBatch:
     """Shift labels on the full ``(batch, seq)`` sequence, then give this rank its shard (see module doc).
 
     ``labels`` default to ``input_ids``; ``-100`` marks tokens without a label. A right-padding
     ``attention_mask`` (ones then zeros per row) is exact under causal attention: the padded tokens
     get no label and no real token attends to them. Left or inner padding is refused.
+
+    ``device``: where the returned tensors go (the device the training loop runs the model on);
+    ``None`` keeps the input's device. The labels are counted and the shard cut where the inputs
+    are, so inputs on the CPU (a ``DataLoader``'s) cost the accelerator no host synchronisation and
+    only this rank's shard is copied.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
@@ -186,11 +192,12 @@ def shard_batch(
         labels[~keep] = IGNORE_INDEX
     shift = torch.full_like(labels, IGNORE_INDEX)
     shift[:, :-1] = labels[:, 1:]
-    positions = mesh_cp.position_ids(input_ids.shape[1], mesh=mesh, layout=layout).to(input_ids.device)
+    device = input_ids.device if device is None else torch.device(device)
+    positions = mesh_cp.position_ids(input_ids.shape[1], mesh=mesh, layout=layout, device=device)
     return ShardedBatch(
-        input_ids=mesh_cp.shard_sequence(input_ids, mesh=mesh, dim=1, layout=layout),
+        input_ids=mesh_cp.shard_sequence(input_ids, mesh=mesh, dim=1, layout=layout).to(device),
         position_ids=positions.unsqueeze(0).expand(input_ids.shape[0], -1),
-        shift_labels=mesh_cp.shard_sequence(shift, mesh=mesh, dim=1, layout=layout),
+        shift_labels=mesh_cp.shard_sequence(shift, mesh=mesh, dim=1, layout=layout).to(device),
         num_items_in_batch=int((shift != IGNORE_INDEX).sum()),
     )
 
@@ -203,14 +210,24 @@ class ShardingCollator:
     group). The batch holds ``input_ids``, ``position_ids``, ``labels`` and ``shift_labels`` (both the
     shifted labels: transformers' causal-LM loss uses ``shift_labels`` when given) and
     ``num_items_in_batch``, so the model's own ``loss`` is this rank's share of the global mean.
+    ``device``: where the batch's tensors go (``None``: the CPU, where the collator builds them).
     """
 
-    def __init__(self, mesh: CPMesh, *, pad_token_id: int, layout: str = "zigzag", pad_to_multiple_of: int = 1):
+    def __init__(
+        self,
+        mesh: CPMesh,
+        *,
+        pad_token_id: int,
+        layout: str = "zigzag",
+        pad_to_multiple_of: int = 1,
+        device: torch.device | str | None = None,
+    ):
         if not isinstance(mesh, CPMesh):
             raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
         if pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
         self.mesh, self.pad_token_id, self.layout = mesh, pad_token_id, layout
+        self.device = None if device is None else torch.device(device)
         parts = 2 * mesh.size if layout == "zigzag" else mesh.size
         self.multiple = math.lcm(parts, pad_to_multiple_of)
 
@@ -226,13 +243,15 @@ class ShardingCollator:
         mask = torch.zeros_like(input_ids)
         for row, (i, lab) in enumerate(zip(ids, labels, strict=True)):
             input_ids[row, : len(i)], label_ids[row, : len(lab)], mask[row, : len(i)] = i, lab, 1
-        batch = shard_batch(input_ids, mesh=self.mesh, labels=label_ids, attention_mask=mask, layout=self.layout)
+        batch = shard_batch(
+            input_ids, mesh=self.mesh, labels=label_ids, attention_mask=mask, layout=self.layout, device=self.device
+        )
         return {
             "input_ids": batch.input_ids,
             "position_ids": batch.position_ids,
             "labels": batch.shift_labels,
             "shift_labels": batch.shift_labels,
-            "num_items_in_batch": torch.tensor(batch.num_items_in_batch),
+            "num_items_in_batch": torch.tensor(batch.num_items_in_batch, device=batch.input_ids.device),
         }
 
 

@@ -260,7 +260,15 @@ def collator_worker(rank: int, world: int) -> dict:
         padded[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
         mask[row, : len(e["input_ids"])] = 1
     ref_loss = ref(input_ids=padded, attention_mask=mask, labels=padded.masked_fill(mask == 0, -100)).loss
+    # device=: every tensor of the batch goes where the training loop runs (meta stands in for an accelerator).
+    on_meta = hf.ShardingCollator(mesh, pad_token_id=0, device="meta")(examples)
+    sharded = hf.shard_batch(padded, mesh=mesh, attention_mask=mask, device="meta")
     return {
+        "devices": sorted(
+            {str(t.device) for t in (*on_meta.values(), sharded.input_ids, sharded.position_ids, sharded.shift_labels)}
+        ),
+        "meta shapes": {k: tuple(t.shape) for k, t in on_meta.items()} == {k: tuple(t.shape) for k, t in batch.items()},
+        "meta items": sharded.num_items_in_batch,
         "shape": tuple(batch["input_ids"].shape),
         "loss error": abs(total.item() - ref_loss.item()),
         "items": int(batch["num_items_in_batch"]),
@@ -270,5 +278,6 @@ def collator_worker(rank: int, world: int) -> dict:
 def test_collator_pads_shards_and_gives_the_models_own_loss() -> None:
     for rank, res in enumerate(run_distributed(collator_worker, 4)):
         assert res["shape"] == (3, 10), res  # 37 tokens padded to 40 (a multiple of 2P = 8), 10 per rank
-        assert res["items"] == 36 + 20 + 29, res
+        assert res["items"] == res["meta items"] == 36 + 20 + 29, res
+        assert res["devices"] == ["meta"] and res["meta shapes"] is True, res
         assert res["loss error"] <= TOL, (rank, res)
