@@ -1,0 +1,609 @@
+"""The parts of ``scripts/gpu_check.py`` that run inside every rank, and what they share with it.
+
+Rows, the case runner, the error rule, the fp64 reference, and the per-rank checks (the mesh and the
+Hugging Face model over a CP group) live here so that spawned processes import this module by name
+and never the driver's command line. Nothing here is part of mesh_cp: it calls only its public API.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import importlib
+import importlib.util
+import json
+import math
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    section: str
+    case: str
+    status: str
+    detail: str = ""
+    seconds: float = 0.0
+    ratio: float = 0.0
+    """Largest error / allowed error of the case (0 when it has no numbers); picks the worst rank."""
+
+
+class Skip(Exception):
+    """Raised by a case that cannot run here; the message is the reason."""
+
+
+@dataclass
+class Verdict:
+    """What a case found: pass or fail, the numbers, and its worst error / allowed ratio."""
+
+    ok: bool
+    detail: str
+    ratio: float = 0.0
+
+
+def run_case(section: str, case: str, fn: Callable[[], Verdict], device: torch.device | None = None) -> Row:
+    """Run one case in isolation: a :class:`Skip` is SKIP, any other exception is this case's FAIL."""
+    start = time.perf_counter()
+    try:
+        verdict = fn()
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)  # an asynchronous CUDA error belongs to this case
+        status, detail, ratio = (PASS if verdict.ok else FAIL), verdict.detail, verdict.ratio
+    except Skip as reason:
+        status, detail, ratio = SKIP, str(reason), 0.0
+    except Exception as err:  # noqa: BLE001 - every error of a case is that case's FAIL
+        status, detail, ratio = FAIL, describe_error(err), math.inf
+    return Row(section, case, status, detail, time.perf_counter() - start, ratio)
+
+
+def describe_error(err: BaseException) -> str:
+    """``Type: message`` on one line, with the innermost frame of this project's code."""
+    message = " ".join(str(err).split())
+    if len(message) > 300:
+        message = message[:297] + "..."
+    where = ""
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        if "mesh_cp" in frame.filename or "integrations" in frame.filename:
+            where = f" [{Path(frame.filename).name}:{frame.lineno}]"
+            break
+    return f"{type(err).__name__}: {message}{where}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The error rule
+# ----------------------------------------------------------------------------------------------------
+
+# Floor of the allowed error, relative to max(1, largest reference value): an eighth of the machine
+# epsilon for fp16/bf16 (the rule is 2x plain attention's error; the floor only matters where that
+# error is by chance tiny), 1e-5 for fp32 (where plain attention's error is rounding noise).
+FLOOR = {torch.float16: torch.finfo(torch.float16).eps / 8, torch.bfloat16: torch.finfo(torch.bfloat16).eps / 8}
+FLOOR_FP32 = 1e-5
+
+
+def floor_of(dtype: torch.dtype) -> float:
+    return FLOOR.get(dtype, FLOOR_FP32)
+
+
+def max_err(a: Tensor, b: Tensor) -> float:
+    return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
+
+
+def judge(got: dict[str, Tensor], gold: dict[str, Tensor], plain: dict[str, Tensor], dtype: torch.dtype) -> Verdict:
+    """flash-attn's rule, per quantity: ``|got - gold| <= 2 |plain - gold| + floor * max(1, |gold|)``.
+
+    ``gold`` is the fp64 reference of the same (rounded) inputs, ``plain`` plain PyTorch attention in
+    ``dtype``. The detail lists ``name err/allowed`` for every quantity.
+    """
+    parts, worst = [], 0.0
+    for name, want in gold.items():
+        err = max_err(got[name], want)
+        scale = max(1.0, want.detach().abs().max().item()) if want.numel() else 1.0
+        allowed = 2 * max_err(plain[name], want) + floor_of(dtype) * scale
+        ratio = err / allowed if math.isfinite(err) else math.inf
+        worst = max(worst, ratio)
+        parts.append(f"{name} {err:.1e}/{allowed:.1e}")
+    return Verdict(worst <= 1.0, " ".join(parts), worst)
+
+
+def merge_verdicts(verdicts: list[tuple[str, Verdict]]) -> Verdict:
+    """One verdict for several sub-checks: fails if any fails; the detail is the worst one's."""
+    label, worst = max(verdicts, key=lambda lv: lv[1].ratio)
+    failed = sum(not v.ok for _, v in verdicts)
+    detail = f"worst {label}: {worst.detail}" if len(verdicts) > 1 else worst.detail
+    if failed:
+        detail = f"{detail} ({failed} of {len(verdicts)} failed)"
+    return Verdict(not failed, detail, worst.ratio)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention written out (the fp64 reference, and plain attention in a low dtype)
+# ----------------------------------------------------------------------------------------------------
+
+
+def attention_math(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """``softmax(q k^T * scale) v`` in ``q.dtype``, differentiable: ``q (B, S, H, D)``, ``k, v (B, S, Hkv, D)``
+    -> ``out (B, S, H, D)``, ``lse (B, H, S)``. Causal is top-left aligned. Independent of mesh_cp's code."""
+    rep = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k.repeat_interleave(rep, dim=2).transpose(1, 2)
+    vh = v.repeat_interleave(rep, dim=2).transpose(1, 2)
+    scores = (qh @ kh.transpose(-1, -2)) * scale
+    if causal:
+        above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.softmax(scores, dim=-1) @ vh
+    return out.transpose(1, 2), lse
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tensor:
+    """Plain ``torch.nn.functional.scaled_dot_product_attention`` in the flash-attn layout."""
+    rep = q.shape[2] // k.shape[2]
+    kh, vh = (t.repeat_interleave(rep, dim=2) for t in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), is_causal=causal, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def grads_of(leaves: list[Tensor]) -> dict[str, Tensor]:
+    q, k, v = leaves
+    return {"dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@dataclass
+class AttentionInputs:
+    """Seeded inputs of one attention check, identical on every rank, already rounded to ``dtype``."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    do: Tensor
+    dlse: Tensor | None
+    causal: bool
+    scale: float
+
+    @classmethod
+    def make(
+        cls,
+        *,
+        batch: int,
+        seq: int,
+        heads: int,
+        kv_heads: int,
+        dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        causal: bool,
+        lse_grad: bool,
+        sparse_do: bool = False,
+        seed: int = 0,
+    ) -> AttentionInputs:
+        """With ``lse_grad`` the loss also depends on the lse. With ``sparse_do`` too, rows of ``dO`` are
+        zero (every 4th) or tiny (1e-7, the next row): a fused backward must still carry the lse's
+        gradient there, without overflow."""
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(batch, seq, heads, dim, generator=gen)
+        k, v = (torch.randn(batch, seq, kv_heads, dim, generator=gen) for _ in range(2))
+        do = torch.randn(batch, seq, heads, dim, generator=gen)
+        dlse = None
+        if lse_grad:
+            dlse = torch.randn(batch, heads, seq, generator=gen).to(device)
+            if sparse_do:
+                do[:, 0::4] = 0
+                do[:, 1::4] *= 1e-7
+        q, k, v, do = (t.to(device=device, dtype=dtype) for t in (q, k, v, do))
+        return cls(q, k, v, do, dlse, causal, dim**-0.5)
+
+    def loss(self, out: Tensor, lse: Tensor | None, do: Tensor | None = None, dlse: Tensor | None = None) -> Tensor:
+        do = self.do if do is None else do
+        dlse = self.dlse if dlse is None else dlse
+        total = (out.double() * do.double()).sum()
+        if self.dlse is not None:
+            total = total + (lse.double() * dlse.double()).sum()
+        return total
+
+    def gold(self) -> dict[str, Tensor]:
+        """fp64 out, lse and gradients of the rounded inputs."""
+        leaves = [t.detach().double().requires_grad_() for t in (self.q, self.k, self.v)]
+        out, lse = attention_math(*leaves, causal=self.causal, scale=self.scale)
+        self.loss(out, lse).backward()
+        return {"out": out.detach(), "lse": lse.detach(), **grads_of(leaves)}
+
+    def plain(self) -> dict[str, Tensor]:
+        """Plain PyTorch attention in the inputs' dtype: ``scaled_dot_product_attention`` for out and the
+        gradients of ``<dO, out>``; with an lse gradient (SDPA returns no lse) the attention written out
+        in that dtype. The lse is the log-sum-exp of the scores computed in that dtype."""
+        leaves = [t.detach().clone().requires_grad_() for t in (self.q, self.k, self.v)]
+        if self.dlse is None:
+            out = sdpa(*leaves, causal=self.causal, scale=self.scale)
+            with torch.no_grad():
+                _, lse = attention_math(*leaves, causal=self.causal, scale=self.scale)
+            self.loss(out, None).backward()
+        else:
+            out, lse = attention_math(*leaves, causal=self.causal, scale=self.scale)
+            self.loss(out, lse).backward()
+        return {"out": out.detach(), "lse": lse.detach(), **grads_of(leaves)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels: lookup that never crashes the table, and the injected fault of the self-test
+# ----------------------------------------------------------------------------------------------------
+
+# Kernels that take fp16/bf16 only, and the library each optional kernel imports.
+HALF_ONLY = {"flash_attn", "cuda_flash"}
+LIBRARIES = {"flash_attn": "flash_attn"}
+
+
+def needs_cuda(name: str) -> bool:
+    return name.startswith(("cuda", "flash"))
+
+
+class FaultyKernel:
+    """A kernel with a planted bug, to prove the check reports it: ``wrong`` adds 0.1 to the last query
+    row of every block's output; ``raise`` raises in forward."""
+
+    def __init__(self, inner, mode: str) -> None:
+        self.inner, self.mode, self.name = inner, mode, inner.name
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        if self.mode == "raise":
+            raise RuntimeError(f"fault injected into kernel {self.name!r} (--inject-fault)")
+        out, lse = self.inner.forward(q, k, v, causal=causal, scale=scale)
+        out = out.clone()
+        out[:, -1] += 0.1
+        return out, lse
+
+    def backward(self, *args, **kwargs):
+        return self.inner.backward(*args, **kwargs)
+
+
+def with_fault(kernel, faults: dict[str, str]):
+    mode = faults.get(kernel.name)
+    return FaultyKernel(kernel, mode) if mode else kernel
+
+
+def resolve_auto(device: torch.device, dtype: torch.dtype, head_dim: int):
+    """The kernel ``kernel="auto"`` runs for these inputs (mesh_cp.kernels.resolve_kernel)."""
+    import inspect
+
+    from mesh_cp.kernels import resolve_kernel
+
+    if "head_dim" in inspect.signature(resolve_kernel).parameters:
+        return resolve_kernel("auto", device, dtype, head_dim=head_dim)
+    return resolve_kernel("auto", device, dtype)
+
+
+def lookup_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, faults: dict[str, str]):
+    """The kernel object for ``name`` (or ``"auto"``), or :class:`Skip` with why it cannot run here."""
+    from mesh_cp import kernels
+
+    if name == "auto":
+        return with_fault(resolve_auto(device, dtype, head_dim), faults)
+    if name not in kernels.KERNEL_NAMES:
+        raise Skip(f"not registered in mesh_cp.kernels (KERNEL_NAMES: {', '.join(kernels.KERNEL_NAMES)})")
+    if needs_cuda(name) and device.type != "cuda":
+        raise Skip("needs a CUDA device")
+    if name.startswith("cpu") and device.type != "cpu":
+        raise Skip("CPU kernel")
+    library = LIBRARIES.get(name)
+    if library and importlib.util.find_spec(library) is None:
+        raise Skip(f"{library} is not installed")
+    if name in HALF_ONLY and dtype not in (torch.float16, torch.bfloat16):
+        raise Skip(f"takes fp16/bf16 only, not {DTYPE_NAMES[dtype]}")
+    try:
+        kernel = kernels.get_kernel(name)
+    except ImportError as err:
+        raise Skip(f"its library does not import: {err}") from err
+    except RuntimeError as err:
+        if "install" in str(err):  # the kernels' own wording for a missing library
+            raise Skip(str(err)) from err
+        raise
+    return with_fault(kernel, faults)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Jobs: one spawned process group and the per-rank checks it runs
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One spawned process group: its backend, how it starts, and the checks every rank runs."""
+
+    label: str
+    section: str
+    """Section of the job's own rows (its start, its end)."""
+    backend: str
+    world: int
+    device: str
+    """``"cpu"``, ``"cuda"`` (rank r on GPU r) or ``"cuda:0"`` (every rank on GPU 0)."""
+    checks: list[str]
+    """Names in :data:`RANK_CHECKS`, with the section of their rows: ``"mesh:SECTION"``, ``"hf:SECTION"``."""
+    eager: bool = False
+    """``init_process_group(..., device_id=...)``: the default group is bound to the device at once."""
+    dtypes: list[str] = field(default_factory=lambda: ["bf16", "fp32"])
+    hf_modes: list[str] = field(default_factory=lambda: ["fp32", "bf16", "autocast"])
+    chunk: int = 8
+    """Tokens per zig-zag half-chunk of the mesh checks (global length ``2 P chunk``)."""
+    head_dim: int = 32
+    faults: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 60.0
+    """Process-group timeout: a collective that waits longer raises instead of hanging."""
+
+
+def rank_entry(rank: int, job: Job, tmp: str) -> None:
+    """Spawned process ``rank``: start the group (itself a case), run the checks, append rows as they come."""
+    import torch.distributed as dist
+
+    importlib.import_module("torch._dynamo")  # before init_process_group: gloo can abort at exit otherwise
+    torch.set_num_threads(1 if job.device == "cpu" else 4)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    path = Path(tmp) / f"rank{rank}.jsonl"
+
+    def emit(row: Row) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+
+    device = torch.device("cpu")
+    if job.device == "cuda":
+        device = torch.device("cuda", rank)
+    elif job.device.startswith("cuda:"):
+        device = torch.device(job.device)
+
+    def start() -> Verdict:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        kwargs = {"device_id": device} if job.eager else {}
+        dist.init_process_group(
+            job.backend,
+            init_method=f"file://{tmp}/store",
+            rank=rank,
+            world_size=job.world,
+            timeout=datetime.timedelta(seconds=job.timeout_s),
+            **kwargs,
+        )
+        return Verdict(True, f"{job.backend} on {device}{', device-bound' if job.eager else ''}")
+
+    row = run_case(job.section, f"{job.label}: start group", start)
+    emit(row)
+    if row.status != PASS:
+        return
+    try:
+        for check in job.checks:
+            name, section = check.split(":")
+            for row in RANK_CHECKS[name](job, section, rank, device):
+                emit(row)
+    finally:
+        dist.destroy_process_group()
+
+
+def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> Iterator[Row]:
+    """The mesh over the whole group (every tile of P), and at world 4 also over the pairs {0,1}, {2,3}:
+    forward and backward (a loss on out and lse) against the fp64 reference, and a refused tile mismatch."""
+    import torch.distributed as dist
+
+    import mesh_cp
+
+    groups = [(job.world, dist.group.WORLD)]
+    if job.world == 4:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        groups.append((2, pairs[rank // 2]))
+    prefix = lambda p: f"{job.label} P={p}"  # noqa: E731
+    for p, group in groups:
+        tiles = [(a, p // a) for a in range(1, p + 1) if p % a == 0]
+        for tile in tiles:
+            holder: dict = {}
+
+            def create(tile=tile, group=group, holder=holder) -> Verdict:
+                holder["mesh"] = mesh_cp.CPMesh.create(group, tile=tile)
+                return Verdict(True, str(holder["mesh"]))
+
+            yield run_case(section, f"{prefix(p)} {tile[0]}x{tile[1]} CPMesh.create", create, device)
+            for dtype_name in job.dtypes:
+                dtype = DTYPES[dtype_name]
+
+                def attention(holder=holder, dtype=dtype, p=p) -> Verdict:
+                    if "mesh" not in holder:
+                        raise Skip("no mesh (CPMesh.create failed)")
+                    return mesh_attention_verdict(holder["mesh"], job, device, dtype, p)
+
+                yield run_case(section, f"{prefix(p)} {tile[0]}x{tile[1]} {dtype_name}", attention, device)
+        if p > 1:
+
+            def mismatch(group=group, p=p) -> Verdict:
+                mine = (1, p) if dist.get_rank(group) == 0 else (p, 1)
+                try:
+                    mesh_cp.CPMesh.create(group, tile=mine)
+                except ValueError as err:
+                    ok = "different tiles" in str(err)
+                    return Verdict(ok, "ValueError on every rank" if ok else f"unexpected message: {err}")
+                return Verdict(False, "rank 0 asked for 1xP and the others for Px1: not refused")
+
+            yield run_case(section, f"{prefix(p)} tiles differ across ranks: refused", mismatch, device)
+
+
+def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dtype, p: int) -> Verdict:
+    """Causal (zig-zag) and full (contiguous), MHA 4:4 and GQA 8:2, overlap and collective schedules."""
+    import mesh_cp
+
+    verdicts = []
+    for causal in (True, False):
+        layout = "zigzag" if causal else "contiguous"
+        for heads, kv_heads in ((4, 4), (8, 2)):
+            for schedule in ("overlap", "collective"):
+                x = AttentionInputs.make(
+                    batch=2,
+                    seq=2 * p * job.chunk,
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    dim=job.head_dim,
+                    dtype=dtype,
+                    device=device,
+                    causal=causal,
+                    lse_grad=True,
+                    seed=heads + 10 * causal,
+                )
+                gold, plain = x.gold(), x.plain()
+
+                def shard(t: Tensor, dim: int = 1) -> Tensor:
+                    return mesh_cp.shard_sequence(t, mesh=mesh, dim=dim, layout=layout)
+
+                kernel = "auto"
+                if job.faults:
+                    kernel = with_fault(resolve_auto(device, dtype, job.head_dim), job.faults)
+                leaves = [shard(t).detach().requires_grad_() for t in (x.q, x.k, x.v)]
+                out, lse = mesh_cp.mesh_attn_func(
+                    *leaves,
+                    mesh=mesh,
+                    causal=causal,
+                    layout=layout,
+                    return_lse=True,
+                    kernel=kernel,
+                    schedule=schedule,
+                )
+                if out.dtype != dtype:
+                    return Verdict(False, f"out is {out.dtype}, not the inputs' {dtype}", math.inf)
+                x.loss(out, lse, shard(x.do), shard(x.dlse, 2)).backward()
+                got = {"out": out, "lse": lse, **grads_of(leaves)}
+
+                def shards(d: dict[str, Tensor]) -> dict[str, Tensor]:
+                    return {n: shard(t, 2 if n == "lse" else 1) for n, t in d.items()}
+
+                label = f"{'causal' if causal else 'full'} {heads}:{kv_heads} {schedule}"
+                verdicts.append((label, judge(got, shards(gold), shards(plain), dtype)))
+    return merge_verdicts(verdicts)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hugging Face: a tiny Llama with hf.attach against the single-process SDPA model
+# ----------------------------------------------------------------------------------------------------
+
+HF_TOL_FP32 = 1e-4
+
+
+def hf_checks(job: Job, section: str, rank: int, device: torch.device) -> Iterator[Row]:
+    """A tiny Llama, MHA and GQA, tile 2x2 (or the most square), in fp32, bf16 weights, and fp32 weights
+    under bf16 autocast."""
+    import torch.distributed as dist
+
+    import mesh_cp
+
+    a = max(d for d in range(1, int(math.isqrt(job.world)) + 1) if job.world % d == 0)
+    tile = (job.world // a, a)
+    holder: dict = {}
+
+    def create() -> Verdict:
+        if importlib.util.find_spec("transformers") is None:
+            raise Skip("transformers is not installed")
+        holder["mesh"] = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
+        return Verdict(True, str(holder["mesh"]))
+
+    yield run_case(section, f"{job.label} P={job.world} {tile[0]}x{tile[1]} CPMesh.create", create, device)
+    for name, kv_heads in (("llama", 4), ("llama-gqa", 2)):
+        for mode in job.hf_modes:
+
+            def compare(kv_heads=kv_heads, mode=mode) -> Verdict:
+                if "mesh" not in holder:
+                    raise Skip("no mesh (transformers missing or CPMesh.create failed)")
+                return hf_verdict(holder["mesh"], device, kv_heads, mode)
+
+            yield run_case(section, f"{job.label} {name} {mode}", compare, device)
+
+
+def hf_verdict(mesh, device: torch.device, kv_heads: int, mode: str) -> Verdict:
+    """Logits and every parameter gradient of the mesh model against the single-process SDPA model.
+
+    ``fp32``: within 1e-4 of the fp32 SDPA model (TF32 off). ``bf16`` (bf16 weights) and ``autocast``
+    (fp32 weights under ``torch.autocast(bf16)``): 2x the error of the single-process SDPA model in the
+    same precision, both against the model in fp64 (per gradient tensor).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import mesh_cp
+    from mesh_cp.integrations import hf
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
+    if mode == "bf16":
+        base = base.to(torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (2, 16 * mesh.size), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    autocast = mode == "autocast"
+
+    def context():
+        return torch.autocast(device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+
+    def single(model, cast: bool) -> tuple[Tensor, dict[str, Tensor]]:
+        with context() if cast else nullcontext():
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    ref_logits, ref_grads = single(copy.deepcopy(base), cast=autocast)
+
+    model = hf.attach(copy.deepcopy(base), mesh)
+    batch = hf.shard_batch(ids, mesh=mesh)
+    with context():
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+        loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
+    loss.backward()
+    hf.reduce_gradients(model, mesh)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    missing = sorted(n for n, g in grads.items() if g is None)
+    if missing:
+        return Verdict(False, f"no gradient for {missing[:3]}", math.inf)
+
+    def shard(t: Tensor) -> Tensor:
+        return mesh_cp.shard_sequence(t, mesh=mesh, dim=1, layout="zigzag")
+
+    if mode == "fp32":
+        logits_err = max_err(logits, shard(ref_logits))
+        grad_errs = {n: max_err(grads[n], ref_grads[n]) for n in grads}
+        worst_name = max(grad_errs, key=grad_errs.get)
+        ratio = max(logits_err, grad_errs[worst_name]) / HF_TOL_FP32
+        detail = f"logits {logits_err:.1e}, worst grad {worst_name} {grad_errs[worst_name]:.1e} (tol {HF_TOL_FP32:g})"
+        return Verdict(ratio <= 1.0, detail, ratio)
+
+    gold_logits, gold_grads = single(copy.deepcopy(base).to(torch.float64), cast=False)
+    dtype = torch.bfloat16
+    logits_v = judge({"logits": logits}, {"logits": shard(gold_logits)}, {"logits": shard(ref_logits)}, dtype)
+    grad_v = [(n, judge({"g": grads[n]}, {"g": gold_grads[n]}, {"g": ref_grads[n]}, dtype)) for n in grads]
+    worst_name, worst = max(grad_v, key=lambda nv: nv[1].ratio)
+    failed = [n for n, v in grad_v if not v.ok]
+    detail = f"{logits_v.detail}, worst grad {worst_name} {worst.detail.split(' ', 1)[1]}"
+    if failed:
+        detail = f"{len(failed)} gradients over 2x SDPA's error; {detail}"
+    return Verdict(logits_v.ok and not failed, detail, max(logits_v.ratio, worst.ratio))
+
+
+RANK_CHECKS: dict[str, Callable[[Job, str, int, torch.device], Iterator[Row]]] = {
+    "mesh": mesh_checks,
+    "hf": hf_checks,
+}

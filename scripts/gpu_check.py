@@ -1,0 +1,568 @@
+"""One-command GPU acceptance check of mesh_cp: a PASS/FAIL/SKIP table, non-zero exit on any FAIL.
+
+    python scripts/gpu_check.py                          # everything, on the GPUs of this machine
+    python scripts/gpu_check.py --sections kernels,hf    # some sections only (or --skip examples)
+    python scripts/gpu_check.py --out gpu_check.md       # also write the table as markdown
+    python scripts/gpu_check.py --cpu-selftest           # the same checks on CPU (CI runs this)
+
+Sections (each case runs in isolation: an exception is that case's FAIL and the rest still run):
+
+kernels   every block kernel of mesh_cp.kernels that runs on this device, and ``"auto"`` (with the kernel
+          it chose), forward and backward against fp64: out, lse, dq, dk, dv; causal and full; MHA and
+          GQA; head dims 64, 128 and 72; and a case where the loss also depends on the lse (with rows of
+          dO zero or tiny). fp16/bf16 pass within 2x the error of plain PyTorch attention in that dtype
+          (flash-attn's rule) plus a floor of eps/8; fp32 the same with a floor of 1e-5 (relative to
+          max(1, largest reference value)). A kernel whose library is missing, or not registered, is SKIP.
+mesh-nccl the mesh at P = number of GPUs over NCCL (one process per GPU, ``torch.cuda.set_device`` first),
+          once with a lazily initialised default group and once bound to the device (``device_id=``):
+          every tile of P, forward and backward (a loss on out and lse) against fp64, a tile mismatch.
+mesh-gloo 4 gloo ranks sharing GPU 0 (tensors on the GPU, collectives over gloo): tiles 2x2, 1x4, 4x1 and
+          P = 2 pairs; causal/full, GQA, bf16 and fp32 against fp64.
+hf        a tiny Llama (MHA and GQA) with ``hf.attach`` at P = 4 (NCCL with 4 GPUs, else 4 gloo ranks
+          sharing GPU 0): fp32 (within 1e-4 of the SDPA model, TF32 off), bf16 weights, and fp32 weights
+          under bf16 autocast (2x the SDPA model's error against fp64).
+examples  the accelerate, DeepSpeed and Megatron examples under torchrun with tiny settings, their loss
+          against their ``--reference`` where they have one; SKIP where a framework is missing.
+
+``--cpu-selftest`` runs the same sections on CPU where they make sense (kernels: cpu_flash, reference
+and auto; the mesh on gloo at P = 4 and 2 in one spawn; hf fp32, bf16 and CPU bf16 autocast; NCCL and the
+examples SKIP), so the checker's own logic is tested without a GPU. ``--inject-fault KERNEL[:raise]``
+plants a bug in a kernel (``wrong``: 0.1 added to the last row of every block's output; ``raise``: its
+forward raises) to show that the check reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _gpu_check_worker import (  # noqa: E402
+    DTYPE_NAMES,
+    FAIL,
+    PASS,
+    SKIP,
+    AttentionInputs,
+    Job,
+    Row,
+    Skip,
+    Verdict,
+    describe_error,
+    judge,
+    lookup_kernel,
+    merge_verdicts,
+    rank_entry,
+    run_case,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("kernels", "mesh-nccl", "mesh-gloo", "hf", "examples")
+# The kernels the check expects on CUDA, whether or not they are registered yet (unregistered: SKIP).
+CUDA_KERNELS = ("flash_attn", "cuda_flash", "cuda_sdpa")
+CPU_KERNELS = ("cpu_flash",)
+# (label, heads, kv_heads, head_dim) of the kernel cases.
+KERNEL_SHAPES = (("4:4 d64", 4, 4, 64), ("8:2 d64", 8, 2, 64), ("4:4 d128", 4, 4, 128), ("8:2 d72", 8, 2, 72))
+EXAMPLE_LOSS_TOL = 1e-3
+STEP_WITH_REFERENCE = re.compile(r"step\s+(\d+)\s+mesh_cp loss ([-0-9.eE+naif]+)\s+reference loss ([-0-9.eE+naif]+)")
+MEGATRON_STEP = re.compile(r"step\s+(\d+)\s+loss ([-0-9.eE+naif]+)")
+
+
+@dataclasses.dataclass
+class Options:
+    """What to run and where, from the command line."""
+
+    sections: tuple[str, ...]
+    cpu: bool
+    gpus: int
+    faults: dict[str, str]
+    job_timeout_s: float
+    example_timeout_s: float
+    device: torch.device = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.device = torch.device("cpu") if self.cpu else torch.device("cuda", 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Versions
+# ----------------------------------------------------------------------------------------------------
+
+
+def package_version(*names: str) -> str:
+    for name in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(name)
+    return "not installed"
+
+
+def versions(opts: Options) -> list[tuple[str, str]]:
+    rows = [("python", platform.python_version()), ("torch", torch.__version__), ("CUDA", str(torch.version.cuda))]
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        major, minor = torch.cuda.get_device_capability(0)
+        rows += [
+            ("GPU", f"{torch.cuda.device_count()} x {props.name}, {props.total_memory / 2**30:.0f} GiB"),
+            ("capability", f"sm_{major}{minor}"),
+            ("NCCL", ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "-"),
+        ]
+    else:
+        rows += [("GPU", "none")]
+    rows += [
+        ("mesh_cp", f"{package_version('mesh-cp')} ({git_commit()})"),
+        ("transformers", package_version("transformers")),
+        ("accelerate", package_version("accelerate")),
+        ("flash-attn", package_version("flash-attn", "flash_attn")),
+        ("deepspeed", package_version("deepspeed")),
+        ("megatron-core", package_version("megatron-core", "megatron_core")),
+        ("mode", "CPU self-test" if opts.cpu else "GPU"),
+    ]
+    return rows
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "no git"
+    return out.stdout.strip() or "no git"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Section: kernels (in this process)
+# ----------------------------------------------------------------------------------------------------
+
+
+def kernel_verdict(kernel, x: AttentionInputs) -> Verdict:
+    """One kernel call forward and backward (``delta = rowsum(dO * O) - dlse``) against fp64."""
+    out, lse = kernel.forward(x.q, x.k, x.v, causal=x.causal, scale=x.scale)
+    if out.shape != x.q.shape or out.dtype != x.q.dtype:
+        return Verdict(
+            False, f"out is {tuple(out.shape)} {out.dtype}, expected {tuple(x.q.shape)} {x.q.dtype}", math.inf
+        )
+    delta = (x.do.float() * out.float()).sum(-1).transpose(1, 2)
+    if x.dlse is not None:
+        delta = delta - x.dlse.float()
+    dq, dk, dv = kernel.backward(x.do, x.q, x.k, x.v, lse, delta.contiguous(), causal=x.causal, scale=x.scale)
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    return judge(got, x.gold(), x.plain(), x.q.dtype)
+
+
+def kernel_rows(opts: Options) -> list[Row]:
+    """Every kernel that runs on this device, per dtype: one row per shape (causal and full inside) and
+    one with a gradient on the lse."""
+    from mesh_cp.kernels import KERNEL_NAMES
+
+    device = opts.device
+    if opts.cpu:
+        dtypes, batch, seq = (torch.float32, torch.bfloat16, torch.float16), 1, 50
+        names = [*CPU_KERNELS, "reference", "auto", *CUDA_KERNELS]
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        dtypes, batch, seq = (torch.bfloat16, torch.float16, torch.float32), 2, 250
+        names = [*CUDA_KERNELS, "reference", "auto"]
+    names += [n for n in KERNEL_NAMES if n not in names and not (n.startswith("cpu") and not opts.cpu)]
+    rows: list[Row] = []
+    for name in names:
+        found: dict[torch.dtype, object] = {}
+        for dtype in dtypes:
+            try:
+                found[dtype] = lookup_kernel(name, device, dtype, 64, opts.faults)
+            except Skip as reason:
+                found[dtype] = reason
+            except Exception as err:  # noqa: BLE001 - a kernel that cannot even be built is its FAIL
+                found[dtype] = err
+        reasons = {str(k) for k in found.values() if isinstance(k, Skip)}
+        if len(reasons) == 1 and all(isinstance(k, Skip) for k in found.values()):
+            rows.append(Row("kernels", name, SKIP, reasons.pop()))
+            continue
+        for dtype, kernel in found.items():
+            rows += kernel_dtype_rows(name, kernel, dtype, device, batch, seq, opts)
+    return rows
+
+
+def failed_row(section: str, case: str, err: Exception) -> Row:
+    return Row(section, case, FAIL, describe_error(err), 0.0, math.inf)
+
+
+def kernel_dtype_rows(name, kernel, dtype, device, batch, seq, opts) -> list[Row]:
+    dname = DTYPE_NAMES[dtype]
+    if isinstance(kernel, Skip):
+        return [Row("kernels", f"{name} {dname}", SKIP, str(kernel))]
+    if isinstance(kernel, Exception):
+        return [failed_row("kernels", f"{name} {dname}", kernel)]
+    rows = []
+    cases = [(label, h, kv, d, False) for label, h, kv, d in KERNEL_SHAPES]
+    cases.append(("8:2 d64 lse grad", 8, 2, 64, True))
+    for label, heads, kv_heads, dim, lse_grad in cases:
+
+        def case(heads=heads, kv_heads=kv_heads, dim=dim, lse_grad=lse_grad) -> Verdict:
+            # "auto" may choose by head dim: resolve it for this case's inputs.
+            k = lookup_kernel(name, device, dtype, dim, opts.faults) if name == "auto" else kernel
+            verdicts = []
+            for causal in (True, False):
+                x = AttentionInputs.make(
+                    batch=batch,
+                    seq=seq,
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    dim=dim,
+                    dtype=dtype,
+                    device=device,
+                    causal=causal,
+                    lse_grad=lse_grad,
+                    sparse_do=lse_grad,
+                    seed=dim + heads,
+                )
+                verdicts.append(("causal" if causal else "full", kernel_verdict(k, x)))
+            verdict = merge_verdicts(verdicts)
+            if name == "auto":
+                verdict.detail = f"chose {k.name}; {verdict.detail}"
+            return verdict
+
+        rows.append(run_case("kernels", f"{name} {dname} {label}", case, device))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sections run by spawned process groups
+# ----------------------------------------------------------------------------------------------------
+
+
+def spawned_jobs(opts: Options) -> list[Job]:
+    """The process groups to spawn for the selected sections (on CPU, one gloo group does them all)."""
+    common = dict(faults=opts.faults)
+    jobs: list[Job] = []
+    want = set(opts.sections)
+    if opts.cpu:
+        checks = [c for s, c in (("mesh-gloo", "mesh:mesh-gloo"), ("hf", "hf:hf")) if s in want]
+        if checks:
+            jobs.append(Job("gloo cpu", "mesh-gloo", "gloo", 4, "cpu", checks, **common))
+        return jobs
+    gpu = dict(chunk=32, head_dim=64, timeout_s=120.0, **common)
+    if "mesh-nccl" in want:
+        for eager in (False, True):
+            label = f"nccl {'eager' if eager else 'lazy'}"
+            jobs.append(
+                Job(label, "mesh-nccl", "nccl", opts.gpus, "cuda", ["mesh:mesh-nccl"], eager=eager,
+                    dtypes=["bf16", "fp16", "fp32"], **gpu)
+            )  # fmt: skip
+    if "mesh-gloo" in want:
+        jobs.append(Job("gloo 4 on cuda:0", "mesh-gloo", "gloo", 4, "cuda:0", ["mesh:mesh-gloo"], **gpu))
+    if "hf" in want:
+        if opts.gpus >= 4:
+            jobs.append(Job("nccl 4 GPUs", "hf", "nccl", 4, "cuda", ["hf:hf"], **gpu))
+        else:
+            jobs.append(Job("gloo 4 on cuda:0", "hf", "gloo", 4, "cuda:0", ["hf:hf"], **gpu))
+    return jobs
+
+
+def run_job(job: Job, timeout_s: float) -> list[Row]:
+    """Spawn the job's ranks; their rows merged over ranks, plus a FAIL row if the job itself broke."""
+    import torch.multiprocessing as mp
+
+    start = time.perf_counter()
+    error = None
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        ctx = mp.start_processes(rank_entry, args=(job, tmp), nprocs=job.world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    error = f"timed out after {timeout_s:.0f} s"
+                    for proc in ctx.processes:
+                        if proc.is_alive():
+                            proc.kill()
+                    break
+        except Exception as err:  # noqa: BLE001 - a rank that died (signal, exit code, uncaught error)
+            error = " ".join(str(err).split())[-400:]
+        per_rank = []
+        for rank in range(job.world):
+            path = Path(tmp) / f"rank{rank}.jsonl"
+            lines = path.read_text().splitlines() if path.exists() else []
+            per_rank.append([Row(**json.loads(line)) for line in lines])
+    rows = merge_ranks(per_rank)
+    if error:
+        rows.append(Row(job.section, f"{job.label}: processes", FAIL, error, time.perf_counter() - start, math.inf))
+    return rows
+
+
+def merge_ranks(per_rank: list[list[Row]]) -> list[Row]:
+    """One row per case: FAIL if any rank failed (that rank's detail), else the worst rank's numbers;
+    a case some ranks never reported is a FAIL."""
+    order: list[tuple[str, str]] = []
+    seen: dict[tuple[str, str], dict[int, Row]] = {}
+    for rank, rows in enumerate(per_rank):
+        for row in rows:
+            key = (row.section, row.case)
+            if key not in seen:
+                order.append(key)
+                seen[key] = {}
+            seen[key][rank] = row
+    merged = []
+    for key in order:
+        by_rank = seen[key]
+        seconds = max(r.seconds for r in by_rank.values())
+        missing = [r for r in range(len(per_rank)) if r not in by_rank]
+        failed = {r: row for r, row in by_rank.items() if row.status == FAIL}
+        if failed:
+            rank, row = next(iter(failed.items()))
+            where = "every rank" if len(failed) == len(per_rank) else f"rank {rank}"
+            merged.append(Row(*key, FAIL, f"{where}: {row.detail}", seconds, math.inf))
+        elif missing:
+            merged.append(Row(*key, FAIL, f"no result from rank(s) {missing}", seconds, math.inf))
+        elif all(row.status == SKIP for row in by_rank.values()):
+            merged.append(Row(*key, SKIP, by_rank[0].detail, seconds))
+        else:
+            rank, row = max(by_rank.items(), key=lambda rr: rr[1].ratio)
+            detail = row.detail if len(by_rank) == 1 else f"{row.detail} (worst: rank {rank})"
+            if row.ratio == 0:
+                detail = row.detail
+            merged.append(Row(*key, PASS, detail, seconds, row.ratio))
+    return merged
+
+
+def skipped_jobs_rows(opts: Options) -> list[Row]:
+    rows = []
+    if "mesh-nccl" in opts.sections and opts.cpu:
+        rows.append(Row("mesh-nccl", "NCCL", SKIP, "NCCL needs CUDA GPUs (CPU self-test)"))
+    if "mesh-nccl" in opts.sections and not opts.cpu and not torch.distributed.is_nccl_available():
+        rows.append(Row("mesh-nccl", "NCCL", FAIL, "this torch has no NCCL", 0.0, math.inf))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Section: the examples under torchrun
+# ----------------------------------------------------------------------------------------------------
+
+
+def example_rows(opts: Options) -> list[Row]:
+    if opts.cpu:
+        reason = "run on GPUs only (the CPU tests run every example under its launcher)"
+        return [Row("examples", name, SKIP, reason) for name in ("accelerate", "deepspeed", "megatron")]
+    n = min(opts.gpus, 4)
+    tiny = ["--seq-len", str(64 * n), "--hidden", "32", "--corpus-mb", "0.2", "--vocab", "512", "--steps", "3"]
+    rows = []
+    rows.append(
+        run_case(
+            "examples",
+            f"accelerate finetune.py --reference ({n} GPU{'s' if n > 1 else ''})",
+            lambda: reference_example(
+                ["integrations/accelerate/finetune.py", *tiny, "--reference"], n, ["accelerate"], opts
+            ),
+        )
+    )
+
+    def deepspeed_case() -> Verdict:
+        config = json.loads((ROOT / "configs" / "ds_mesh_cp_zero2.json").read_text())
+        config["mesh_attention"] |= {"cp_size": n, "tile": f"1x{n}"}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(config, f)
+        try:
+            script = ["integrations/deepspeed/finetune.py", "--deepspeed_config", f.name, *tiny, "--reference"]
+            return reference_example(script, n, ["deepspeed", "transformers"], opts)
+        finally:
+            os.unlink(f.name)
+
+    rows.append(run_case("examples", f"deepspeed finetune.py ZeRO 2 --reference ({n} GPU)", deepspeed_case))
+
+    def megatron_case() -> Verdict:
+        with tempfile.TemporaryDirectory(prefix="gpu_check_megatron_") as data:
+            script = ["integrations/megatron/pretrain_gpt.py", "--config", "configs/megatron_cpu_test.yaml"]
+            script += ["--tp", "1", "--cp", str(n), "--tile", f"1x{n}", "--seq-len", str(64 * n), "--steps", "4"]
+            out = torchrun(script + ["--data-dir", data], n, ["megatron.core", "transformers"], opts)
+        losses = {int(m[1]): float(m[2]) for m in MEGATRON_STEP.finditer(out)}
+        if sorted(losses) != [1, 2, 3, 4]:
+            return Verdict(False, f"expected steps 1-4 in its output, found {sorted(losses)}: {tail(out)}", math.inf)
+        ok = all(math.isfinite(v) for v in losses.values()) and losses[4] < losses[1]
+        return Verdict(ok, f"loss {losses[1]:.4f} -> {losses[4]:.4f} in 4 steps{'' if ok else ' (did not fall)'}")
+
+    rows.append(run_case("examples", f"megatron pretrain_gpt.py ({n} GPU)", megatron_case))
+    return rows
+
+
+def torchrun(script: list[str], n: int, modules: list[str], opts: Options) -> str:
+    """``python -m torch.distributed.run --nproc-per-node n SCRIPT...``; its output, or an error with its tail."""
+    missing = [m for m in modules if importlib.util.find_spec(m.split(".")[0]) is None]
+    missing += [m for m in modules if "." in m and not missing and importlib.util.find_spec(m) is None]
+    if missing:
+        raise Skip(f"{', '.join(missing)} not installed")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port", "29547"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        cmd + script, capture_output=True, text=True, timeout=opts.example_timeout_s, env=env, cwd=ROOT
+    )
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit code {proc.returncode}: {tail(out)}")
+    return out
+
+
+def reference_example(script: list[str], n: int, modules: list[str], opts: Options) -> Verdict:
+    out = torchrun(script, n, modules, opts)
+    steps = [(int(m[1]), float(m[2]), float(m[3])) for m in STEP_WITH_REFERENCE.finditer(out)]
+    if len(steps) < 3:
+        return Verdict(False, f"expected 3 step lines with a reference loss, found {len(steps)}: {tail(out)}", math.inf)
+    gap = max(abs(a - b) for _, a, b in steps)
+    ok = math.isfinite(gap) and gap <= EXAMPLE_LOSS_TOL
+    detail = f"{len(steps)} steps, loss {steps[0][1]:.4f} -> {steps[-1][1]:.4f}, max |loss - reference| {gap:.1e}"
+    return Verdict(ok, f"{detail} (tol {EXAMPLE_LOSS_TOL:g})", gap / EXAMPLE_LOSS_TOL)
+
+
+def tail(text: str, chars: int = 300) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return " | ".join(lines[-4:])[-chars:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Table
+# ----------------------------------------------------------------------------------------------------
+
+
+def format_table(rows: list[Row]) -> list[list[str]]:
+    return [[r.section, r.case, r.status, r.detail, f"{r.seconds:.2f}"] for r in rows]
+
+
+def print_table(info: list[tuple[str, str]], rows: list[Row], total_s: float) -> None:
+    header = ["section", "case", "status", "detail", "s"]
+    cells = format_table(rows)
+    widths = [max([len(header[i])] + [len(c[i]) for c in cells]) for i in range(4)]
+    widths[3] = min(widths[3], 130)
+    print()
+    for key, value in info:
+        print(f"{key:>14}: {value}")
+    print()
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)) + "  " + header[4]
+    print(line)
+    print("-" * len(line))
+    for c in cells:
+        detail = c[3] if len(c[3]) <= widths[3] else c[3][: widths[3] - 3] + "..."
+        print(
+            "  ".join(
+                [c[0].ljust(widths[0]), c[1].ljust(widths[1]), c[2].ljust(widths[2]), detail.ljust(widths[3]), c[4]]
+            )
+        )
+    print(summary(rows, total_s))
+
+
+def summary(rows: list[Row], total_s: float) -> str:
+    counts = {s: sum(r.status == s for r in rows) for s in (PASS, FAIL, SKIP)}
+    return f"{counts[PASS]} PASS, {counts[FAIL]} FAIL, {counts[SKIP]} SKIP in {total_s:.1f} s"
+
+
+def markdown(info: list[tuple[str, str]], rows: list[Row], total_s: float) -> str:
+    out = ["# mesh_cp GPU check", "", "| | |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in info]
+    out += ["", "| section | case | status | detail | s |", "|---|---|---|---|---|"]
+    for c in format_table(rows):
+        out.append("| " + " | ".join(cell.replace("|", "\\|") for cell in c) + " |")
+    out += ["", summary(rows, total_s), ""]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {', '.join(SECTIONS)}")
+    p.add_argument("--skip", default="", help="comma-separated sections not to run")
+    p.add_argument("--cpu-selftest", action="store_true", help="run the checks on CPU (no GPU needed)")
+    p.add_argument("--out", default=None, help="also write the versions and the table here, as markdown")
+    p.add_argument("--json", default=None, help="also write the rows here, as JSON")
+    p.add_argument(
+        "--inject-fault",
+        action="append",
+        default=[],
+        metavar="KERNEL[:raise]",
+        help="plant a bug in this kernel (0.1 added to its output, or ':raise' in forward); repeatable",
+    )
+    p.add_argument("--job-timeout", type=float, default=None, help="seconds per spawned group (CPU 240, GPU 600)")
+    p.add_argument("--example-timeout", type=float, default=600.0, help="seconds per example run")
+    args = p.parse_args(argv)
+    chosen = [s for s in args.sections.split(",") if s]
+    skipped = [s for s in args.skip.split(",") if s]
+    unknown = sorted(set(chosen + skipped) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    args.chosen = tuple(s for s in SECTIONS if s in chosen and s not in skipped)
+    args.faults = {}
+    for spec in args.inject_fault:
+        name, _, mode = spec.partition(":")
+        if mode not in ("", "wrong", "raise"):
+            p.error(f"--inject-fault {spec!r}: the mode is 'wrong' (default) or 'raise'")
+        args.faults[name] = mode or "wrong"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gpus = torch.cuda.device_count()
+    if not args.cpu_selftest and gpus == 0:
+        print("no CUDA GPU visible: run on a GPU machine, or use --cpu-selftest", file=sys.stderr)
+        return 2
+    opts = Options(
+        sections=args.chosen,
+        cpu=args.cpu_selftest,
+        gpus=gpus,
+        faults=args.faults,
+        job_timeout_s=args.job_timeout or (240.0 if args.cpu_selftest else 600.0),
+        example_timeout_s=args.example_timeout,
+    )
+    start = time.perf_counter()
+    info = versions(opts)
+    for key, value in info:
+        print(f"{key:>14}: {value}", flush=True)
+    rows: list[Row] = []
+    steps: list[tuple[str, Callable[[], list[Row]]]] = []
+    if "kernels" in opts.sections:
+        steps.append(("kernels", lambda: kernel_rows(opts)))
+    steps.append(("skipped", lambda: skipped_jobs_rows(opts)))
+    for job in spawned_jobs(opts):
+        steps.append((job.label, lambda job=job: run_job(job, opts.job_timeout_s)))
+    if "examples" in opts.sections:
+        steps.append(("examples", lambda: example_rows(opts)))
+    for label, step in steps:
+        t0 = time.perf_counter()
+        try:
+            new = step()
+        except Exception as err:  # noqa: BLE001 - a broken section is a FAIL row, the others still run
+            new = [failed_row(label, "section", err)]
+        rows += new
+        if new:
+            print(f"... {label}: {summary(new, time.perf_counter() - t0)}", flush=True)
+    # Sections appear in the order of SECTIONS whatever order their jobs ran in.
+    rows.sort(key=lambda r: SECTIONS.index(r.section) if r.section in SECTIONS else len(SECTIONS))
+    total = time.perf_counter() - start
+    print_table(info, rows, total)
+    if args.out:
+        Path(args.out).write_text(markdown(info, rows, total))
+    if args.json:
+        payload = {"versions": dict(info), "rows": [dataclasses.asdict(r) for r in rows], "seconds": total}
+        Path(args.json).write_text(json.dumps(payload, indent=1, default=str))
+    return 1 if any(r.status == FAIL for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
