@@ -16,6 +16,27 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts to on ``device_type`` (``"cuda"``, ``"cpu"``, ...) when it is enabled
+    there in this thread, ``None`` when it is not (or autocast does not know the device type)."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type without autocast, such as "meta"
+        pass
+    return None
+
+
+def autocast_inputs(tensors: tuple[Tensor, ...], dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """Cast as autocast casts the inputs of an op on its lower-precision list (such as
+    ``scaled_dot_product_attention``): floating tensors other than fp64 to ``dtype``; others unchanged.
+    Differentiable: gradients flow back to the inputs in their own dtype."""
+    return tuple(
+        t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
+
+
 def merge_(o_acc: Tensor, lse_acc: Tensor, o_new: Tensor, lse_new: Tensor) -> None:
     """Merge a partial attention result into accumulators, in place.
 

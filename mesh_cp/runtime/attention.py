@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mesh_cp.core.numerics import SUPPORTED_DTYPES
+from mesh_cp.core.numerics import SUPPORTED_DTYPES, autocast_dtype, autocast_inputs
 from mesh_cp.core.plan import BACKWARD_MODES, AttentionPlan, AttentionShape, check_layout, make_plan
 from mesh_cp.kernels import BlockKernel, resolve_kernel
 from mesh_cp.runtime.mesh import CPMesh
@@ -16,10 +16,17 @@ class MeshAttnFunc(torch.autograd.Function):
     """Autograd function of Mesh-Attention; use :func:`mesh_attn_func` rather than calling it directly.
 
     ``forward(q, k, v, mesh, plan, kernel, schedule, scale) -> (out, lse)``.
+
+    Gradients are not materialised: an output that no loss reads arrives in ``backward`` as ``None``.
+    ``dlse is None`` (the lse is unused, always so without ``return_lse``) lets the fused block
+    kernels take their cheap exact path; a used lse takes the exact path for any ``dlse`` (Note
+    [Gradient of the lse] in :mod:`mesh_cp.kernels.base`). Decided without a host sync; every rank
+    of the mesh must use the lse alike (all or none), as SPMD programs do.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, mesh: CPMesh, plan: AttentionPlan, kernel: BlockKernel, schedule: Schedule, scale: float):
+        ctx.set_materialize_grads(False)
         out, lse, saved = schedule.forward(q, k, v, mesh=mesh, plan=plan, kernel=kernel, scale=scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *saved)
@@ -28,7 +35,11 @@ class MeshAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:
+            return None, None, None, None, None, None, None, None
         q, k, v, out, lse, *saved = ctx.saved_tensors
+        if dout is None:  # only the lse is used
+            dout = torch.zeros_like(out)
         dq, dk, dv = ctx.schedule.backward(
             dout,
             q,
@@ -90,14 +101,50 @@ def mesh_attn_func(
         ``out`` shaped like ``q`` in ``q.dtype``; with ``return_lse``, ``(out, lse)`` where ``lse`` is
         ``(batch, heads, seq_local)`` in fp32 (fp64 for fp64 inputs). Both are differentiable.
         Outputs, lse and all gradients are accumulated in fp32 whatever the input dtype.
+
+    Under autocast (enabled for the inputs' device type, for example ``torch.autocast("cuda",
+    dtype=torch.bfloat16)`` around a model with fp32 weights) it does what autocast does for
+    ``scaled_dot_product_attention``: q, k, v (fp16/bf16/fp32) are cast to the autocast dtype, the
+    output is in that dtype, and gradients reach the inputs in their own dtypes. Outside autocast, q, k
+    and v must share one dtype.
+
+    Collective over ``mesh``: every rank of the CP group calls it with the same shapes, dtype, device
+    type and options. That is checked (:meth:`CPMesh.check_same_call`) the first time this rank makes
+    a call with new ones, and on every call when ``mesh.debug`` is set; a difference raises
+    ``ValueError`` on every rank, naming each rank's value.
     """
     if not isinstance(mesh, CPMesh):
         raise ValueError(
             f"mesh must be a mesh_cp.CPMesh (build one with CPMesh.create(group, tile=(a, b))), "
             f"got {type(mesh).__name__}"
         )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    cast_to = autocast_dtype(q.device.type)
+    if cast_to is not None:
+        q, k, v = autocast_inputs((q, k, v), cast_to)
     if layout is None:
         layout = "zigzag" if causal else "contiguous"
+    if softmax_scale is None and q.dim() > 0:
+        softmax_scale = q.shape[-1] ** -0.5
+    mesh.check_same_call(
+        {
+            "q shape": tuple(q.shape),
+            "k shape": tuple(k.shape),
+            "v shape": tuple(v.shape),
+            "dtypes": f"{q.dtype}, {k.dtype}, {v.dtype}",
+            "device type": q.device.type,
+            "requires grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+            "causal": bool(causal),
+            "layout": layout,
+            "softmax_scale": softmax_scale,
+            "schedule": schedule,
+            "backward": backward,
+            "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__qualname__),
+            "buffer_budget": buffer_budget,
+        }
+    )
     check_layout(layout)
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward {backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
@@ -114,7 +161,11 @@ def mesh_attn_func(
     )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     block_kernel = resolve_kernel(kernel, q.device, q.dtype)
-    out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale)
+    if cast_to is None:
+        out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale)
+    else:  # the inputs are cast; autocast must not recast what the kernels compute in fp32
+        with torch.autocast(q.device.type, enabled=False):
+            out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale)
     return (out, lse) if return_lse else out
 
 
@@ -140,13 +191,15 @@ def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:
             f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)}: batch, seq_local and "
             f"head_dim must be equal (only the head count may differ, for GQA/MQA)"
         )
+    if min(batch, seq, heads, dim) < 1:
+        raise ValueError(f"empty input: q shape {tuple(q.shape)}; every dimension must be at least 1")
+    if kv_heads < 1:
+        raise ValueError(f"k/v have {kv_heads} heads (shape {tuple(k.shape)}); kv_heads must be at least 1")
     if heads % kv_heads:
         raise ValueError(
             f"q heads {heads} must be a multiple of k/v heads {kv_heads} for GQA/MQA; "
             f"choose kv_heads among the divisors of {heads}"
         )
-    if min(batch, seq, dim) < 1:
-        raise ValueError(f"empty input: q shape {tuple(q.shape)}")
     return AttentionShape(
         batch=batch, seq_local=seq, heads=heads, kv_heads=kv_heads, head_dim=dim, itemsize=q.element_size()
     )

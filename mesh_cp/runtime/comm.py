@@ -42,7 +42,8 @@ def ring_step(sends: list[Tensor], recvs: list[Tensor], group: ProcessGroup, *, 
     step, so sends and receives pair up. ``batch_isend_irecv`` lets NCCL post both sides together.
     """
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    nxt, prev = (me + 1) % n, (me - 1) % n
-    ops = [dist.P2POp(dist.isend, t, group=group, tag=tag + i, group_peer=nxt) for i, t in enumerate(sends)]
-    ops += [dist.P2POp(dist.irecv, t, group=group, tag=tag + i, group_peer=prev) for i, t in enumerate(recvs)]
+    # P2POp takes the peer's global rank (``group_peer=`` needs torch >= 2.6).
+    nxt, prev = dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
+    ops = [dist.P2POp(dist.isend, t, peer=nxt, group=group, tag=tag + i) for i, t in enumerate(sends)]
+    ops += [dist.P2POp(dist.irecv, t, peer=prev, group=group, tag=tag + i) for i, t in enumerate(recvs)]
     return dist.batch_isend_irecv(ops)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
-from dataclasses import dataclass
+import struct
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +16,7 @@ from torch.distributed import ProcessGroup
 
 from mesh_cp.core.plan import AttentionShape, Tiling
 from mesh_cp.runtime.comm import all_gather
+from mesh_cp.runtime.groups import group_device, group_timeout, new_subgroups
 
 if TYPE_CHECKING:
     from mesh_cp.sim import Topology
@@ -26,6 +31,9 @@ class CPMesh:
 
     Build it with :meth:`create` (collective over ``group``) or :meth:`from_device_mesh`; pass it
     explicitly to :func:`mesh_cp.mesh_attn_func`. There is no default: ``None`` never means "world".
+
+    A mesh is a handle to process groups: ``copy.copy`` and ``copy.deepcopy`` return the mesh itself
+    (so a model holding one can be deep-copied), and two meshes are equal only when they are the same.
     """
 
     group: ProcessGroup
@@ -44,6 +52,15 @@ class CPMesh:
     """Relative seconds per byte on the Q ring and the KV ring (orders the overlapped schedule)."""
     reason: str = ""
     """Why ``tile="auto"`` chose this tile (empty for an explicit tile)."""
+    check_group: ProcessGroup | None = None
+    """A twin of :attr:`group` (same members) for the signature checks of :meth:`check_same_call`, so that
+    their few bytes are told apart from the attention's (role ``"check"`` of :meth:`role_of`); ``None``:
+    they run on :attr:`group`."""
+    debug: bool = False
+    """Check the signature of every attention call across the CP group (see :meth:`check_same_call`), not
+    only of calls whose signature is new on this rank. Costs one small all-gather and a host sync per call."""
+    _seen: set[tuple[int, ...]] = field(default_factory=set, init=False, repr=False)
+    """Call signatures already checked across the CP group."""
 
     @property
     def size(self) -> int:
@@ -62,6 +79,8 @@ class CPMesh:
         topology: Topology | str | None = None,
         shape: AttentionShape | None = None,
         memory_budget: int | None = None,
+        timeout: datetime.timedelta | None = None,
+        debug: bool = False,
     ) -> CPMesh:
         """Tile the CP process group ``group`` as ``tile = (a, b)`` (or ``"axb"``), ``a * b = group size``.
 
@@ -72,14 +91,32 @@ class CPMesh:
         overlapped schedule orders its moves by the two rings' link speeds (Q-groups of
         consecutive ranks sit inside a node when ``a`` divides the ranks per node).
 
-        Collective: every rank of ``group`` must call it with the same tile. It creates this rank's
-        Q-group and KV-group as new process groups among their members only, so several CP groups
-        (for example one per data-parallel replica) can build their meshes at the same time.
+        Collective: every rank of ``group`` must call it with the same tile and ``debug`` (checked). It
+        creates this rank's Q-group and KV-group as subgroups of ``group``
+        (:func:`mesh_cp.runtime.groups.new_subgroups`: among their members only, or by splitting
+        ``group``'s communicator when the default group is bound to a device), so several CP groups (for
+        example one per data-parallel replica) can build their meshes at the same time.
+
+        ``timeout`` bounds every collective of the Q- and KV-groups; ``None`` means ``group``'s own
+        timeout (the ``init_process_group`` timeout for groups that inherit it), so a stalled rank makes
+        the others raise within it. ``debug=True`` checks every attention call's signature across the
+        group (:attr:`debug`).
+
+        On NCCL, call ``torch.cuda.set_device(local_rank)`` before this: the checks run on the group's
+        bound device, else on the current CUDA device.
         """
         if group is None:
             raise ValueError(
                 "group=None is not accepted: pass the context-parallel process group explicitly "
-                "(for example torch.distributed.group.WORLD, or the CP group of your DP x CP layout)"
+                "(for example torch.distributed.group.WORLD, or the CP group of your DP x CP layout); "
+                "new_group(..., use_local_synchronization=True) returns None to ranks outside the group, "
+                "so call CPMesh.create only on the group's members"
+            )
+        if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                f"global rank {dist.get_rank()} is not a member of the CP group it passed (new_group returns "
+                f"GroupMember.NON_GROUP_MEMBER to ranks outside the group); call CPMesh.create only on the "
+                f"group's members, with the group they belong to"
             )
         if not isinstance(group, ProcessGroup):
             raise ValueError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
@@ -92,6 +129,10 @@ class CPMesh:
                 f"(members {dist.get_process_group_ranks(group)}); pass the group this rank belongs to"
             )
         world = dist.get_world_size(group)
+        if timeout is not None and not isinstance(timeout, datetime.timedelta):
+            raise ValueError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
+        if not isinstance(debug, bool):
+            raise ValueError(f"debug must be True or False, got {debug!r}")
         if isinstance(topology, str):
             from mesh_cp.sim import Topology
 
@@ -110,22 +151,24 @@ class CPMesh:
                 logger.info("mesh_cp: %s", reason)
         else:
             tiling = Tiling.parse(tile, world)
-        _check_same_tile(group, tiling)
+        _check_same_tile(group, tiling, debug)
         link_cost = (1.0, 1.0)
         if topology is not None:
             from mesh_cp.sim import ring_link_cost
 
             link_cost = ring_link_cost(tiling, topology)
         global_ranks = tuple(dist.get_process_group_ranks(group))
-        backend = dist.get_backend(group)
+        if timeout is None:
+            timeout = group_timeout(group)
         # Every member creates its Q-group first, then its KV-group. Q-groups are disjoint, and so
-        # are KV-groups, so the member-local handshakes of new_group cannot wait on each other.
-        q_group = dist.new_group(
-            [global_ranks[r] for r in tiling.q_group(cp_rank)], backend=backend, use_local_synchronization=True
+        # are KV-groups, so the member-local handshakes cannot wait on each other.
+        q_group = new_subgroups(
+            group, [[global_ranks[r] for r in members] for members in tiling.q_groups()], timeout=timeout
         )
-        kv_group = dist.new_group(
-            [global_ranks[r] for r in tiling.kv_group(cp_rank)], backend=backend, use_local_synchronization=True
+        kv_group = new_subgroups(
+            group, [[global_ranks[r] for r in members] for members in tiling.kv_groups()], timeout=timeout
         )
+        check_group = new_subgroups(group, [list(global_ranks)], timeout=timeout)
         return cls(
             group=group,
             q_group=q_group,
@@ -135,22 +178,62 @@ class CPMesh:
             global_ranks=global_ranks,
             link_cost=link_cost,
             reason=reason,
+            check_group=check_group,
+            debug=debug,
         )
 
     @classmethod
-    def from_device_mesh(cls, device_mesh, axis: str | int, *, tile: tuple[int, int] | str) -> CPMesh:
-        """Tile the process group of one axis (name or index) of a ``torch.distributed.DeviceMesh``."""
+    def from_device_mesh(
+        cls,
+        device_mesh,
+        axis: str | int,
+        *,
+        tile: tuple[int, int] | str,
+        timeout: datetime.timedelta | None = None,
+        debug: bool = False,
+    ) -> CPMesh:
+        """Tile the process group of one axis (name or index) of a ``torch.distributed.DeviceMesh``;
+        ``tile``, ``timeout`` and ``debug`` as in :meth:`create`."""
         if axis is None:
             raise ValueError("axis=None is not accepted: name the DeviceMesh dimension that is context-parallel")
         names = device_mesh.mesh_dim_names
         if isinstance(axis, str) and (names is None or axis not in names):
             raise ValueError(f"DeviceMesh has no dimension {axis!r}; its dimensions are {names}")
-        return cls.create(device_mesh.get_group(axis), tile=tile)
+        return cls.create(device_mesh.get_group(axis), tile=tile, timeout=timeout, debug=debug)
+
+    def __copy__(self) -> CPMesh:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> CPMesh:
+        return self
+
+    def check_same_call(self, signature: Mapping[str, object]) -> None:
+        """Raise ``ValueError`` on every rank when the ranks of the CP group called with different ``signature``.
+
+        ``signature`` maps names to ints, bools, floats, strings, shapes (tuples of up to 4 ints) or ``None``
+        (the same names, in the same order, on every rank; :func:`mesh_cp.mesh_attn_func` passes its shapes, dtype, device type and
+        options). Collective over the CP group (on :attr:`check_group`) when it checks: once per signature
+        new to this rank (one all-gather of a few int64 on the group's device), on every call when
+        :attr:`debug` is set. A group of the ``"fake"`` backend moves no data and is not checked.
+
+        Limit: a rank whose signature was already checked does not check again (without :attr:`debug`).
+        When one rank diverges to a signature it has seen before while the others call with one that
+        is new to them, the others wait in the check and that rank in the attention: the mismatch is
+        caught by the process groups' timeout, not by this message. ``debug=True`` removes the limit.
+        """
+        codes = tuple(code for value in signature.values() for code in _code(value))
+        if codes in self._seen and not self.debug:
+            return
+        group = self.group if self.check_group is None else self.check_group
+        if str(dist.get_backend(group)) != "fake":
+            _check_same(group, signature, codes, what="called mesh_attn_func with different arguments")
+        self._seen.add(codes)
 
     def role_of(self, group_name: str) -> str | None:
-        """``"q"``, ``"kv"`` or ``"cp"`` for this mesh's process-group names, ``None`` for others."""
-        for role, pg in (("q", self.q_group), ("kv", self.kv_group), ("cp", self.group)):
-            if pg.group_name == group_name:
+        """``"q"``, ``"kv"``, ``"cp"`` or ``"check"`` (:attr:`check_group`) for this mesh's process-group
+        names, ``None`` for others."""
+        for role, pg in (("q", self.q_group), ("kv", self.kv_group), ("cp", self.group), ("check", self.check_group)):
+            if pg is not None and pg.group_name == group_name:
                 return role
         return None
 
@@ -161,13 +244,55 @@ class CPMesh:
         return f"CP({a}x{b}) rank {self.rank}: Q-group {q}, KV-group {kv}"
 
 
-def _check_same_tile(group: ProcessGroup, tiling: Tiling) -> None:
-    """Raise on every rank when the members of ``group`` asked for different tiles."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    mine = torch.tensor([tiling.a, tiling.b], dtype=torch.int64, device=device)
-    tiles = [tuple(pair) for pair in all_gather(mine, group).tolist()]
-    if len(set(tiles)) != 1:
-        listing = ", ".join(f"rank {r}: {a}x{b}" for r, (a, b) in enumerate(tiles))
+def _check_same_tile(group: ProcessGroup, tiling: Tiling, debug: bool) -> None:
+    """Raise on every rank when the members of ``group`` asked for different tiles (or ``debug`` flags)."""
+    mine = torch.tensor([tiling.a, tiling.b, int(debug)], dtype=torch.int64, device=group_device(group))
+    tiles = [tuple(row) for row in all_gather(mine, group).tolist()]
+    if len({(a, b) for a, b, _ in tiles}) != 1:
+        listing = ", ".join(f"rank {r}: {a}x{b}" for r, (a, b, _) in enumerate(tiles))
         raise ValueError(
             f"ranks of the CP group asked for different tiles ({listing}); pass the same tile on every rank"
         )
+    if len({flag for _, _, flag in tiles}) != 1:
+        listing = ", ".join(f"rank {r}: {bool(flag)}" for r, (_, _, flag) in enumerate(tiles))
+        raise ValueError(f"ranks of the CP group passed different debug= ({listing}); pass the same on every rank")
+
+
+_INT64 = range(-(2**63), 2**63)
+
+
+def _code(value: object) -> tuple[int, ...]:
+    """Six int64 codes of a signature value (the same count for every value, so every rank gathers the
+    same size); equal values give equal codes on every process, different ones different codes (strings
+    and other objects up to a CRC-32 collision)."""
+    if value is None:
+        return (0, 0, 0, 0, 0, 0)
+    if isinstance(value, bool):
+        return (1, int(value), 0, 0, 0, 0)
+    if isinstance(value, int) and value in _INT64:
+        return (2, value, 0, 0, 0, 0)
+    if isinstance(value, float):
+        return (3, struct.unpack("<q", struct.pack("<d", value))[0], 0, 0, 0, 0)
+    if isinstance(value, tuple) and len(value) <= 4 and all(isinstance(d, int) and d in _INT64 for d in value):
+        return (4, len(value), *value, *(0,) * (4 - len(value)))
+    text = value if isinstance(value, str) else f"{type(value).__qualname__}:{value!r}"
+    return (5, zlib.crc32(text.encode()), len(text), 0, 0, 0)  # crc32: stable across processes, unlike hash()
+
+
+def _check_same(group: ProcessGroup, signature: Mapping[str, object], codes: tuple[int, ...], *, what: str) -> None:
+    """All-gather ``codes`` over ``group``; on a difference, gather the readable ``signature`` of every rank
+    and raise ``ValueError`` on every rank naming, per differing entry, each rank's value."""
+    mine = torch.tensor(codes, dtype=torch.int64, device=group_device(group))
+    gathered = all_gather(mine, group).tolist()
+    if all(row == gathered[0] for row in gathered):
+        return
+    # Every rank saw the same gathered codes, so every rank is here: gather the values to name them.
+    values: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, dict(signature), group=group)
+    differing = [
+        name for i, name in enumerate(signature) if len({tuple(row[6 * i : 6 * i + 6]) for row in gathered}) != 1
+    ]
+    listing = "; ".join(
+        f"{name} (" + ", ".join(f"rank {r}: {row[name]!r}" for r, row in enumerate(values)) + ")" for name in differing
+    )
+    raise ValueError(f"ranks of the CP group {what}: {listing}; pass the same on every rank of the CP group")
