@@ -1,59 +1,135 @@
 """Block-attention kernels behind one interface, chosen by name from a small registry.
 
-Each backend lives in its own module and only that module imports its kernel library.
+Each backend lives in its own module and only that module imports its kernel library. Every
+registered kernel class has ``unsupported(device, dtype, head_dim) -> str | None``, the reason it
+cannot run such inputs there (``None``: it can), which ``"auto"`` and named choices consult.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import logging
 from typing import Literal, get_args
 
 import torch
 
 from mesh_cp.kernels.base import BlockKernel, out_for_delta
 
-KernelName = Literal["reference", "cpu_flash", "cuda_sdpa", "flash_attn"]
+logger = logging.getLogger("mesh_cp")
+
+KernelName = Literal["reference", "cpu_flash", "cuda_sdpa", "cuda_flash", "flash_attn"]
 
 # name -> (module, class); imported lazily so a missing optional library only matters when chosen.
 _REGISTRY: dict[str, tuple[str, str]] = {
     "reference": ("mesh_cp.kernels.reference", "ReferenceKernel"),
     "cpu_flash": ("mesh_cp.kernels.cpu_flash", "CpuFlashKernel"),
     "cuda_sdpa": ("mesh_cp.kernels.cuda_sdpa", "CudaSdpaKernel"),
+    "cuda_flash": ("mesh_cp.kernels.cuda_flash", "CudaFlashKernel"),
     "flash_attn": ("mesh_cp.kernels.flash_attn", "FlashAttnKernel"),
 }
 KERNEL_NAMES: tuple[str, ...] = get_args(KernelName)
 _CACHE: dict[str, BlockKernel] = {}
+# (device, dtype, head_dim) -> (kernel name, reason), decided and logged once.
+_AUTO: dict[tuple[torch.device, torch.dtype, int | None], tuple[str, str]] = {}
+# (name, device, dtype, head_dim) -> why that kernel cannot run such inputs (None: it can).
+_WHY: dict[tuple[str, torch.device, torch.dtype, int | None], str | None] = {}
+
+
+def _kernel_class(name: str) -> type:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown kernel {name!r}; choose one of {sorted(_REGISTRY)} or 'auto'")
+    module, cls = _REGISTRY[name]
+    return getattr(importlib.import_module(module), cls)
 
 
 def get_kernel(name: str) -> BlockKernel:
     """The kernel registered as ``name`` (one of :data:`KERNEL_NAMES`)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown kernel {name!r}; choose one of {sorted(_REGISTRY)} or 'auto'")
     if name not in _CACHE:
-        module, cls = _REGISTRY[name]
-        _CACHE[name] = getattr(importlib.import_module(module), cls)()
+        _CACHE[name] = _kernel_class(name)()
     return _CACHE[name]
 
 
-def _flash_attn_usable(dtype: torch.dtype) -> bool:
-    if dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return importlib.util.find_spec("flash_attn") is not None
+def unsupported(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why kernel ``name`` cannot run ``dtype`` inputs of ``head_dim`` on ``device`` (``None``: it can;
+    ``head_dim=None`` leaves head-dim limits unchecked). Decided once per arguments."""
+    key = (name, device, dtype, head_dim)
+    if key not in _WHY:
+        _WHY[key] = _kernel_class(name).unsupported(device, dtype, head_dim)
+    return _WHY[key]
 
 
-def resolve_kernel(kernel: str | BlockKernel, device: torch.device, dtype: torch.dtype) -> BlockKernel:
+def forget_choices() -> None:
+    """Forget every kernel decision and instance, so the next call looks again (for example after
+    installing flash-attn in a running process, or between tests that emulate other machines)."""
+    _AUTO.clear()
+    _WHY.clear()
+    _CACHE.clear()
+
+
+def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels ``"auto"`` tries, best first.
+
+    CUDA fp16/bf16: ``flash_attn`` (flash-attn 2), ``cuda_flash`` (PyTorch's FlashAttention 2),
+    ``cuda_sdpa`` (memory-efficient), ``reference``; CUDA fp32: ``cuda_sdpa``, ``reference``; CUDA
+    fp64: ``reference``. CPU: ``cpu_flash``, ``reference``; other devices: ``reference``.
+    flash-attn 3 is not offered (Note [flash-attn private API] in :mod:`mesh_cp.kernels.flash_attn`).
+    """
+    if device.type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16):
+            return ("flash_attn", "cuda_flash", "cuda_sdpa", "reference")
+        if dtype == torch.float32:
+            return ("cuda_sdpa", "reference")
+        return ("reference",)
+    if device.type == "cpu":
+        return ("cpu_flash", "reference")
+    return ("reference",)
+
+
+def _usable(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> list[str]:
+    return [name for name in KERNEL_NAMES if unsupported(name, device, dtype, head_dim) is None]
+
+
+def choose(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> tuple[str, str]:
+    """``(name, reason)`` of the kernel ``"auto"`` uses for such inputs: the first of
+    :func:`candidates` that can run them. Decided once per ``(device, dtype, head_dim)`` and logged
+    then (logger ``mesh_cp``, with why each better candidate was passed over); never raises because a
+    preferred kernel is unusable."""
+    key = (device, dtype, head_dim)
+    if key not in _AUTO:
+        passed = []
+        for name in candidates(device, dtype):
+            why = unsupported(name, device, dtype, head_dim)
+            if why is None:
+                break
+            passed.append(f"{name}: {why}")
+        else:  # unreachable: the reference kernel runs anything
+            raise AssertionError(f"no kernel for {key}")
+        what = f"{dtype} head_dim {head_dim} on {device}"
+        reason = f"kernel 'auto' chose {name!r} for {what}" + (f" ({'; '.join(passed)})" if passed else "")
+        slow = device.type == "cuda" and name == "reference" and dtype != torch.float64
+        (logger.warning if slow else logger.info)("mesh_cp: %s", reason)
+        _AUTO[key] = (name, reason)
+    return _AUTO[key]
+
+
+def resolve_kernel(
+    kernel: str | BlockKernel, device: torch.device, dtype: torch.dtype, head_dim: int | None = None
+) -> BlockKernel:
     """A kernel object from a name, ``"auto"`` or an object implementing :class:`BlockKernel`.
 
-    ``"auto"``: on CPU ``cpu_flash``; on CUDA ``flash_attn`` for fp16/bf16 when installed, otherwise
-    ``cuda_sdpa``.
+    ``"auto"``: :func:`choose` for ``(device, dtype, head_dim)``. A named kernel that cannot run such
+    inputs raises ``NotImplementedError`` with the reason and the kernels that can. ``head_dim=None``
+    leaves head-dim limits unchecked (pass ``q.shape[-1]``).
     """
     if isinstance(kernel, str):
         if kernel == "auto":
-            if device.type == "cuda":
-                kernel = "flash_attn" if _flash_attn_usable(dtype) else "cuda_sdpa"
-            else:
-                kernel = "cpu_flash"
+            return get_kernel(choose(device, dtype, head_dim)[0])
+        why = unsupported(kernel, device, dtype, head_dim)
+        if why is not None:
+            raise NotImplementedError(
+                f"kernel {kernel!r} cannot run {dtype} head_dim {head_dim} on {device}: {why}; "
+                f"kernels that can: {_usable(device, dtype, head_dim)} (or kernel='auto')"
+            )
         return get_kernel(kernel)
     if not isinstance(kernel, BlockKernel):
         raise ValueError(
@@ -63,4 +139,15 @@ def resolve_kernel(kernel: str | BlockKernel, device: torch.device, dtype: torch
     return kernel
 
 
-__all__ = ["KERNEL_NAMES", "BlockKernel", "KernelName", "get_kernel", "out_for_delta", "resolve_kernel"]
+__all__ = [
+    "KERNEL_NAMES",
+    "BlockKernel",
+    "KernelName",
+    "candidates",
+    "choose",
+    "forget_choices",
+    "get_kernel",
+    "out_for_delta",
+    "resolve_kernel",
+    "unsupported",
+]

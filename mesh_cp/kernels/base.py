@@ -1,11 +1,52 @@
-"""The block-attention kernel interface every backend implements."""
+"""The block-attention kernel interface every backend implements, and what the fused backends share.
+
+Note [Gradient of the lse]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+With ``p_ij = exp(s_ij - lse_i)``, ``O_i = sum_j p_ij v_j`` and ``lse_i = log sum_j exp(s_ij)``, a loss
+that reads both ``O`` and ``lse`` has ``d lse_i / d s_ij = p_ij``, so::
+
+    ds_ij = p_ij * (dp_ij - rowsum(dO_i * O_i)) + p_ij * dlse_i = p_ij * (dp_ij - delta_i)
+    delta_i = rowsum(dO_i * O_i) - dlse_i          (dp = dO v^T)
+
+Every block of a row takes the row's *global* ``lse`` and ``delta`` (``O`` is the row's final output).
+Fused flash backward kernels do not take ``delta``: they take ``out`` and form ``rowsum(dO * out)``
+themselves. Two constructions give them an ``out`` whose row sum with ``dO`` is the wanted ``delta``:
+
+1. :func:`out_for_delta`, ``o = dO * delta / |dO|^2``: exact when no gradient reaches the lse
+   (``delta = rowsum(dO * O)``): a row with ``dO = 0`` has ``delta = 0`` and gets ``o = 0``, and
+   ``|o| = |delta| / |dO| <= |O|`` (Cauchy-Schwarz), so ``o`` fits wherever ``O`` does. With a
+   gradient on the lse it fails: a row with ``dO = 0`` and ``delta = -dlse != 0`` has no such ``o``,
+   and a tiny ``|dO|`` overflows fp16. Such rows get ``nan`` (never a silently wrong gradient).
+2. :func:`with_delta_column`, used when the lse receives a gradient (``lse_grad=True``): one more
+   head-dim column, ``0`` in ``q, k, v`` (scores and ``dp = dO v^T`` are unchanged: the added terms
+   are ``0 * x``), ``s`` in ``dO`` and ``delta / s`` in ``out``, whose other columns are ``0``; the
+   kernel's ``rowsum(dO * out)`` is then ``s * (delta / s) = delta`` (``s`` is a power of two near
+   ``sqrt|delta|``, so both factors stay in fp16's range and the product is exact up to one rounding
+   of ``delta / s`` to the input dtype). The extra columns of ``dq, dk, dv`` are dropped. Kernels
+   that need ``head_dim % 8 == 0`` pad to the next multiple of 8 instead of by one. It costs a padded
+   copy of ``q, k, v, dO``, so it is used only when the lse really receives a gradient, which
+   :class:`~mesh_cp.runtime.attention.MeshAttnFunc` knows without a host sync (autograd hands it
+   ``dlse=None`` otherwise).
+
+Where one more column exceeds a kernel's head-dim limit (flash kernels at ``head_dim == 256``),
+:func:`backward_by_parts` splits ``ds = p * dp - p * delta`` over three calls of the kernel itself.
+
+``lse_grad`` is decided on each rank; every rank of a mesh must agree (the lse of the call receives
+a gradient everywhere or nowhere, as it does when every rank runs the same program). If a rank
+without one computes a row whose owner had one, construction 1 meets ``dO = 0, delta != 0`` and
+returns ``nan`` there.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
+
+from mesh_cp.core.numerics import acc_dtype
 
 
 @runtime_checkable
@@ -14,7 +55,8 @@ class BlockKernel(Protocol):
 
     Shapes (flash-attn layout): ``q (B, Sq, Hq, D)``, ``k, v (B, Sk, Hkv, D)`` with ``Hq % Hkv == 0``;
     GQA/MQA heads are expanded, if at all, inside the kernel. ``causal`` is only ever asked for
-    square blocks (``Sq == Sk``) and is top-left aligned.
+    square blocks (``Sq == Sk``) and is top-left aligned. ``scale`` multiplies ``q k^T`` (kernels that
+    pad the head dim keep it).
     """
 
     name: str
@@ -24,27 +66,116 @@ class BlockKernel(Protocol):
         ...
 
     def backward(
-        self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *, causal: bool, scale: float
+        self,
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        lse_grad: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Gradients of one block given the row's *global* ``lse`` and ``delta = rowsum(dO * O)``.
+        """Gradients of one block given the row's *global* ``lse`` and ``delta``.
 
-        ``lse`` and ``delta`` are ``(B, Hq, Sq)`` fp32 (fp64 for fp64). Returns ``dq (B, Sq, Hq, D)``
-        and ``dk, dv (B, Sk, Hkv, D)`` (in ``q.dtype`` or wider).
+        ``delta = rowsum(dO * O) - dlse`` for the row's final output ``O`` and the gradient ``dlse`` that
+        reaches the row's lse (Note [Gradient of the lse]). ``lse_grad=False`` promises that no gradient
+        reaches the lse (``delta = rowsum(dO * O)`` exactly, so ``delta = 0`` wherever ``dO = 0``);
+        ``lse_grad=True`` allows any ``delta``. ``lse`` and ``delta`` are ``(B, Hq, Sq)`` fp32 (fp64 for
+        fp64). Returns ``dq (B, Sq, Hq, D)`` and ``dk, dv (B, Sk, Hkv, D)`` (in ``q.dtype`` or wider).
         """
         ...
 
 
-def out_for_delta(do: Tensor, delta: Tensor) -> Tensor:
-    """A tensor ``o`` with ``rowsum(do * o) == delta``, for fused backward kernels that take ``out``.
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
 
-    Fused flash backward kernels read ``out`` only to form ``delta = rowsum(dO * O)``. A block of a
-    distributed row needs the row's global ``delta`` (and, when the lse itself receives a gradient,
-    ``delta - dlse``), which no local ``out`` carries; ``o = do * delta / |do|^2`` has exactly that row
-    sum (and rows with ``do = 0`` have ``delta = 0`` too, so ``o = 0`` there). ``do (B, S, H, D)``,
-    ``delta (B, H, S)``; the result is ``do.dtype``.
+
+def pad_head_dim(x: Tensor, dim: int) -> Tensor:
+    """``x (..., D)`` padded with zeros to ``(..., dim)`` (``x`` itself when ``D == dim``)."""
+    return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
+
+
+def out_for_delta(do: Tensor, delta: Tensor) -> Tensor:
+    """A tensor ``o`` with ``rowsum(do * o) == delta`` when ``delta = rowsum(dO * O)`` (no lse gradient).
+
+    Construction 1 of Note [Gradient of the lse]: ``o = do * delta / |do|^2``, bounded by ``|O|``.
+    Rows with ``do = 0`` get ``o = 0`` when ``delta = 0`` there and ``nan`` otherwise (a gradient on
+    the lse that this construction cannot carry; use :func:`with_delta_column`).
+    ``do (B, S, H, D)``, ``delta (B, H, S)``; the result is ``do.dtype``.
     """
-    acc = delta.dtype
-    do_acc = do.to(acc)
+    do_acc = do.to(delta.dtype)
     norm2 = (do_acc * do_acc).sum(-1)
-    coef = torch.where(norm2 > 0, delta.transpose(1, 2) / torch.where(norm2 > 0, norm2, 1), 0)
+    delta_t = delta.transpose(1, 2)
+    coef = torch.where(norm2 > 0, delta_t / torch.where(norm2 > 0, norm2, 1), torch.where(delta_t == 0, 0, math.nan))
     return (do_acc * coef.unsqueeze(-1)).to(do.dtype)
+
+
+def _exponent_range(dtype: torch.dtype) -> tuple[int, int]:
+    """Exponents ``e`` whose ``2**e`` is a normal number of ``dtype``."""
+    info = torch.finfo(dtype)
+    return math.frexp(info.tiny)[1] - 1, math.frexp(info.max)[1] - 1
+
+
+def with_delta_column(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, delta: Tensor, *, multiple: int = 1
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(do, q, k, v, out)`` padded for a fused backward that forms ``rowsum(do * out)`` itself.
+
+    Construction 2 of Note [Gradient of the lse]: the head dim grows from ``D`` to
+    ``round_up(D + 1, multiple)``; the kernel's ``dq, dk, dv`` of the padded inputs, cut back to
+    ``[..., :D]``, are exact for any ``delta``. ``do, q (B, Sq, Hq, D)``, ``k, v (B, Sk, Hkv, D)`` and
+    ``delta (B, Hq, Sq)`` (fp32/fp64); all results are contiguous, in ``q.dtype``.
+    """
+    dim = q.shape[-1]
+    padded = round_up(dim + 1, multiple)
+    lo, hi = _exponent_range(do.dtype)
+    # delta = s * r with s = 2**ceil(e / 2) for delta = m * 2**e: both factors near sqrt|delta|.
+    _, exponent = torch.frexp(delta)
+    s = torch.ldexp(torch.ones_like(delta), torch.div(exponent + 1, 2, rounding_mode="floor").clamp(lo, hi))
+    r = delta / s
+    do_p = F.pad(do, (0, padded - dim))
+    do_p[..., dim] = s.transpose(1, 2).to(do.dtype)
+    out_p = torch.zeros_like(do_p)
+    out_p[..., dim] = r.transpose(1, 2).to(do.dtype)
+    return do_p, *(F.pad(t, (0, padded - dim)) for t in (q, k, v)), out_p
+
+
+def backward_by_parts(
+    kernel: BlockKernel,
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Exact block gradients for any ``delta`` from ``kernel``'s forward and its ``lse_grad=False`` backward.
+
+    For kernels whose head-dim limit leaves no room for :func:`with_delta_column`. With
+    ``ds = p * dp - p * delta``: one backward with ``delta = 0`` (``o = 0`` is exact there) gives
+    ``dv`` and the ``p * dp`` part of ``dq, dk``; the ``-p * delta`` part is
+    ``dq -= scale * delta * (P K)`` with ``P K`` from a forward with ``v = k`` (renormalised from the
+    block's lse to the row's), and ``dk -= scale * P^T (delta * Q)``, the ``dv`` of a backward with
+    ``dO = delta * Q``. Three kernel calls instead of one; results in the accumulator dtype.
+    """
+    acc = acc_dtype(q.dtype)
+    zero = torch.zeros_like(delta)
+    dq, dk, dv = kernel.backward(do, q, k, v, lse, zero, causal=causal, scale=scale)
+    pk, lse_pk = kernel.forward(q, k, k, causal=causal, scale=scale)
+    weight = (delta.to(acc) * torch.exp(lse_pk.to(acc) - lse.to(acc))).transpose(1, 2).unsqueeze(-1)
+    dq = dq.to(acc) - scale * weight * pk.to(acc)
+    # dO = delta * Q / m, m a per-batch power of two >= max|delta|, keeps dO within q's range.
+    batch = delta.shape[0]
+    top = delta.abs().reshape(batch, -1).amax(1)
+    _, exponent = torch.frexp(torch.where(top > 0, top, 1))
+    m = torch.ldexp(torch.ones_like(top), exponent).reshape(batch, 1, 1, 1)
+    do_q = (delta.to(acc).transpose(1, 2).unsqueeze(-1) * q.to(acc) / m).to(q.dtype)
+    _, _, pt_q = kernel.backward(do_q, q, k, v, lse, zero, causal=causal, scale=scale)
+    dk = dk.to(acc) - scale * m * pt_q.to(acc)
+    return dq, dk, dv.to(acc)

@@ -5,14 +5,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mesh_cp.core.numerics import expand_kv, fold_kv_grad
-from mesh_cp.kernels.base import out_for_delta
+from mesh_cp.core.numerics import SUPPORTED_DTYPES, expand_kv, fold_kv_grad
+from mesh_cp.kernels.base import out_for_delta, with_delta_column
 
 
 class CpuFlashKernel:
-    """``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (fp16/bf16/fp32/fp64)."""
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (fp16/bf16/fp32/fp64, any head dim)."""
 
     name = "cpu_flash"
+
+    @classmethod
+    def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
+        """Why this kernel cannot run such inputs (``None``: it can)."""
+        if device.type != "cpu":
+            return f"needs CPU tensors, got {device.type}"
+        if dtype not in SUPPORTED_DTYPES:
+            return f"dtype {dtype} is not one of {[str(d) for d in SUPPORTED_DTYPES]}"
+        return None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         heads = q.shape[2]
@@ -27,10 +36,24 @@ class CpuFlashKernel:
         return out.transpose(1, 2), lse
 
     def backward(
-        self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *, causal: bool, scale: float
+        self,
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        lse_grad: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        heads, kv_heads = q.shape[2], k.shape[2]
-        out = out_for_delta(do, delta)
+        heads, kv_heads, dim = q.shape[2], k.shape[2], q.shape[-1]
+        # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
+        if lse_grad:
+            do, q, k, v, out = with_delta_column(do, q, k, v, delta)
+        else:
+            out = out_for_delta(do, delta)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.transpose(1, 2),
             q.transpose(1, 2),
@@ -43,7 +66,7 @@ class CpuFlashKernel:
             scale=scale,
         )
         return (
-            dq.transpose(1, 2),
-            fold_kv_grad(dk.transpose(1, 2), kv_heads),
-            fold_kv_grad(dv.transpose(1, 2), kv_heads),
+            dq.transpose(1, 2)[..., :dim],
+            fold_kv_grad(dk.transpose(1, 2)[..., :dim], kv_heads),
+            fold_kv_grad(dv.transpose(1, 2)[..., :dim], kv_heads),
         )

@@ -9,7 +9,12 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mesh_cp.core.numerics import expand_kv, fold_kv_grad
-from mesh_cp.kernels.base import out_for_delta
+from mesh_cp.kernels.base import out_for_delta, pad_head_dim, round_up, with_delta_column
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The head dim is padded with zeros to a multiple of this (exact: zero columns change no score), so
+# the kernel's aligned variants always apply.
+HEAD_DIM_MULTIPLE = 8
 
 
 def _lse_len(rows: int) -> int:
@@ -18,7 +23,10 @@ def _lse_len(rows: int) -> int:
 
 
 class CudaSdpaKernel:
-    """``aten._scaled_dot_product_efficient_attention`` and its backward, on CUDA tensors."""
+    """``aten._scaled_dot_product_efficient_attention`` and its backward, on CUDA tensors.
+
+    Any head dim (padded to a multiple of 8); GQA heads are expanded before the call.
+    """
 
     name = "cuda_sdpa"
 
@@ -26,32 +34,72 @@ class CudaSdpaKernel:
         if not torch.cuda.is_available():
             raise RuntimeError("kernel 'cuda_sdpa' needs CUDA; on CPU use kernel='cpu_flash'")
 
+    @classmethod
+    def without_device_check(cls) -> CudaSdpaKernel:
+        """The kernel without the CUDA-availability check of ``__init__``, to run it on ``meta`` tensors
+        (shape and dtype checks against the ops' meta functions) or under an emulation of the ops in
+        tests. The ops themselves still need CUDA (or meta) tensors."""
+        return cls.__new__(cls)
+
+    @classmethod
+    def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
+        """Why this kernel cannot run such inputs (``None``: it can)."""
+        if device.type != "cuda":
+            return f"needs CUDA tensors, got {device.type}"
+        if dtype not in DTYPES:
+            return f"the memory-efficient kernel supports {[str(d) for d in DTYPES]}, not {dtype}"
+        if not torch.version.hip:
+            capability = torch.cuda.get_device_capability(device)
+            if capability < (5, 0):
+                return f"compute capability {capability[0]}.{capability[1]} < 5.0"
+            if dtype == torch.bfloat16 and capability < (8, 0):
+                return f"bfloat16 needs compute capability >= 8.0, got {capability[0]}.{capability[1]}"
+        return None
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        heads = q.shape[2]
+        heads, dim = q.shape[2], q.shape[-1]
+        padded = round_up(dim, HEAD_DIM_MULTIPLE)
+        q, k, v = (pad_head_dim(t, padded) for t in (q, expand_kv(k, heads), expand_kv(v, heads)))
         out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q.transpose(1, 2),
-            expand_kv(k, heads).transpose(1, 2),
-            expand_kv(v, heads).transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
             None,
             True,
             0.0,
             causal,
             scale=scale,
         )
-        return out.transpose(1, 2), lse[..., : q.shape[1]].float()
+        return out.transpose(1, 2)[..., :dim], lse[..., : q.shape[1]].float()
 
     def backward(
-        self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *, causal: bool, scale: float
+        self,
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        lse_grad: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        heads, kv_heads, rows = q.shape[2], k.shape[2], q.shape[1]
+        heads, kv_heads, rows, dim = q.shape[2], k.shape[2], q.shape[1], q.shape[-1]
+        k, v = expand_kv(k, heads), expand_kv(v, heads)
+        # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
+        if lse_grad:
+            do, q, k, v, out = with_delta_column(do, q, k, v, delta, multiple=HEAD_DIM_MULTIPLE)
+        else:
+            padded = round_up(dim, HEAD_DIM_MULTIPLE)
+            do, q, k, v, out = (pad_head_dim(t, padded) for t in (do, q, k, v, out_for_delta(do, delta)))
         lse = F.pad(lse.float(), (0, _lse_len(rows) - rows)).contiguous()
-        out = out_for_delta(do, delta)
         empty = torch.empty((), device=q.device, dtype=torch.int64)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             do.transpose(1, 2),
             q.transpose(1, 2),
-            expand_kv(k, heads).transpose(1, 2),
-            expand_kv(v, heads).transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
             None,
             out.transpose(1, 2),
             lse,
@@ -63,7 +111,7 @@ class CudaSdpaKernel:
             scale=scale,
         )
         return (
-            dq.transpose(1, 2),
-            fold_kv_grad(dk.transpose(1, 2), kv_heads),
-            fold_kv_grad(dv.transpose(1, 2), kv_heads),
+            dq.transpose(1, 2)[..., :dim],
+            fold_kv_grad(dk.transpose(1, 2)[..., :dim], kv_heads),
+            fold_kv_grad(dv.transpose(1, 2)[..., :dim], kv_heads),
         )

@@ -22,6 +22,11 @@ class ReferenceKernel:
 
     name = "reference"
 
+    @classmethod
+    def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
+        """Why this kernel cannot run such inputs (``None``: it can; it runs anything, in O(Sq * Sk) memory)."""
+        return None
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
         scores = _scores(q, k, causal=causal, scale=scale)
         lse = torch.logsumexp(scores, dim=-1)
@@ -30,8 +35,19 @@ class ReferenceKernel:
         return out.transpose(1, 2).to(q.dtype), lse
 
     def backward(
-        self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, *, causal: bool, scale: float
+        self,
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        lse_grad: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        # Reads delta directly, so any delta is exact (lse_grad changes nothing; Note [Gradient of the lse]).
         # p = exp(s - lse);  dv = p^T dO;  dp = dO v^T;  ds = p * (dp - delta);  dq = ds k;  dk = ds^T q
         heads, kv_heads = q.shape[2], k.shape[2]
         scores = _scores(q, k, causal=causal, scale=scale)

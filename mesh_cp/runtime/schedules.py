@@ -38,7 +38,7 @@ class Schedule(Protocol):
         v: Tensor,
         out: Tensor,
         lse: Tensor,
-        dlse: Tensor,
+        dlse: Tensor | None,
         saved: tuple[Tensor, ...],
         *,
         mesh: CPMesh,
@@ -46,7 +46,12 @@ class Schedule(Protocol):
         kernel: BlockKernel,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Return ``dq, dk, dv`` for this rank's chunk, in the dtypes of ``q, k, v``."""
+        """Return ``dq, dk, dv`` for this rank's chunk, in the dtypes of ``q, k, v``.
+
+        ``dlse (B, Hq, L)`` is the gradient of this rank's lse; ``None`` means none reaches it (the
+        block kernels then take the cheaper exact path, Note [Gradient of the lse] in
+        :mod:`mesh_cp.kernels.base`; every rank of the mesh must agree on ``None``).
+        """
         ...
 
 
@@ -95,7 +100,7 @@ class CollectiveSchedule:
         v: Tensor,
         out: Tensor,
         lse: Tensor,
-        dlse: Tensor,
+        dlse: Tensor | None,
         saved: tuple[Tensor, ...],
         *,
         mesh: CPMesh,
@@ -105,8 +110,7 @@ class CollectiveSchedule:
     ) -> tuple[Tensor, Tensor, Tensor]:
         rows, cols = _row_col_index(plan, mesh.rank)
         acc = acc_dtype(q.dtype)
-        # A gradient on the lse itself enters every block as delta - dlse (d lse_i / d s_ij = p_ij).
-        delta = attention_delta(do, out) - dlse.to(acc)
+        delta = _row_delta(do, out, dlse)
         if plan.backward == "regather":
             q_do = all_gather(torch.stack((q, do.to(q.dtype))), mesh.q_group)  # (a, 2, B, L, Hq, D)
             q_all, do_all = q_do[:, 0], q_do[:, 1]
@@ -131,6 +135,7 @@ class CollectiveSchedule:
                 stats[i, 1, :, :, q0:q1],
                 causal=w.causal,
                 scale=scale,
+                lse_grad=dlse is not None,
             )
             dq_acc[i, :, q0:q1] += dq
             dkv_acc[j, 0, :, k0:k1] += dk
@@ -139,6 +144,16 @@ class CollectiveSchedule:
         dq = all_to_all(dq_acc, mesh.q_group).sum(0)
         dkv = all_to_all(dkv_acc, mesh.kv_group).sum(0)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def _row_delta(do: Tensor, out: Tensor, dlse: Tensor | None) -> Tensor:
+    """``delta = rowsum(dO * O) - dlse`` of this rank's rows, ``(B, Hq, L)`` in the accumulator dtype.
+
+    A gradient on the lse enters every block as ``delta - dlse`` (``d lse_i / d s_ij = p_ij``; Note
+    [Gradient of the lse] in :mod:`mesh_cp.kernels.base`).
+    """
+    delta = attention_delta(do, out)
+    return delta if dlse is None else delta - dlse.to(delta.dtype)
 
 
 def _row_col_index(plan: AttentionPlan, rank: int) -> tuple[dict[int, int], dict[int, int]]:
@@ -294,7 +309,7 @@ class OverlappedSchedule:
         v: Tensor,
         out: Tensor,
         lse: Tensor,
-        dlse: Tensor,
+        dlse: Tensor | None,
         saved: tuple[Tensor, ...],
         *,
         mesh: CPMesh,
@@ -305,8 +320,7 @@ class OverlappedSchedule:
         sched = plan.overlap("backward")
         rings, acc = _Rings(mesh, plan), acc_dtype(q.dtype)
         a, b = plan.tiling.a, plan.tiling.b
-        # A gradient on the lse itself enters every block as delta - dlse (d lse_i / d s_ij = p_ij).
-        delta = attention_delta(do, out) - dlse.to(acc)
+        delta = _row_delta(do, out, dlse)
         stats = torch.stack((lse.to(acc), delta))  # (2, B, Hq, L)
         regather = plan.backward == "regather"
         # What a Q move carries: q and dO with the rows' lse and delta (regather), or dO and the stats
@@ -369,6 +383,7 @@ class OverlappedSchedule:
                 st[1, :, :, q0:q1],
                 causal=w.causal,
                 scale=scale,
+                lse_grad=dlse is not None,
             )
             grad("q", i)[:, q0:q1] += dq
             dkv = grad("kv", j)

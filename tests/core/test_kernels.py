@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import subprocess
 import sys
 
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 from mesh_cp.core.numerics import attention_delta, merge_, reference_attention
-from mesh_cp.kernels import _REGISTRY, KERNEL_NAMES, get_kernel, resolve_kernel
+from mesh_cp.kernels import _REGISTRY, KERNEL_NAMES, get_kernel, out_for_delta, resolve_kernel
+from mesh_cp.kernels.base import backward_by_parts
 
 CPU_KERNELS = ("reference", "cpu_flash")
 
@@ -71,6 +74,92 @@ def test_lse_merge_of_two_halves_is_the_whole() -> None:
     assert torch.isneginf(empty_lse).all() and (empty_o == 0).all()
 
 
+LOW_PRECISION_FLOOR = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 0.0, torch.float16: 0.0}
+
+
+def lse_grad_case(heads: int, kv_heads: int, dim: int, *, seed: int, lse_only: bool):
+    """fp64 ``q, k, v, do, dlse`` where the lse receives a gradient: ``do`` is zero (lse-only loss) or
+    has a zero row, a tiny row (|do| ~ 1e-6: the scaled ``out`` of Note [Gradient of the lse] would
+    overflow fp16) and ordinary rows."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 12, heads, dim, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 12, kv_heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(2, 12, heads, dim, generator=gen, dtype=torch.float64)
+    if lse_only:
+        do.zero_()
+    else:
+        do[:, 3] = 0
+        do[:, 5] *= 1e-6
+    dlse = torch.randn(2, heads, 12, generator=gen, dtype=torch.float64) * 3
+    return q, k, v, do, dlse
+
+
+def check_lse_grad(kernel, dtype, causal, case, *, scale: float = 0.3) -> None:
+    """``kernel``'s forward and ``lse_grad=True`` backward in ``dtype`` against autograd of
+    ``reference_attention`` in fp64 (loss ``<out, do> + <lse, dlse>``), within twice the error of plain
+    autograd in ``dtype`` (flash-attn's rule; a floor for fp32/fp64 rounding), and against the
+    reference kernel on the same inputs."""
+    q, k, v, do, dlse = case
+
+    def grads(prec):
+        leaves = [t.to(prec).clone().requires_grad_() for t in (q, k, v)]
+        out, lse = reference_attention(*leaves, causal=causal, softmax_scale=scale)
+        ((out * do.to(prec)).sum() + (lse * dlse.to(lse.dtype)).sum()).backward()
+        return [t.grad.double() for t in leaves]
+
+    exact, plain = grads(torch.float64), grads(dtype)
+    qd, kd, vd, dod = (t.to(dtype) for t in (q, k, v, do))
+    out, lse = kernel.forward(qd, kd, vd, causal=causal, scale=scale)
+    delta = attention_delta(dod, out) - dlse.to(lse.dtype)
+    got = kernel.backward(dod, qd, kd, vd, lse, delta, causal=causal, scale=scale, lse_grad=True)
+    spec = get_kernel("reference").backward(dod, qd, kd, vd, lse, delta, causal=causal, scale=scale)
+    for name, g, want, low, ref in zip("qkv", got, exact, plain, spec, strict=True):
+        assert g.shape == want.shape, name
+        assert torch.isfinite(g).all(), f"d{name} not finite"
+        tol = 2 * (low - want).abs().max().item() + LOW_PRECISION_FLOOR[dtype]
+        err = (g.double() - want).abs().max().item()
+        assert err <= tol, f"d{name}: error {err:.3g} against fp64 autograd, allowed {tol:.3g}"
+        err_ref = (g.double() - ref.double()).abs().max().item()
+        assert err_ref <= tol, f"d{name}: {err_ref:.3g} from the reference kernel, allowed {tol:.3g}"
+
+
+@pytest.mark.parametrize("name", CPU_KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+def test_gradient_reaching_the_lse_is_exact(name: str, dtype, causal: bool, heads: int, kv_heads: int) -> None:
+    """A gradient on the lse alone, and on out and lse together (rows with dO = 0 and tiny dO)."""
+    for lse_only in (True, False):
+        case = lse_grad_case(heads, kv_heads, 17, seed=heads + 10 * lse_only, lse_only=lse_only)
+        check_lse_grad(get_kernel(name), dtype, causal, case)
+
+
+def test_backward_by_parts_is_exact() -> None:
+    """The three-call path that flash kernels take when one more head-dim column does not fit."""
+    q, k, v, do, dlse = lse_grad_case(8, 2, 16, seed=3, lse_only=False)
+    kernel = get_kernel("cpu_flash")
+    out, lse = kernel.forward(q, k, v, causal=True, scale=0.3)
+    delta = attention_delta(do, out) - dlse
+    got = backward_by_parts(kernel, do, q, k, v, lse, delta, causal=True, scale=0.3)
+    want = get_kernel("reference").backward(do, q, k, v, lse, delta, causal=True, scale=0.3)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_out_for_delta_is_bounded_and_refuses_a_delta_it_cannot_carry() -> None:
+    q, k, v, do = _inputs(4, 4)
+    out, _ = get_kernel("reference").forward(q, k, v, causal=False, scale=0.3)
+    do[:, 2] = 0
+    delta = attention_delta(do, out)
+    o = out_for_delta(do, delta)
+    torch.testing.assert_close(attention_delta(do, o), delta, atol=1e-12, rtol=0)
+    assert (o.norm(dim=-1) <= out.norm(dim=-1) + 1e-12).all()  # Cauchy-Schwarz: |o| <= |O|
+    assert (o[:, 2] == 0).all()
+    # A gradient on the lse of a row with dO = 0 cannot be carried by o = dO * c: nan, never a wrong value.
+    delta[:, 1, 2] = 0.5
+    assert torch.isnan(out_for_delta(do, delta)[:, 2, 1]).all()
+
+
 def test_registry_names_match_the_literal_and_unknown_names_raise() -> None:
     assert set(KERNEL_NAMES) == set(_REGISTRY)
     with pytest.raises(ValueError, match=r"unknown kernel 'triton'; choose one of \['cpu_flash'"):
@@ -78,15 +167,18 @@ def test_registry_names_match_the_literal_and_unknown_names_raise() -> None:
     with pytest.raises(ValueError, match="BlockKernel"):
         resolve_kernel(42, torch.device("cpu"), torch.float32)
     assert resolve_kernel("auto", torch.device("cpu"), torch.float32).name == "cpu_flash"
+    for name in KERNEL_NAMES:  # every kernel states its limits and takes the lse_grad flag
+        cls = importlib.import_module(_REGISTRY[name][0]).__dict__[_REGISTRY[name][1]]
+        assert callable(cls.unsupported) and "lse_grad" in inspect.signature(cls.backward).parameters, name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels need a GPU")
-@pytest.mark.parametrize("name", ["cuda_sdpa", "flash_attn"])
+@pytest.mark.parametrize("name", ["cuda_sdpa", "cuda_flash", "flash_attn"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuda_kernels_match_the_reference(name: str, causal: bool) -> None:
     if name == "flash_attn":
         pytest.importorskip("flash_attn")
-    dtype = torch.bfloat16 if name == "flash_attn" else torch.float32
+    dtype = torch.float32 if name == "cuda_sdpa" else torch.bfloat16
     q, k, v, do = (t.to("cuda", dtype) for t in _inputs(8, 2, seq_q=40, seq_k=40, dtype=torch.float32))
     ref = get_kernel("reference")
     out, lse = get_kernel(name).forward(q, k, v, causal=causal, scale=0.25)
@@ -98,9 +190,12 @@ def test_cuda_kernels_match_the_reference(name: str, causal: bool) -> None:
     for got, want in zip(
         get_kernel(name).backward(do, q, k, v, ref_lse, delta, causal=causal, scale=0.25),
         ref.backward(do, q, k, v, ref_lse, delta, causal=causal, scale=0.25),
-        strict=False,
+        strict=True,
     ):
         torch.testing.assert_close(got.float(), want.float(), atol=5 * tol, rtol=0)
+    for lse_only in (True, False):
+        case = [t.cuda() for t in lse_grad_case(8, 2, 72, seed=5, lse_only=lse_only)]
+        check_lse_grad(get_kernel(name), dtype, causal, case)
 
 
 def _modules_after_import(module: str) -> set[str]:
