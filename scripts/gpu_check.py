@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -161,9 +162,18 @@ def kernel_verdict(kernel, x: AttentionInputs) -> Verdict:
     delta = (x.do.float() * out.float()).sum(-1).transpose(1, 2)
     if x.dlse is not None:
         delta = delta - x.dlse.float()
-    dq, dk, dv = kernel.backward(x.do, x.q, x.k, x.v, lse, delta.contiguous(), causal=x.causal, scale=x.scale)
+    extra = {}
+    if x.dlse is not None and takes_lse_grad(kernel):
+        extra["lse_grad"] = True  # the kernel may assume delta = rowsum(dO * O) unless told otherwise
+    dq, dk, dv = kernel.backward(x.do, x.q, x.k, x.v, lse, delta.contiguous(), causal=x.causal, scale=x.scale, **extra)
     got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     return judge(got, x.gold(), x.plain(), x.q.dtype)
+
+
+def takes_lse_grad(kernel) -> bool:
+    """Whether the kernel's backward has the ``lse_grad`` flag (BlockKernel.backward)."""
+    backward = getattr(kernel, "inner", kernel).backward
+    return "lse_grad" in inspect.signature(backward).parameters
 
 
 def kernel_rows(opts: Options) -> list[Row]:
@@ -272,6 +282,8 @@ def spawned_jobs(opts: Options) -> list[Job]:
         if opts.gpus >= 4:
             jobs.append(Job("nccl 4 GPUs", "hf", "nccl", 4, "cuda", ["hf:hf"], **gpu))
         else:
+            # P = 1 on NCCL as well: the model on the GPU (bf16, autocast) even where gloo cannot do P = 4.
+            jobs.append(Job(f"nccl {opts.gpus} GPU", "hf", "nccl", opts.gpus, "cuda", ["hf:hf"], **gpu))
             jobs.append(Job("gloo 4 on cuda:0", "hf", "gloo", 4, "cuda:0", ["hf:hf"], **gpu))
     return jobs
 
@@ -360,12 +372,13 @@ def example_rows(opts: Options) -> list[Row]:
         reason = "run on GPUs only (the CPU tests run every example under its launcher)"
         return [Row("examples", name, SKIP, reason) for name in ("accelerate", "deepspeed", "megatron")]
     n = min(opts.gpus, 4)
+    gpus = f"{n} GPU{'s' if n > 1 else ''}"
     tiny = ["--seq-len", str(64 * n), "--hidden", "32", "--corpus-mb", "0.2", "--vocab", "512", "--steps", "3"]
     rows = []
     rows.append(
         run_case(
             "examples",
-            f"accelerate finetune.py --reference ({n} GPU{'s' if n > 1 else ''})",
+            f"accelerate finetune.py --reference ({gpus})",
             lambda: reference_example(
                 ["integrations/accelerate/finetune.py", *tiny, "--reference"], n, ["accelerate"], opts
             ),
@@ -383,7 +396,7 @@ def example_rows(opts: Options) -> list[Row]:
         finally:
             os.unlink(f.name)
 
-    rows.append(run_case("examples", f"deepspeed finetune.py ZeRO 2 --reference ({n} GPU)", deepspeed_case))
+    rows.append(run_case("examples", f"deepspeed finetune.py ZeRO 2 --reference ({gpus})", deepspeed_case))
 
     def megatron_case() -> Verdict:
         with tempfile.TemporaryDirectory(prefix="gpu_check_megatron_") as data:
@@ -396,7 +409,7 @@ def example_rows(opts: Options) -> list[Row]:
         ok = all(math.isfinite(v) for v in losses.values()) and losses[4] < losses[1]
         return Verdict(ok, f"loss {losses[1]:.4f} -> {losses[4]:.4f} in 4 steps{'' if ok else ' (did not fall)'}")
 
-    rows.append(run_case("examples", f"megatron pretrain_gpt.py ({n} GPU)", megatron_case))
+    rows.append(run_case("examples", f"megatron pretrain_gpt.py ({gpus})", megatron_case))
     return rows
 
 
