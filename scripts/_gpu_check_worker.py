@@ -14,9 +14,11 @@ import importlib
 import importlib.util
 import json
 import math
+import os
+import re
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,14 +255,23 @@ def needs_cuda(name: str) -> bool:
     return name.startswith(("cuda", "flash"))
 
 
-class FaultyKernel:
-    """A kernel with a planted bug, to prove the check reports it: ``wrong`` adds 0.1 to the last query
-    row of every block's output; ``raise`` raises in forward."""
+FAULT_MODES = ("wrong", "raise", "abort")
 
-    def __init__(self, inner, mode: str) -> None:
+
+class FaultyKernel:
+    """A kernel with a planted bug, to show that the check reports it: ``wrong`` adds 0.1 to the last
+    query row of every block's output; ``raise`` raises in forward; ``abort`` ends the process
+    (``os.abort``) in forward. With ``dtype`` only calls in that dtype are affected."""
+
+    def __init__(self, inner, mode: str, dtype: str | None = None) -> None:
         self.inner, self.mode, self.name = inner, mode, inner.name
+        self.dtype = DTYPES[dtype] if dtype else None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        if self.dtype is not None and q.dtype != self.dtype:
+            return self.inner.forward(q, k, v, causal=causal, scale=scale)
+        if self.mode == "abort":
+            os.abort()
         if self.mode == "raise":
             raise RuntimeError(f"fault injected into kernel {self.name!r} (--inject-fault)")
         out, lse = self.inner.forward(q, k, v, causal=causal, scale=scale)
@@ -272,9 +283,11 @@ class FaultyKernel:
         return self.inner.backward(*args, **kwargs)  # same signature as the inner kernel's
 
 
-def with_fault(kernel, faults: dict[str, str]):
-    mode = faults.get(kernel.name)
-    return FaultyKernel(kernel, mode) if mode else kernel
+def with_fault(kernel, faults: dict[str, tuple[str, str | None]]):
+    """``kernel``, or it with the fault planted in it (``faults``: kernel name -> (mode, dtype or None))."""
+    if kernel.name not in faults:
+        return kernel
+    return FaultyKernel(kernel, *faults[kernel.name])
 
 
 def resolve_auto(device: torch.device, dtype: torch.dtype, head_dim: int):
@@ -288,7 +301,9 @@ def resolve_auto(device: torch.device, dtype: torch.dtype, head_dim: int):
     return resolve_kernel("auto", device, dtype)
 
 
-def lookup_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, faults: dict[str, str]):
+def lookup_kernel(
+    name: str, device: torch.device, dtype: torch.dtype, head_dim: int, faults: dict[str, tuple[str, str | None]]
+):
     """The kernel object for ``name`` (or ``"auto"``), or :class:`Skip` with why it cannot run here."""
     from mesh_cp import kernels
 
@@ -341,13 +356,30 @@ class Job:
     chunk: int = 8
     """Tokens per zig-zag half-chunk of the mesh checks (global length ``2 P chunk``)."""
     head_dim: int = 32
-    faults: dict[str, str] = field(default_factory=dict)
+    faults: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    hf_schedule: str = "overlap"
+    """Schedule of the Hugging Face cases (``hf.attach(..., schedule=)``)."""
     timeout_s: float = 60.0
     """Process-group timeout: a collective that waits longer raises instead of hanging."""
+    start_at: int = 0
+    """Index of the first case to run (a group restarted after a process died in a case)."""
+    case_filter: str | None = None
+    """Run only the cases whose name this regular expression finds (``--cases``)."""
+
+
+@dataclass
+class Case:
+    """One case of a rank check, not run yet: every rank lists the same cases in the same order."""
+
+    section: str
+    name: str
+    fn: Callable[[], Verdict]
 
 
 def rank_entry(rank: int, job: Job, tmp: str) -> None:
-    """Spawned process ``rank``: start the group (itself a case), run the checks, append rows as they come."""
+    """Spawned process ``rank``: start the group (itself a case), list the checks' cases and run those
+    from ``job.start_at`` on, writing a line before each case and its row after it (a process that
+    dies in a case leaves the first line without the second)."""
     import torch.distributed as dist
 
     importlib.import_module("torch._dynamo")  # before init_process_group: gloo can abort at exit otherwise
@@ -357,9 +389,10 @@ def rank_entry(rank: int, job: Job, tmp: str) -> None:
 
     path = Path(tmp) / f"rank{rank}.jsonl"
 
-    def emit(row: Row) -> None:
+    def emit(index: int, row: Row | None = None, **extra) -> None:
+        record = {"index": index, **extra, **(dataclasses.asdict(row) if row else {})}
         with open(path, "a") as f:
-            f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+            f.write(json.dumps(record) + "\n")
 
     device = torch.device("cpu")
     if job.device == "cuda":
@@ -382,23 +415,37 @@ def rank_entry(rank: int, job: Job, tmp: str) -> None:
         return Verdict(True, f"{job.backend} on {device}{', device-bound' if job.eager else ''}")
 
     row = run_case(job.section, f"{job.label}: start group", start)
-    emit(row)
+    if row.status != PASS or job.start_at == 0:
+        emit(-1, row)
     if row.status != PASS:
         return
     try:
+        cases = []
         for check in job.checks:
             name, section = check.split(":")
-            for row in RANK_CHECKS[name](job, section, rank, device):
-                emit(row)
+            cases += RANK_CHECKS[name](job, section, rank, device)
+        if job.case_filter:
+            cases = [c for c in cases if re.search(job.case_filter, c.name)]
+        emit(-1, cases=[[c.section, c.name] for c in cases])
+        for index, case in enumerate(cases):
+            if index < job.start_at:
+                continue
+            emit(index, started=True, section=case.section, case=case.name)
+            emit(index, run_case(case.section, case.name, case.fn, device))
     finally:
         dist.destroy_process_group()
 
 
-def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> Iterator[Row]:
+def most_square(p: int) -> tuple[int, int]:
+    a = max(d for d in range(1, math.isqrt(p) + 1) if p % d == 0)
+    return (p // a, a)
+
+
+def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> list[Case]:
     """The mesh over the whole group (every tile of P), and at world 4 also over the pairs {0,1}, {2,3}:
     a refused tile mismatch, then forward and backward (a loss on out and lse) against the fp64
-    reference. The collective schedule runs first: a backend that takes CUDA tensors in collectives but
-    not in p2p (gloo) can abort the process at the first ring step of the overlapped schedule."""
+    reference. The collective schedule comes first: a backend that takes CUDA tensors in collectives
+    but not point to point (gloo) aborts the process at the first ring step of the overlapped one."""
     import torch.distributed as dist
 
     import mesh_cp
@@ -408,17 +455,23 @@ def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> Iter
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         groups.append((2, pairs[rank // 2]))
     meshes: dict[tuple[int, tuple[int, int]], object] = {}
-    cases: list[tuple[int, tuple[int, int]]] = []
+
+    def mesh_of(p: int, tile: tuple[int, int], group) -> object:
+        """The mesh, created on first use (a case may run first in a restarted group)."""
+        if (p, tile) not in meshes:
+            meshes[(p, tile)] = mesh_cp.CPMesh.create(group, tile=tile)
+        return meshes[(p, tile)]
+
+    cases: list[Case] = []
+    tiled: list[tuple[int, tuple[int, int], object]] = []
     for p, group in groups:
-        tiles = [(a, p // a) for a in range(1, p + 1) if p % a == 0]
-        for tile in tiles:
-            cases.append((p, tile))
+        for tile in [(a, p // a) for a in range(1, p + 1) if p % a == 0]:
+            tiled.append((p, tile, group))
 
-            def create(tile=tile, group=group, key=(p, tile)) -> Verdict:
-                meshes[key] = mesh_cp.CPMesh.create(group, tile=tile)
-                return Verdict(True, str(meshes[key]))
+            def create(p=p, tile=tile, group=group) -> Verdict:
+                return Verdict(True, str(mesh_of(p, tile, group)))
 
-            yield run_case(section, f"{job.label} P={p} {tile[0]}x{tile[1]} CPMesh.create", create, device)
+            cases.append(Case(section, f"{job.label} P={p} {tile[0]}x{tile[1]} CPMesh.create", create))
         if p > 1:
 
             def mismatch(group=group, p=p) -> Verdict:
@@ -430,18 +483,17 @@ def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> Iter
                     return Verdict(ok, "ValueError on every rank" if ok else f"unexpected message: {err}")
                 return Verdict(False, "rank 0 asked for 1xP and the others for Px1: not refused")
 
-            yield run_case(section, f"{job.label} P={p} tiles differ across ranks: refused", mismatch, device)
+            cases.append(Case(section, f"{job.label} P={p} tiles differ across ranks: refused", mismatch))
     for schedule in ("collective", "overlap"):
-        for p, tile in cases:
+        for p, tile, group in tiled:
             for dtype_name in job.dtypes:
 
-                def attention(key=(p, tile), dtype=DTYPES[dtype_name], schedule=schedule) -> Verdict:
-                    if key not in meshes:
-                        raise Skip("no mesh (CPMesh.create failed)")
-                    return mesh_attention_verdict(meshes[key], job, device, dtype, key[0], schedule)
+                def attention(p=p, tile=tile, group=group, dtype=DTYPES[dtype_name], schedule=schedule) -> Verdict:
+                    return mesh_attention_verdict(mesh_of(p, tile, group), job, device, dtype, p, schedule)
 
                 name = f"{job.label} P={p} {tile[0]}x{tile[1]} {dtype_name} {schedule}"
-                yield run_case(section, name, attention, device)
+                cases.append(Case(section, name, attention))
+    return cases
 
 
 def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dtype, p: int, schedule: str) -> Verdict:
@@ -502,36 +554,40 @@ def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dt
 HF_TOL_FP32 = 1e-4
 
 
-def hf_checks(job: Job, section: str, rank: int, device: torch.device) -> Iterator[Row]:
+def hf_checks(job: Job, section: str, rank: int, device: torch.device) -> list[Case]:
     """A tiny Llama, MHA and GQA, tile 2x2 (or the most square), in fp32, bf16 weights, and fp32 weights
-    under bf16 autocast."""
+    under bf16 autocast, with the job's ``hf_schedule``."""
     import torch.distributed as dist
 
     import mesh_cp
 
-    a = max(d for d in range(1, int(math.isqrt(job.world)) + 1) if job.world % d == 0)
-    tile = (job.world // a, a)
-    holder: dict = {}
+    tile = most_square(job.world)
+    meshes: dict = {}
 
-    def create() -> Verdict:
+    def mesh() -> object:
         if importlib.util.find_spec("transformers") is None:
             raise Skip("transformers is not installed")
-        holder["mesh"] = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
-        return Verdict(True, str(holder["mesh"]))
+        if "mesh" not in meshes:
+            meshes["mesh"] = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
+        return meshes["mesh"]
 
-    yield run_case(section, f"{job.label} P={job.world} {tile[0]}x{tile[1]} CPMesh.create", create, device)
+    cases = [
+        Case(
+            section, f"{job.label} P={job.world} {tile[0]}x{tile[1]} CPMesh.create", lambda: Verdict(True, str(mesh()))
+        )
+    ]
+    suffix = "" if job.hf_schedule == "overlap" else f" ({job.hf_schedule} schedule)"
     for name, kv_heads in (("llama", 4), ("llama-gqa", 2)):
         for mode in job.hf_modes:
 
             def compare(kv_heads=kv_heads, mode=mode) -> Verdict:
-                if "mesh" not in holder:
-                    raise Skip("no mesh (transformers missing or CPMesh.create failed)")
-                return hf_verdict(holder["mesh"], device, kv_heads, mode)
+                return hf_verdict(mesh(), device, kv_heads, mode, job.hf_schedule)
 
-            yield run_case(section, f"{job.label} {name} {mode}", compare, device)
+            cases.append(Case(section, f"{job.label} {name} {mode}{suffix}", compare))
+    return cases
 
 
-def hf_verdict(mesh, device: torch.device, kv_heads: int, mode: str) -> Verdict:
+def hf_verdict(mesh, device: torch.device, kv_heads: int, mode: str, schedule: str) -> Verdict:
     """Logits and every parameter gradient of the mesh model against the single-process SDPA model.
 
     ``fp32``: within 1e-4 of the fp32 SDPA model (TF32 off). ``bf16`` (bf16 weights) and ``autocast``
@@ -572,7 +628,7 @@ def hf_verdict(mesh, device: torch.device, kv_heads: int, mode: str) -> Verdict:
 
     ref_logits, ref_grads = single(copy.deepcopy(base), cast=autocast)
 
-    model = hf.attach(copy.deepcopy(base), mesh)
+    model = hf.attach(copy.deepcopy(base), mesh, schedule=schedule)
     batch = hf.shard_batch(ids, mesh=mesh)
     with context():
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
@@ -592,7 +648,8 @@ def hf_verdict(mesh, device: torch.device, kv_heads: int, mode: str) -> Verdict:
         grad_errs = {n: max_err(grads[n], ref_grads[n]) for n in grads}
         worst_name = max(grad_errs, key=grad_errs.get)
         ratio = max(logits_err, grad_errs[worst_name]) / HF_TOL_FP32
-        detail = f"logits {logits_err:.1e}, worst grad {worst_name} {grad_errs[worst_name]:.1e} (tol {HF_TOL_FP32:g})"
+        tol = f"{HF_TOL_FP32:.1e}"
+        detail = f"logits {logits_err:.1e}/{tol}, worst grad {worst_name} {grad_errs[worst_name]:.1e}/{tol}"
         return Verdict(ratio <= 1.0, detail, ratio)
 
     gold_logits, gold_grads = single(copy.deepcopy(base).to(torch.float64), cast=False)
@@ -607,7 +664,7 @@ def hf_verdict(mesh, device: torch.device, kv_heads: int, mode: str) -> Verdict:
     return Verdict(logits_v.ok and not failed, detail, max(logits_v.ratio, worst.ratio))
 
 
-RANK_CHECKS: dict[str, Callable[[Job, str, int, torch.device], Iterator[Row]]] = {
+RANK_CHECKS: dict[str, Callable[[Job, str, int, torch.device], list[Case]]] = {
     "mesh": mesh_checks,
     "hf": hf_checks,
 }

@@ -57,7 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _gpu_check_worker import (  # noqa: E402
     DTYPE_NAMES,
+    DTYPES,
     FAIL,
+    FAULT_MODES,
     PASS,
     SKIP,
     AttentionInputs,
@@ -92,7 +94,8 @@ class Options:
     sections: tuple[str, ...]
     cpu: bool
     gpus: int
-    faults: dict[str, str]
+    faults: dict[str, tuple[str, str | None]]
+    case_filter: str | None
     job_timeout_s: float
     example_timeout_s: float
     device: torch.device = dataclasses.field(init=False)
@@ -176,6 +179,16 @@ def takes_lse_grad(kernel) -> bool:
     return "lse_grad" in inspect.signature(backward).parameters
 
 
+def selected(opts: Options, case: str) -> bool:
+    """Whether ``--cases`` (if given) selects this case."""
+    return opts.case_filter is None or re.search(opts.case_filter, case) is not None
+
+
+def in_process_faults(opts: Options) -> dict[str, tuple[str, str | None]]:
+    """The planted faults for checks in this process: ``abort`` would end the checker itself."""
+    return {name: fault for name, fault in opts.faults.items() if fault[0] != "abort"}
+
+
 def kernel_rows(opts: Options) -> list[Row]:
     """Every kernel that runs on this device, per dtype: one row per shape (causal and full inside) and
     one with a gradient on the lse."""
@@ -196,14 +209,15 @@ def kernel_rows(opts: Options) -> list[Row]:
         found: dict[torch.dtype, object] = {}
         for dtype in dtypes:
             try:
-                found[dtype] = lookup_kernel(name, device, dtype, 64, opts.faults)
+                found[dtype] = lookup_kernel(name, device, dtype, 64, in_process_faults(opts))
             except Skip as reason:
                 found[dtype] = reason
             except Exception as err:  # noqa: BLE001 - a kernel that cannot even be built is its FAIL
                 found[dtype] = err
         reasons = {str(k) for k in found.values() if isinstance(k, Skip)}
         if len(reasons) == 1 and all(isinstance(k, Skip) for k in found.values()):
-            rows.append(Row("kernels", name, SKIP, reasons.pop()))
+            if selected(opts, name):
+                rows.append(Row("kernels", name, SKIP, reasons.pop()))
             continue
         for dtype, kernel in found.items():
             rows += kernel_dtype_rows(name, kernel, dtype, device, batch, seq, opts)
@@ -216,10 +230,14 @@ def failed_row(section: str, case: str, err: Exception) -> Row:
 
 def kernel_dtype_rows(name, kernel, dtype, device, batch, seq, opts) -> list[Row]:
     dname = DTYPE_NAMES[dtype]
-    if isinstance(kernel, Skip):
+    if not selected(opts, f"{name} {dname}"):
+        pass
+    elif isinstance(kernel, Skip):
         return [Row("kernels", f"{name} {dname}", SKIP, str(kernel))]
-    if isinstance(kernel, Exception):
+    elif isinstance(kernel, Exception):
         return [failed_row("kernels", f"{name} {dname}", kernel)]
+    if isinstance(kernel, Exception):
+        return []
     rows = []
     cases = [(label, h, kv, d, False) for label, h, kv, d in KERNEL_SHAPES]
     cases.append(("8:2 d64 lse grad", 8, 2, 64, True))
@@ -227,7 +245,7 @@ def kernel_dtype_rows(name, kernel, dtype, device, batch, seq, opts) -> list[Row
 
         def case(heads=heads, kv_heads=kv_heads, dim=dim, lse_grad=lse_grad) -> Verdict:
             # "auto" may choose by head dim: resolve it for this case's inputs.
-            k = lookup_kernel(name, device, dtype, dim, opts.faults) if name == "auto" else kernel
+            k = lookup_kernel(name, device, dtype, dim, in_process_faults(opts)) if name == "auto" else kernel
             verdicts = []
             for causal in (True, False):
                 x = AttentionInputs.make(
@@ -249,7 +267,8 @@ def kernel_dtype_rows(name, kernel, dtype, device, batch, seq, opts) -> list[Row
                 verdict.detail = f"chose {k.name}; {verdict.detail}"
             return verdict
 
-        rows.append(run_case("kernels", f"{name} {dname} {label}", case, device))
+        if selected(opts, f"{name} {dname} {label}"):
+            rows.append(run_case("kernels", f"{name} {dname} {label}", case, device))
     return rows
 
 
@@ -260,7 +279,7 @@ def kernel_dtype_rows(name, kernel, dtype, device, batch, seq, opts) -> list[Row
 
 def spawned_jobs(opts: Options) -> list[Job]:
     """The process groups to spawn for the selected sections (on CPU, one gloo group does them all)."""
-    common = dict(faults=opts.faults)
+    common = dict(faults=opts.faults, case_filter=opts.case_filter)
     jobs: list[Job] = []
     want = set(opts.sections)
     if opts.cpu:
@@ -284,15 +303,19 @@ def spawned_jobs(opts: Options) -> list[Job]:
         else:
             # P = 1 on NCCL as well: the model on the GPU (bf16, autocast) even where gloo cannot do P = 4.
             jobs.append(Job(f"nccl {opts.gpus} GPU", "hf", "nccl", opts.gpus, "cuda", ["hf:hf"], **gpu))
-            jobs.append(Job("gloo 4 on cuda:0", "hf", "gloo", 4, "cuda:0", ["hf:hf"], **gpu))
+            # gloo sends no CUDA tensors point to point (see the mesh-gloo rows): the collective schedule.
+            jobs.append(Job("gloo 4 on cuda:0", "hf", "gloo", 4, "cuda:0", ["hf:hf"], hf_schedule="collective", **gpu))
     return jobs
 
 
-def run_job(job: Job, timeout_s: float) -> list[Row]:
-    """Spawn the job's ranks; their rows merged over ranks, plus a FAIL row if the job itself broke."""
+MAX_RESTARTS = 16
+
+
+def spawn_once(job: Job, timeout_s: float) -> tuple[str | None, list[list[dict]]]:
+    """Run the job's ranks once: the error that ended them (``None`` when they all ended well) and every
+    rank's records (the case list, a line before each case, each case's row)."""
     import torch.multiprocessing as mp
 
-    start = time.perf_counter()
     error = None
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         ctx = mp.start_processes(rank_entry, args=(job, tmp), nprocs=job.world, join=False, start_method="spawn")
@@ -307,15 +330,63 @@ def run_job(job: Job, timeout_s: float) -> list[Row]:
                     break
         except Exception as err:  # noqa: BLE001 - a rank that died (signal, exit code, uncaught error)
             error = " ".join(str(err).split())[-400:]
-        per_rank = []
+        records = []
         for rank in range(job.world):
             path = Path(tmp) / f"rank{rank}.jsonl"
-            lines = path.read_text().splitlines() if path.exists() else []
-            per_rank.append([Row(**json.loads(line)) for line in lines])
-    rows = merge_ranks(per_rank)
-    if error:
-        rows.append(Row(job.section, f"{job.label}: processes", FAIL, error, time.perf_counter() - start, math.inf))
-    return rows
+            records.append([json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [])
+    return error, records
+
+
+def run_job(job: Job, timeout_s: float) -> list[Row]:
+    """Spawn the job's ranks and merge their rows. A process that dies (or hangs) in a case makes that
+    case a FAIL with the reason; the group is then started again for the cases after it."""
+    fields = {f.name for f in dataclasses.fields(Row)}
+    results: list[dict[int, Row]] = [{} for _ in range(job.world)]
+    planned: list[tuple[str, str]] = []
+    start_at, extra = 0, []
+    for _ in range(MAX_RESTARTS + 1):
+        t0 = time.perf_counter()
+        error, records = spawn_once(dataclasses.replace(job, start_at=start_at), timeout_s)
+        started: dict[int, tuple[str, str]] = {}
+        unfinished: set[int] = set()
+        for rank, recs in enumerate(records):
+            for rec in recs:
+                if "cases" in rec:
+                    planned = [tuple(c) for c in rec["cases"]]
+                elif rec.get("started"):
+                    started[rec["index"]] = (rec["section"], rec["case"])
+                    unfinished.add((rank, rec["index"]))
+                else:
+                    results[rank][rec["index"]] = Row(**{k: v for k, v in rec.items() if k in fields})
+                    unfinished.discard((rank, rec["index"]))
+        if error is None:
+            break
+        died_in = min((index for _, index in unfinished), default=None)
+        if died_in is None:  # outside any case: starting or ending the group
+            extra.append(Row(job.section, f"{job.label}: processes", FAIL, error, time.perf_counter() - t0, math.inf))
+            break
+        for rank in range(job.world):
+            for index in [i for i in results[rank] if i > died_in]:  # run again in the restarted group
+                del results[rank][index]
+            if (rank, died_in) in unfinished:
+                detail = f"the processes ended in this case: {error}"
+                results[rank][died_in] = Row(*started[died_in], FAIL, detail, time.perf_counter() - t0, math.inf)
+        start_at = died_in + 1
+        if start_at >= len(planned):
+            break
+    else:
+        extra.append(
+            Row(job.section, f"{job.label}: processes", FAIL, f"more than {MAX_RESTARTS} restarts", 0, math.inf)
+        )
+    order = [-1, *range(len(planned))]
+    merged = merge_ranks([[r[i] for i in order if i in r] for r in results])
+    done = {(row.section, row.case) for row in merged}
+    never = [
+        Row(*key, FAIL, "not run (its group could not be started again)", 0.0, math.inf)
+        for key in planned
+        if key not in done
+    ]
+    return merged + never + extra
 
 
 def merge_ranks(per_rank: list[list[Row]]) -> list[Row]:
@@ -368,22 +439,19 @@ def skipped_jobs_rows(opts: Options) -> list[Row]:
 
 
 def example_rows(opts: Options) -> list[Row]:
+    """Each example under torchrun on ``n = min(GPUs, 4)`` processes, one per GPU (accelerate and Megatron
+    bind local rank r to GPU r, so n processes cannot share fewer GPUs), CP = n."""
     if opts.cpu:
         reason = "run on GPUs only (the CPU tests run every example under its launcher)"
-        return [Row("examples", name, SKIP, reason) for name in ("accelerate", "deepspeed", "megatron")]
+        names = [n for n in ("accelerate", "deepspeed", "megatron") if selected(opts, n)]
+        return [Row("examples", name, SKIP, reason) for name in names]
     n = min(opts.gpus, 4)
     gpus = f"{n} GPU{'s' if n > 1 else ''}"
     tiny = ["--seq-len", str(64 * n), "--hidden", "32", "--corpus-mb", "0.2", "--vocab", "512", "--steps", "3"]
-    rows = []
-    rows.append(
-        run_case(
-            "examples",
-            f"accelerate finetune.py --reference ({gpus})",
-            lambda: reference_example(
-                ["integrations/accelerate/finetune.py", *tiny, "--reference"], n, ["accelerate"], opts
-            ),
-        )
-    )
+
+    def accelerate_case() -> Verdict:
+        script = ["integrations/accelerate/finetune.py", *tiny, "--reference"]
+        return reference_example(script, n, ["accelerate", "transformers"], opts)
 
     def deepspeed_case() -> Verdict:
         config = json.loads((ROOT / "configs" / "ds_mesh_cp_zero2.json").read_text())
@@ -396,8 +464,6 @@ def example_rows(opts: Options) -> list[Row]:
         finally:
             os.unlink(f.name)
 
-    rows.append(run_case("examples", f"deepspeed finetune.py ZeRO 2 --reference ({gpus})", deepspeed_case))
-
     def megatron_case() -> Verdict:
         with tempfile.TemporaryDirectory(prefix="gpu_check_megatron_") as data:
             script = ["integrations/megatron/pretrain_gpt.py", "--config", "configs/megatron_cpu_test.yaml"]
@@ -409,8 +475,12 @@ def example_rows(opts: Options) -> list[Row]:
         ok = all(math.isfinite(v) for v in losses.values()) and losses[4] < losses[1]
         return Verdict(ok, f"loss {losses[1]:.4f} -> {losses[4]:.4f} in 4 steps{'' if ok else ' (did not fall)'}")
 
-    rows.append(run_case("examples", f"megatron pretrain_gpt.py ({gpus})", megatron_case))
-    return rows
+    cases = [
+        (f"accelerate finetune.py --reference ({gpus})", accelerate_case),
+        (f"deepspeed finetune.py ZeRO 2 --reference ({gpus})", deepspeed_case),
+        (f"megatron pretrain_gpt.py ({gpus})", megatron_case),
+    ]
+    return [run_case("examples", name, fn) for name, fn in cases if selected(opts, name)]
 
 
 def torchrun(script: list[str], n: int, modules: list[str], opts: Options) -> str:
@@ -508,9 +578,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--inject-fault",
         action="append",
         default=[],
-        metavar="KERNEL[:raise]",
-        help="plant a bug in this kernel (0.1 added to its output, or ':raise' in forward); repeatable",
+        metavar="KERNEL[:MODE[:DTYPE]]",
+        help="plant a bug in this kernel, to test the checker: MODE wrong (0.1 added to its output, the "
+        "default), raise (forward raises) or abort (forward ends a spawned rank's process); only for DTYPE "
+        "(fp16, bf16, fp32) when given; repeatable",
     )
+    p.add_argument("--cases", default=None, metavar="REGEX", help="run only the cases whose name matches")
     p.add_argument("--job-timeout", type=float, default=None, help="seconds per spawned group (CPU 240, GPU 600)")
     p.add_argument("--example-timeout", type=float, default=600.0, help="seconds per example run")
     args = p.parse_args(argv)
@@ -522,10 +595,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.chosen = tuple(s for s in SECTIONS if s in chosen and s not in skipped)
     args.faults = {}
     for spec in args.inject_fault:
-        name, _, mode = spec.partition(":")
-        if mode not in ("", "wrong", "raise"):
-            p.error(f"--inject-fault {spec!r}: the mode is 'wrong' (default) or 'raise'")
-        args.faults[name] = mode or "wrong"
+        name, _, rest = spec.partition(":")
+        mode, _, dtype = rest.partition(":")
+        if mode not in ("", *FAULT_MODES) or dtype not in ("", *DTYPES):
+            p.error(f"--inject-fault {spec!r}: KERNEL[:MODE[:DTYPE]], MODE in {FAULT_MODES}, DTYPE in {tuple(DTYPES)}")
+        args.faults[name] = (mode or "wrong", dtype or None)
     return args
 
 
@@ -540,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu=args.cpu_selftest,
         gpus=gpus,
         faults=args.faults,
+        case_filter=args.cases,
         job_timeout_s=args.job_timeout or (240.0 if args.cpu_selftest else 600.0),
         example_timeout_s=args.example_timeout,
     )
