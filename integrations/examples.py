@@ -8,6 +8,7 @@ Llama (transformers) built from the command-line options.
 from __future__ import annotations
 
 import argparse
+import os
 import sysconfig
 from pathlib import Path
 
@@ -83,16 +84,38 @@ def replica_batch(sequences: torch.Tensor, step: int, replica: int, replicas: in
 
 def reference_step(model, optimizer, sequences: torch.Tensor, step: int, replicas: int, batch: int) -> float:
     """One step of the unsharded reference on the step's global batch: the mean over the replicas of their
-    token-mean losses (what the CP run's gradients are of); returns that loss."""
+    token-mean losses (what the CP run's gradients are of); returns that loss (printed beside the CP run's).
+
+    The batches are copied from ``sequences`` (on the host) to the device of ``model``'s parameters."""
+    device = next(model.parameters()).device
     loss = sum(
         model(input_ids=ids, labels=ids).loss
-        for ids in (replica_batch(sequences, step, r, replicas, batch) for r in range(replicas))
+        for ids in (replica_batch(sequences, step, r, replicas, batch).to(device) for r in range(replicas))
     )
     loss = loss / replicas
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-    return loss.item()
+    return loss.item()  # host sync: printed
+
+
+def bind_local_device() -> torch.device:
+    """The device this process trains on, bound before the process group is made.
+
+    On a machine with CUDA, under a launcher that sets ``LOCAL_RANK`` (torchrun, ``accelerate launch``, the
+    deepspeed launcher): ``torch.cuda.set_device(LOCAL_RANK)`` and that GPU, so NCCL's communicators and
+    every ``torch.cuda.current_device()`` are this rank's GPU (without it every rank talks from GPU 0).
+    Otherwise the CPU, where the process group is gloo."""
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if not 0 <= local_rank < torch.cuda.device_count():
+            raise ValueError(
+                f"LOCAL_RANK {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; start at most "
+                f"that many processes per node (--nproc-per-node / num_processes)"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
 
 
 def add_example_arguments(p: argparse.ArgumentParser, *, steps: int) -> argparse.ArgumentParser:

@@ -31,6 +31,7 @@ from mesh_cp.core import most_square_tile
 from mesh_cp.integrations import hf
 from mesh_cp.integrations.examples import (
     add_example_arguments,
+    bind_local_device,
     build_model,
     example_data,
     reference_step,
@@ -57,22 +58,35 @@ def latest_checkpoint(directory: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> None:
     from accelerate import Accelerator
-    from tqdm import tqdm
 
     args = parse_args(argv)
+    bind_local_device()  # on GPUs: this rank's GPU before accelerate makes the NCCL group
     accelerator = Accelerator()
-    world = accelerator.num_processes
     if not dist.is_initialized():
         raise RuntimeError("run under `accelerate launch` with several processes (see the module docstring)")
+    train(args, accelerator)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, accelerator) -> None:
+    """Build the layout, data and model, then fine-tune on ``accelerator.device`` (see the module docstring).
+
+    The model (and the reference) live on ``accelerator.device``; the token sequences stay on the host and
+    each step copies only this rank's shard there (``hf.shard_batch(..., device=...)``)."""
+    from tqdm import tqdm
+
+    device = accelerator.device
+    world = accelerator.num_processes
     cp = args.cp or world
     tile = args.tile or "x".join(map(str, most_square_tile(cp)))
     layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=cp, tile=tile)
     main_rank = accelerator.is_main_process
     if main_rank:
-        print(f"{world} processes: {layout}")
+        print(f"{world} processes on {device.type}: {layout}")
 
     tokenizer, sequences = example_data(args)
-    model = build_model(args, len(tokenizer), tokenizer.pad_token_id)
+    model = build_model(args, len(tokenizer), tokenizer.pad_token_id).to(device)
     reference = copy.deepcopy(model) if args.reference and main_rank else None
     hf.attach(model, layout.mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -81,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     start = 0
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt_dir is not None and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = torch.load(ckpt, map_location=device, weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if reference is not None and "reference" in state:
@@ -94,12 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = args.batch * layout.dp_size * args.seq_len
     rates: list[float] = []
     sent = None  # bytes this rank sends in one step, counted on the first step
+    loss_value = float("nan")
     bar = tqdm(range(start, args.steps), disable=not main_rank, desc="fine-tuning", unit="step")
     for step in bar:
         t0 = time.perf_counter()
-        batch = hf.shard_batch(
-            replica_batch(sequences, step, layout.dp_rank, layout.dp_size, args.batch), mesh=layout.mesh
-        )
+        sequences_of_replica = replica_batch(sequences, step, layout.dp_rank, layout.dp_size, args.batch)
+        batch = hf.shard_batch(sequences_of_replica, mesh=layout.mesh, device=device)
         counter = mesh_cp.CommCounter() if sent is None else contextlib.nullcontext()
         with counter, accelerator.autocast():
             logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
@@ -113,25 +127,24 @@ def main(argv: list[str] | None = None) -> None:
         total = loss.detach().clone()
         dist.all_reduce(total)  # sum over CP of the shares, summed over replicas ...
         total /= layout.dp_size  # ... then averaged over them
+        loss_value = total.item()  # host sync: printed
         seconds = time.perf_counter() - t0
         rates.append(tokens_per_step / seconds)
-        postfix = {"loss": f"{total.item():.4f}", "tok/s": f"{tokens_per_step / seconds:,.0f}", "seq": args.seq_len}
+        postfix = {"loss": f"{loss_value:.4f}", "tok/s": f"{tokens_per_step / seconds:,.0f}", "seq": args.seq_len}
         if reference is not None:
             ref_loss = reference_step(reference, ref_optimizer, sequences, step, layout.dp_size, args.batch)
             postfix["reference"] = f"{ref_loss:.4f}"
-            bar.write(f"step {step + 1:3d}  mesh_cp loss {total.item():.6f}  reference loss {ref_loss:.6f}")
+            bar.write(f"step {step + 1:3d}  mesh_cp loss {loss_value:.6f}  reference loss {ref_loss:.6f}")
         bar.set_postfix(postfix)
         if ckpt_dir is not None and (step + 1) % args.save_every == 0:
             save(ckpt_dir, step + 1, model, optimizer, reference, ref_optimizer, main_rank)
     if main_rank and rates:
         attention_bytes = sent.get("q", 0) + sent.get("kv", 0)
         print(
-            f"done: {args.steps} steps, final loss {total.item():.4f}; median {statistics.median(rates):,.0f} tokens/s; "
+            f"done: {args.steps} steps, final loss {loss_value:.4f}; median {statistics.median(rates):,.0f} tokens/s; "
             f"attention traffic {attention_bytes:,d} bytes per rank per step (rank 0; Q-group {sent.get('q', 0):,d}, "
             f"KV-group {sent.get('kv', 0):,d})"
         )
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def save(directory: Path, step: int, model, optimizer, reference, ref_optimizer, main_rank: bool) -> None:

@@ -9,7 +9,7 @@
     engine, optimizer, _, _ = mesh_ds.initialize(model=model, model_parameters=model.parameters(),
                                                  config="ds_config.json")      # deepspeed.initialize's signature
     cp = engine.mesh_attention                                                 # MeshAttention
-    batch = cp.shard(input_ids)                     # input_ids: this DP replica's (batch, seq), same on its CP ranks
+    batch = cp.shard(input_ids, device=engine.device)   # this DP replica's (batch, seq), same on its CP ranks
     logits = engine(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
     engine.backward(cp.loss(logits, batch))
     engine.step()
@@ -34,6 +34,7 @@ use :func:`mesh_cp.integrations.hf.mesh_cp_trainer_class` without a ``layout``: 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,6 +46,7 @@ from torch import Tensor
 import mesh_cp
 from mesh_cp.core import AttentionShape, Tiling, most_square_tile
 from mesh_cp.integrations import hf
+from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
 
 BLOCK = "mesh_attention"
@@ -144,12 +146,15 @@ class DataContextParallelMPU:
     """The ``mpu`` DeepSpeed gets: data parallelism over all DP x CP ranks, no model parallelism.
 
     It deliberately exposes no ``get_sequence_parallel_*`` methods (see Note [DeepSpeed gradient
-    averaging]); its model-parallel group is this rank alone.
+    averaging]); its model-parallel group is this rank alone. Constructing it is collective over
+    ``layout.group``: the singletons are subgroups of it (:func:`mesh_cp.runtime.groups.new_subgroups`, a split
+    of that group when the default group is bound to a GPU, as DeepSpeed binds it on CUDA).
     """
 
     def __init__(self, layout: hf.DataContextParallel):
         self.layout = layout
-        self._alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        ranks = dist.get_process_group_ranks(layout.group)
+        self._alone = new_subgroups(layout.group, [[r] for r in ranks])
 
     def get_data_parallel_group(self):
         return self.layout.group
@@ -189,11 +194,20 @@ class MeshAttention:
         return self.layout.mesh
 
     def shard(
-        self, input_ids: Tensor, *, labels: Tensor | None = None, attention_mask: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        *,
+        labels: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        device: torch.device | str | None = None,
     ) -> hf.ShardedBatch:
         """This rank's shard of its replica's ``(batch, seq)`` batch (every rank of the CP group passes the
-        same batch); labels are shifted on the full sequence, right padding is exact."""
-        return hf.shard_batch(input_ids, mesh=self.mesh, labels=labels, attention_mask=attention_mask)
+        same batch); labels are shifted on the full sequence, right padding is exact.
+
+        ``device``: where the shard goes, the engine's (``engine.device``: DeepSpeed moved the model there);
+        ``None`` keeps the input's device. The batch is cut where it is (the host, for a data loader's) and
+        only this rank's shard is copied."""
+        return hf.shard_batch(input_ids, mesh=self.mesh, labels=labels, attention_mask=attention_mask, device=device)
 
     def loss(self, logits: Tensor, batch: hf.ShardedBatch) -> Tensor:
         """The loss to pass to ``engine.backward``: ``cp_size`` times this rank's share of its replica's
@@ -205,7 +219,7 @@ class MeshAttention:
         (collective over all ranks)."""
         total = loss.detach().float().clone()
         dist.all_reduce(total, group=self.layout.group)
-        return total.item() / dist.get_world_size(self.layout.group)
+        return total.item() / dist.get_world_size(self.layout.group)  # host sync: printed
 
 
 class MeshDistributedAttention(torch.nn.Module):
@@ -318,6 +332,16 @@ def layout_from_config(config: dict[str, Any], model: torch.nn.Module | None = N
     return MeshAttention(config=cfg, layout=layout)
 
 
+def _bind_local_device(accelerator) -> None:
+    """Before the process group is made: this rank's GPU as the current device (``LOCAL_RANK``, set by the
+    deepspeed launcher and torchrun), as DeepSpeed's engine would set it later. DeepSpeed binds the NCCL
+    default group to that device (``init_process_group(device_id=...)``), and the layout's groups are made
+    before the engine: without it their control collectives would run from GPU 0 on every rank."""
+    if dist.is_initialized() or accelerator.device_name() == "cpu" or "LOCAL_RANK" not in os.environ:
+        return
+    accelerator.set_device(int(os.environ["LOCAL_RANK"]))
+
+
 def initialize(
     args: Any = None,
     model: torch.nn.Module = None,
@@ -382,6 +406,7 @@ def initialize(
         )
     if model is None:
         raise ValueError("initialize requires a model")
+    _bind_local_device(get_accelerator())
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
         dist_init_required=dist_init_required,

@@ -58,14 +58,23 @@ def reference_optimizer(config: dict, model: torch.nn.Module) -> torch.optim.Opt
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.deepspeed_config is None:
+        raise SystemExit("give --deepspeed_config, for example configs/ds_mesh_cp_zero2.json")
+    train(args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
+    """Start the engine (and the process group, NCCL on GPUs, bound to ``LOCAL_RANK``'s GPU), then fine-tune
+    on ``engine.device``, where DeepSpeed put the model (see the module docstring). The token sequences
+    stay on the host; each step copies only this rank's shard to the engine's device."""
     import deepspeed
     from tqdm import tqdm
 
     from mesh_cp.integrations import deepspeed as mesh_ds
 
-    args = parse_args(argv)
-    if args.deepspeed_config is None:
-        raise SystemExit("give --deepspeed_config, for example configs/ds_mesh_cp_zero2.json")
     config = deepspeed.load_ds_config(args.deepspeed_config)
     tokenizer, sequences = example_data(args)
     model = build_model(args, len(tokenizer), tokenizer.pad_token_id)
@@ -76,13 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     if cp is None:
         raise SystemExit(f'{args.deepspeed_config} has no enabled "mesh_attention" block')
     layout = cp.layout
+    device = engine.device
     main_rank = dist.get_rank() == 0
-    if not main_rank:
-        reference = None
+    reference = reference.to(device) if main_rank and reference is not None else None
     ref_optimizer = reference_optimizer(config, reference) if reference is not None else None
     if main_rank:
         stage = engine.zero_optimization_stage()
-        print(f"{dist.get_world_size()} processes, ZeRO stage {stage}: {layout}")
+        print(f"{dist.get_world_size()} processes on {device.type}, ZeRO stage {stage}: {layout}")
 
     start = 0
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         _, client_state = engine.load_checkpoint(str(ckpt_dir))
         start = client_state["step"]
         if reference is not None:
-            state = torch.load(ckpt_dir / f"reference_{start}.pt", map_location="cpu", weights_only=False)
+            state = torch.load(ckpt_dir / f"reference_{start}.pt", map_location=device, weights_only=False)
             reference.load_state_dict(state["model"])
             ref_optimizer.load_state_dict(state["optimizer"])
         if main_rank:
@@ -99,10 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     micro = engine.train_micro_batch_size_per_gpu()
     tokens_per_step = micro * layout.dp_size * args.seq_len
     rates: list[float] = []
+    mean = float("nan")
     bar = tqdm(range(start, args.steps), disable=not main_rank, desc="fine-tuning", unit="step")
     for step in bar:
         t0 = time.perf_counter()
-        batch = cp.shard(replica_batch(sequences, step, layout.dp_rank, layout.dp_size, micro))
+        batch = cp.shard(replica_batch(sequences, step, layout.dp_rank, layout.dp_size, micro), device=device)
         logits = engine(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
         loss = cp.loss(logits, batch)
         engine.backward(loss)
@@ -123,8 +133,6 @@ def main(argv: list[str] | None = None) -> None:
                 torch.save(state, ckpt_dir / f"reference_{step + 1}.pt")
     if main_rank and rates:
         print(f"done: {args.steps} steps, final loss {mean:.4f}; median {statistics.median(rates):,.0f} tokens/s")
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -85,6 +86,53 @@ def node_local_tile(cp_size: int, per_node: int) -> tuple[int, int]:
     return min(fits, key=lambda t: (abs(math.log(t[0] / t[1])), -t[0]))
 
 
+class MaskCheck:
+    """Checks that Megatron's ``attention_mask`` is the causal mask of the zig-zag chunks, without a host
+    synchronisation per layer or per step.
+
+    The first mask of each (shape, device, dtype) is compared on the host (a clear error, one
+    synchronisation). A later mask of that kind, a new tensor every step from the data loader, is compared
+    where it is with ``torch._assert_async`` (on a GPU a wrong mask stops the run with a device-side
+    assertion at the next synchronisation; on the CPU the same ``NotImplementedError`` at once). The layers of a model share one check, and a mask already
+    checked (the same tensor, not modified since) is not compared again, so a step costs at most one
+    comparison and no synchronisation.
+    """
+
+    MESSAGE = (
+        "attention_mask is not the causal mask of the zig-zag chunks: padding and arbitrary masks are not "
+        "supported by mesh_cp; pass no mask (Megatron-LM --no-create-attention-mask-in-dataloader)"
+    )
+
+    def __init__(self) -> None:
+        self._kinds: set[tuple] = set()
+        self._last: tuple[weakref.ref, int] | None = None
+
+    def __call__(self, mask: Tensor, mesh: CPMesh, causal: bool, seq_local: int, batch: int) -> None:
+        seq = seq_local * mesh.size
+        if mask.dim() != 4 or tuple(mask.shape[-2:]) != (seq_local, seq) or mask.shape[0] not in (1, batch):
+            raise NotImplementedError(
+                f"attention_mask of shape {tuple(mask.shape)} is not supported by mesh_cp: only the causal mask "
+                f"[b, 1, {seq_local}, {seq}] is accepted (or none: Megatron-LM --no-create-attention-mask-in-dataloader)"
+            )
+        if not causal:
+            raise NotImplementedError(self.MESSAGE)
+        if self._last is not None and self._last[0]() is mask and self._last[1] == mask._version:
+            return
+        rows = mesh_cp.position_ids(seq, mesh=mesh, layout="zigzag", device=mask.device)
+        expected = rows[:, None] < torch.arange(seq, device=mask.device)[None, :]
+        same = (mask == expected).all()
+        kind = (tuple(mask.shape), mask.device, mask.dtype)
+        if kind in self._kinds:
+            try:
+                torch._assert_async(same, self.MESSAGE)
+            except RuntimeError:  # raised at once on the CPU; on a GPU the assertion fires on the device
+                raise NotImplementedError(self.MESSAGE) from None
+        elif not bool(same):
+            raise NotImplementedError(self.MESSAGE)
+        self._kinds.add(kind)
+        self._last = (weakref.ref(mask), mask._version)
+
+
 @dataclass(eq=False)
 class MeshProvider:
     """Builds, once per CP group, the :class:`CPMesh` every core-attention layer of a model shares.
@@ -107,6 +155,8 @@ class MeshProvider:
     mesh: CPMesh | None = None
     """A mesh built beforehand (for example by :class:`MeshLayout`); then the fields above are unused."""
     _meshes: dict = field(default_factory=dict, repr=False)
+    mask_check: MaskCheck = field(default_factory=lambda: MaskCheck(), repr=False)
+    """Checks the ``attention_mask`` the layers get (shared by them: a mask is checked once, not per layer)."""
 
     def mesh_for(self, cp_group: dist.ProcessGroup) -> CPMesh:
         """The mesh over ``cp_group`` (created on first use, collective over the group)."""
@@ -256,6 +306,7 @@ class MeshCoreAttention(MegatronModule):
                 f"{cp_group.size()}; build the TransformerConfig with the CP size of parallel_state"
             )
         self.mesh = mesh_provider.mesh_for(cp_group)
+        self.mask_check = mesh_provider.mask_check
         self.head_dim = config.kv_channels
         # Megatron's apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
         # scores back inside its softmax (an fp16 range trick); the product is the plain scale.
@@ -300,20 +351,9 @@ class MeshCoreAttention(MegatronModule):
 
     def _check_mask(self, mask: Tensor, causal: bool, seq_local: int, batch: int) -> None:
         """Accept only the mask the mesh applies anyway: Megatron's causal mask (``True`` = masked) for
-        this rank's zig-zag queries over the global keys, as ``get_batch_on_this_cp_rank`` shards it."""
-        seq = seq_local * self.mesh.size
-        if mask.dim() != 4 or tuple(mask.shape[-2:]) != (seq_local, seq) or mask.shape[0] not in (1, batch):
-            raise NotImplementedError(
-                f"attention_mask of shape {tuple(mask.shape)} is not supported by mesh_cp: only the causal mask "
-                f"[b, 1, {seq_local}, {seq}] is accepted (or none: Megatron-LM --no-create-attention-mask-in-dataloader)"
-            )
-        rows = mesh_cp.position_ids(seq, mesh=self.mesh, layout="zigzag", device=mask.device)
-        expected = rows[:, None] < torch.arange(seq, device=mask.device)[None, :] if causal else None
-        if expected is None or not bool((mask == expected).all()):
-            raise NotImplementedError(
-                "attention_mask is not the causal mask of the zig-zag chunks: padding and arbitrary masks are not "
-                "supported by mesh_cp; pass no mask (Megatron-LM --no-create-attention-mask-in-dataloader)"
-            )
+        this rank's zig-zag queries over the global keys, as ``get_batch_on_this_cp_rank`` shards it
+        (:class:`MaskCheck`: no host synchronisation per layer or step)."""
+        self.mask_check(mask, self.mesh, causal, seq_local, batch)
 
 
 def get_gpt_layer_mesh_spec(
@@ -419,6 +459,7 @@ gpt_layer_mesh_spec_rmsnorm = _default_spec(normalization="RMSNorm")
 """As :data:`gpt_layer_mesh_spec` with RMSNorm (``--normalization RMSNorm``)."""
 
 __all__ = [
+    "MaskCheck",
     "MeshCoreAttention",
     "MeshLayout",
     "MeshProvider",

@@ -169,23 +169,27 @@ def learning_rate(args, step: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     from megatron.core import parallel_state as ps
 
+    from mesh_cp.integrations.examples import bind_local_device
+
     args = parse_args(argv)
-    cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
         raise RuntimeError("start it with torchrun (see the module docstring)")
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = bind_local_device()  # on GPUs: torch.cuda.set_device(LOCAL_RANK) before the NCCL group
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        run(args, cuda)
+        run(args, device)
     finally:
         dist.barrier()
         ps.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace, cuda: bool) -> None:
-    """Build the layout, data, model and optimizer, then train (see the module docstring)."""
+def run(args: argparse.Namespace, device: torch.device) -> None:
+    """Build the layout, data, model and optimizer, then train on ``device`` (see the module docstring).
+
+    ``device`` is this rank's GPU (``cuda:LOCAL_RANK``, the current device) or the CPU. The model is moved
+    there; the samples are read and cut into this CP rank's zig-zag chunks on the host, and only those
+    chunks are copied there each step."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -196,6 +200,7 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
 
     from mesh_cp.integrations.megatron import MeshLayout, training
 
+    cuda = device.type == "cuda"
     world, rank = dist.get_world_size(), dist.get_rank()
     cp = args.cp or world // args.tp
     if world % (args.tp * cp):
@@ -253,7 +258,7 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
         vocab_size=args.vocab,
         max_sequence_length=args.seq_len,
         position_embedding_type=args.position_embedding,
-    )
+    ).to(device)
     step_fn = CudaStep(model, config, args) if cuda else CpuStep(model, args)
 
     start = 0
@@ -275,8 +280,7 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
         t0 = time.perf_counter()
         batch = replica_batch(dataset, step, dp_rank, dp, args.micro_batch)
         batch = get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
-        if cuda:
-            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         global_tokens = training.global_token_count(batch["loss_mask"])
         per_token = step_fn.model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         loss = training.loss_share(per_token, batch["loss_mask"], global_tokens)
@@ -284,13 +288,14 @@ def run(args: argparse.Namespace, cuda: bool) -> None:
         norm = step_fn.step(learning_rate(args, step))
         total = loss.detach().double()
         dist.all_reduce(total, group=dp_cp)
+        loss_value, norm = total.item(), float(norm)  # host sync: printed
         seconds = time.perf_counter() - t0
-        losses.append(total.item())
+        losses.append(loss_value)
         rates.append(tokens_per_step / seconds)
-        bar.set_postfix(loss=f"{total.item():.4f}", gnorm=f"{norm:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}")
+        bar.set_postfix(loss=f"{loss_value:.4f}", gnorm=f"{norm:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}")
         if main_rank:
             bar.write(
-                f"step {step + 1:4d}  loss {total.item():.6f}  grad norm {norm:.6f}  tokens/s {tokens_per_step / seconds:,.0f}"
+                f"step {step + 1:4d}  loss {loss_value:.6f}  grad norm {norm:.6f}  tokens/s {tokens_per_step / seconds:,.0f}"
             )
         if ckpt_dir is not None and (step + 1) % args.save_every == 0:
             save(ckpt_dir, step + 1, rank, str(layout), step_fn)
@@ -324,7 +329,8 @@ class CpuStep:
         self.model, self.args, self.training = model, args, training
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float) -> torch.Tensor:
+        """Reduce, clip and step; the global gradient norm before clipping (a tensor: no host sync)."""
         self.training.reduce_gradients_cpu(self.model)
         norm = self.training.grad_norm_cpu(self.model)
         self.training.clip_gradients_cpu(self.model, self.args.clip_grad, norm)
@@ -351,7 +357,6 @@ class CudaStep:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        model.cuda()
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         self.finalize = finalize_model_grads
@@ -368,6 +373,7 @@ class CudaStep:
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
 
     def step(self, lr: float) -> float:
+        """Reduce (Megatron's DDP), clip and step; the global gradient norm Megatron's optimizer returns."""
         self.finalize([self.model])
         for group in self.optimizer.param_groups:
             group["lr"] = lr

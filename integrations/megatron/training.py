@@ -39,7 +39,10 @@ def shard_batch(tokens: Tensor, *, cp_group: dist.ProcessGroup, loss_mask: Tenso
             f"sequence length {seq} (tokens {tokens.shape[1]} = seq + 1) must be a positive multiple of 2*CP = "
             f"{2 * cp} for the zig-zag layout; use seq {fix}"
         )
-    mask = torch.ones(tokens.shape[0], seq, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+    if loss_mask is None:
+        mask = torch.ones(tokens.shape[0], seq, dtype=torch.float32, device=tokens.device)
+    else:
+        mask = loss_mask.float()
     if mask.shape != (tokens.shape[0], seq):
         raise ValueError(f"loss_mask shape {tuple(mask.shape)} must be (batch, seq) = {(tokens.shape[0], seq)}")
     batch = {
@@ -52,9 +55,23 @@ def shard_batch(tokens: Tensor, *, cp_group: dist.ProcessGroup, loss_mask: Tenso
 
 
 def loss_share(per_token_loss: Tensor, loss_mask: Tensor, global_tokens: int | Tensor) -> Tensor:
-    """``sum(loss * mask) / global_tokens``: this rank's share of the global mean next-token loss."""
-    if int(global_tokens) < 1:
-        raise ValueError(f"global_tokens must be >= 1 (tokens with a label in the global batch), got {global_tokens}")
+    """``sum(loss * mask) / global_tokens``: this rank's share of the global mean next-token loss.
+
+    ``global_tokens`` (:func:`global_token_count`) must be at least 1, else ``ValueError``. A tensor is
+    checked where it is, without reading it on the host (``torch._assert_async``): on the CPU the error is
+    raised at once; on a GPU a zero count stops the run with a device-side assertion at the next
+    synchronisation, instead of training on a loss of ``0 / 0``."""
+    message = "global_tokens must be >= 1 (tokens with a label in the global batch over DP x CP)"
+    if not isinstance(global_tokens, Tensor):
+        if global_tokens < 1:
+            raise ValueError(f"{message}, got {global_tokens}")
+    elif global_tokens.numel() != 1:
+        raise ValueError(f"global_tokens must be one number, got a tensor of shape {tuple(global_tokens.shape)}")
+    else:
+        try:
+            torch._assert_async((global_tokens >= 1).reshape(()), message)
+        except RuntimeError:  # raised at once on the CPU; on a GPU the assertion fires on the device
+            raise ValueError(message) from None
     return (per_token_loss.float() * loss_mask).sum() / global_tokens
 
 
@@ -74,23 +91,30 @@ def reduce_gradients_cpu(model: torch.nn.Module) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
-def grad_norm_cpu(model: torch.nn.Module) -> float:
+def grad_norm_cpu(model: torch.nn.Module) -> Tensor:
     """CPU path of the global L2 gradient norm: squares of the TP shards (replicated parameters once, by
-    Megatron's ``param_is_not_tensor_parallel_duplicate``), summed over the model-parallel group."""
-    total = torch.zeros((), dtype=torch.float64)
+    Megatron's ``param_is_not_tensor_parallel_duplicate``), summed over the model-parallel group.
+
+    A 0-dim float64 tensor on the parameters' device (``float()`` it to print)."""
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for p in model.parameters():
         if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
             total += p.grad.double().pow(2).sum()
     dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    return total.sqrt().item()
+    return total.sqrt()
 
 
-def clip_gradients_cpu(model: torch.nn.Module, max_norm: float, norm: float) -> None:
-    """Scale gradients by ``max_norm / norm`` when the global ``norm`` exceeds it (CPU path)."""
-    if max_norm > 0 and norm > max_norm:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(max_norm / (norm + 1e-6))
+def clip_gradients_cpu(model: torch.nn.Module, max_norm: float, norm: Tensor | float) -> None:
+    """Scale gradients by ``max_norm / (norm + 1e-6)`` when the global ``norm`` exceeds ``max_norm`` (CPU
+    path; ``max_norm <= 0``: off). The choice is made where ``norm`` is, without reading it on the host."""
+    if max_norm <= 0:
+        return
+    norm = torch.as_tensor(norm, dtype=torch.float64, device=next(model.parameters()).device)
+    scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.dtype))
 
 
 class _CPURotaryEmbedding(RotaryEmbedding):

@@ -2,7 +2,7 @@
 
 On 4 gloo ranks, for ZeRO stages 0-3 and the layouts CP 4 (2x2) and DP 2 x CP 2 (1x2), a tiny Llama
 trained 3 steps through :func:`mesh_cp.integrations.deepspeed.initialize` ends with the parameters of
-the same model trained in one process with ``torch.optim.AdamW`` on the same global batches (the mean of
+the same model trained in one process with ``torch.optim.SGD`` (momentum 0.9) on the same global batches (the mean of
 the replicas' token-mean losses); the losses are printed side by side. A model that is not a Hugging
 Face model runs through ``MeshDistributedAttention``. Bad blocks stop with their reason before
 DeepSpeed starts. The example script runs under the deepspeed launcher and under torchrun, and resuming
@@ -38,7 +38,10 @@ def ds_config(stage: int, cp_size: int, tile: str, **block) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+        # SGD, not Adam: Adam divides each gradient by its own size, which turns the roundoff of near-zero
+        # gradients (1e-9 against 1e-6) into 1e-5 differences of the weights in 3 steps.
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**6,
         "mesh_attention": {"enabled": True, "cp_size": cp_size, "tile": tile, **block},
@@ -59,8 +62,8 @@ def batches(dp_size: int) -> list[list[torch.Tensor]]:
 
 
 def train_reference(model, data: list[list[torch.Tensor]], forward) -> list[float]:
-    """One process, no CP: AdamW on the mean over replicas of each replica's token-mean loss."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    """One process, no CP: SGD with momentum on the mean over replicas of each replica's token-mean loss."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
     for step_batches in data:
         loss = sum(forward(model, ids) for ids in step_batches) / len(step_batches)
@@ -88,7 +91,7 @@ def train_mesh(model, config: dict, data, forward_sharded) -> tuple[list[float],
     cp = engine.mesh_attention
     losses = []
     for step_batches in data:
-        batch = cp.shard(step_batches[cp.layout.dp_rank])
+        batch = cp.shard(step_batches[cp.layout.dp_rank], device=engine.device)
         loss = cp.loss(forward_sharded(engine, batch), batch)
         engine.backward(loss)
         engine.step()
@@ -167,7 +170,36 @@ def deepspeed_worker(rank: int, world: int) -> dict:
     results["cases"][("TinyGPT CP4(2x2)", 2)] = (losses, ref_losses, _max_err(params, reference.parameters()))
     results["errors"] = _bad_blocks(world)
     results["other blocks"] = _other_blocks()
+    results["mpu"] = _mpu_groups()
     return results
+
+
+def _mpu_groups() -> dict:
+    """The mpu's model-parallel group (this rank alone) is made by ``new_subgroups`` over all DP x CP ranks,
+    every rank's singleton at once: a split of that group where the default group is bound to a GPU (as
+    DeepSpeed binds it on CUDA), never a ``new_group`` of one rank, which would then split the world."""
+    import torch.distributed as dist
+
+    from mesh_cp.integrations import deepspeed as mesh_ds
+    from mesh_cp.integrations import hf
+
+    layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile="1x2")
+    calls = []
+    real = getattr(mesh_ds, "new_subgroups", None)
+
+    def recorder(parent, partition, **kwargs):
+        calls.append((dist.get_process_group_ranks(parent), [list(p) for p in partition]))
+        return real(parent, partition, **kwargs)
+
+    mesh_ds.new_subgroups = recorder
+    try:
+        mpu = mesh_ds.DataContextParallelMPU(layout)
+    finally:
+        if real is None:
+            del mesh_ds.new_subgroups
+        else:
+            mesh_ds.new_subgroups = real
+    return {"calls": calls, "alone": dist.get_process_group_ranks(mpu.get_model_parallel_group())}
 
 
 def _other_blocks() -> dict:
@@ -291,6 +323,12 @@ def test_trainer_with_deepspeed_flag_equals_single_process(tmp_path: Path) -> No
     errors = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) params err ([0-9.e+-]+)", proc.stdout)}
     assert sorted(errors) == [0, 1, 2, 3], proc.stdout[-2000:]
     assert max(errors.values()) <= TOL, errors
+
+
+def test_mpu_model_parallel_group_is_a_subgroup_of_all_ranks(deepspeed_results: list[dict]) -> None:
+    for rank, result in enumerate(deepspeed_results):
+        assert result["mpu"]["calls"] == [([0, 1, 2, 3], [[0], [1], [2], [3]])], result["mpu"]
+        assert result["mpu"]["alone"] == [rank], result["mpu"]
 
 
 def test_auto_tile_and_disabled_block(deepspeed_results: list[dict]) -> None:

@@ -94,7 +94,7 @@ def train(position_embedding: str, tp: int, cp: int, tile) -> dict:
         total = loss.detach().double()
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         losses.append(total.item())
-        norms.append(training.grad_norm_cpu(model))
+        norms.append(float(training.grad_norm_cpu(model)))
         optimizer.step()
         optimizer.zero_grad()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -105,7 +105,7 @@ def reference_worker(rank: int, world: int) -> dict:
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel()
-    results = {"attention vs sdpa": _attention_vs_sdpa()}
+    results = {"attention vs sdpa": _attention_vs_sdpa(), "mask checks": _mask_checks()}
     for pos in POSITION_EMBEDDINGS:
         run = train(pos, 1, 1, (1, 1))
         run.pop("model")
@@ -136,6 +136,47 @@ def _attention_vs_sdpa() -> float:
         is_causal=True,
     )
     return (out.double() - ref.permute(2, 0, 1, 3).reshape(SEQ, 2, -1)).abs().max().item()
+
+
+def _mask_checks() -> dict:
+    """Two layers sharing a spec's provider, 3 steps each with a new (correct) causal mask, on a device that is
+    not the default (see test_device_discipline): the mask is read on the host once, then compared on the
+    device once per step (not per layer); a wrong mask is still refused, on the host or on the device."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mesh_cp.integrations import megatron as mcp
+    from tests.distributed.test_device_discipline import DEVICE, DeviceDiscipline, _patched
+
+    provider = mcp.MeshProvider(tile=(1, 1))
+    layers = [
+        mcp.MeshCoreAttention(
+            config=_config(1, 1), layer_number=n, attn_mask_type=AttnMaskType.causal, attention_type="self",
+            mesh_provider=provider,
+        )
+        for n in (1, 2)
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(SEQ, 1, 4, 16, generator=gen).to(DEVICE), torch.randn(SEQ, 1, 2, 16, generator=gen).to(DEVICE)
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).view(1, 1, SEQ, SEQ)  # True = masked
+    device_checks = []
+    real_assert = torch._assert_async
+    with _patched(torch, "_assert_async", lambda *a: (device_checks.append(a[1]), real_assert(*a))):
+        with DeviceDiscipline() as tracker:
+            tracker.armed = True
+            for _ in range(3):
+                mask = causal.clone().to(DEVICE)  # a new tensor every step, as from a data loader
+                outs = [layer(q, k, k, mask) for layer in layers]
+        out: dict = {
+            "host reads": tracker.reads,
+            "violations": tracker.violations,
+            "device checks": len(device_checks),
+            "same as no mask": max((o - layers[0](q, k, k, None)).abs().max().item() for o in outs),
+        }
+        expect_error(out, "wrong mask later", NotImplementedError, r"not the causal mask",
+                     lambda: layers[1](q, k, k, ~causal))  # fmt: skip
+        expect_error(out, "wrong mask of a new kind", NotImplementedError, r"not the causal mask",
+                     lambda: layers[0](q, k, k, causal.float().flip(-1)))  # fmt: skip
+    return out
 
 
 def _shard_of(param: torch.nn.Parameter, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
@@ -311,6 +352,16 @@ def mesh_results(reference) -> list[dict]:
 def test_reference_attention_is_sdpa(reference) -> None:
     assert reference["attention vs sdpa"] <= TOL
     assert reference["rope"]["losses"][-1] < reference["rope"]["losses"][0]
+
+
+def test_mask_is_checked_without_a_host_sync_per_layer_or_step(reference) -> None:
+    checks = reference["mask checks"]
+    assert checks["violations"] == {}, checks  # no read of the device on the host repeats
+    mask_reads = [n for site, n in checks["host reads"].items() if "integrations/megatron" in site]
+    assert mask_reads == [1], checks  # the first mask, on the host; then none
+    assert checks["device checks"] == 2, checks  # steps 2 and 3, once each for both layers
+    assert checks["same as no mask"] == 0.0
+    assert checks["wrong mask later"] is True and checks["wrong mask of a new kind"] is True, checks
 
 
 def test_layouts_equal_tp1_cp1(reference, mesh_results) -> None:
