@@ -211,9 +211,16 @@ def _check_window(window: int | None, seq: int) -> None:
         )
 
 
+# Leaf mask functions of transformers' masking_utils that mask nothing beyond causal or full attention, which the
+# attention itself applies over global positions: causal, full (config.is_causal=False, which transformers also
+# passes to every layer as is_causal=False), and the packed-sequence mask that a zig-zag shard's jumping positions
+# make transformers add (packing itself is refused by the position check).
+_PLAIN_MASKS = frozenset(
+    {"causal_mask_function", "bidirectional_mask_function", "packed_sequence_mask_function.<locals>.inner_mask"}
+)
+
 # Leaf mask functions of transformers' masking_utils that mesh_cp refuses, and the feature each is.
 _REFUSED_MASKS = {
-    "bidirectional_mask_function": "bidirectional attention (config.is_causal=False)",
     "chunked_overlay.<locals>.inner_mask": "chunked attention (config.attention_chunk_size)",
     "blockwise_overlay.<locals>.inner_mask": "block-wise bidirectional attention (block_sequence_ids)",
     "or_masks.<locals>.or_mask": "an or_mask_function overlay (tokens that attend outside the causal mask)",
@@ -278,8 +285,9 @@ def mesh_cp_mask(
     """transformers mask function: checks the mask transformers would build and builds none (the mesh
     applies causality over global positions itself).
 
-    Returns None for the causal mask (possibly with the packed-sequence wrapper transformers adds for
-    position_ids that jump: a zig-zag shard always does, and packing itself is refused by the position
+    Returns None for the causal or the full mask (the attention applies either, from ``is_causal``, as
+    transformers' sdpa path does), possibly with the packed-sequence wrapper transformers adds for
+    position_ids that jump (a zig-zag shard always does; packing itself is refused by the position
     check). A sliding window, or an overlay mesh_cp refuses (chunked, bidirectional, block-wise,
     or-masks), gives a :class:`_MaskNote` that every attention layer using it checks: a window must span
     the whole sequence, a refused overlay raises ``NotImplementedError`` naming it. Offsets or
@@ -314,7 +322,7 @@ def mesh_cp_mask(
             )
     windows = []
     for name, cells in _mask_parts(mask_function) if mask_function is not None else ():
-        if name in ("causal_mask_function", "packed_sequence_mask_function.<locals>.inner_mask"):
+        if name in _PLAIN_MASKS:
             continue
         if name == "sliding_window_overlay.<locals>.inner_mask":
             windows.append(cells["sliding_window"])

@@ -3,12 +3,17 @@
 Tiny random-weight Llama (MHA and GQA), Qwen2 and Mistral: at P = 4 (tiles 2x2 and 1x4) and P = 2,
 logits, loss and every parameter gradient match the stock model to 1e-5 (fp32), and so do the
 parameters after 3 SGD steps with momentum. Right padding is exact; left padding, model-level padding masks and
-sliding windows are refused with their reason.
+sliding windows are refused with their reason. Every keyword the attention gets is handled exactly
+(``is_causal=False``, attention sinks) or refused by name (packed batches, unknown keywords); a model whose
+layers bypass the attention interface is refused; autocast and ``copy.deepcopy`` of an attached model work.
+
+The P = 4 cases share one spawned group (:func:`world4`); each test reads its own section of it.
 """
 
 from __future__ import annotations
 
 import copy
+import traceback
 
 import pytest
 import torch
@@ -170,9 +175,37 @@ def _refusals(mesh, hf) -> dict:
     return checks
 
 
+def world4_worker(rank: int, world: int) -> dict[str, dict]:
+    """Every P = 4 section in one spawned group; a section that raises reports its traceback."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    results: dict[str, dict] = {}
+    for name, section in WORLD4_SECTIONS.items():
+        try:
+            results[name] = section(rank, world)
+        except Exception as err:  # noqa: BLE001 - reported by the section's test
+            results[name] = {"section raised": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"}
+    return results
+
+
+@pytest.fixture(scope="module")
+def world4() -> list[dict[str, dict]]:
+    return run_distributed(world4_worker, 4)
+
+
+def section(per_rank: list[dict[str, dict]], name: str) -> list[dict]:
+    """One section's results on every rank; fails with the traceback if it raised."""
+    results = [res[name] for res in per_rank]
+    for rank, res in enumerate(results):
+        assert "section raised" not in res, f"rank {rank}: {res['section raised']}"
+    return results
+
+
 @pytest.mark.parametrize("world", [4, 2])
-def test_hf_models_match_single_process_sdpa(world: int) -> None:
-    for rank, res in enumerate(run_distributed(hf_worker, world)):
+def test_hf_models_match_single_process_sdpa(world: int, request: pytest.FixtureRequest) -> None:
+    per_rank = section(request.getfixturevalue("world4"), "models") if world == 4 else run_distributed(hf_worker, 2)
+    for rank, res in enumerate(per_rank):
         assert res, f"rank {rank} ran nothing"
         refusals = {k: v for k, v in res.items() if isinstance(v, (bool, str))}
         assert all(v is True for v in refusals.values()), f"rank {rank}: {refusals}"
@@ -227,9 +260,8 @@ def dp_cp_worker(rank: int, world: int) -> dict:
     return results
 
 
-def test_dp_by_cp_averages_over_dp_and_sums_over_cp() -> None:
-    per_rank = run_distributed(dp_cp_worker, 4)
-    for rank, res in enumerate(per_rank):
+def test_dp_by_cp_averages_over_dp_and_sums_over_cp(world4) -> None:
+    for rank, res in enumerate(section(world4, "dp_cp")):
         assert res["cp_size refused"] is True, res["cp_size refused"]
         for tile in ((1, 2), (2, 1)):
             assert res[f"{tile} layout"] == (2, rank // 2, [2 * (rank // 2), 2 * (rank // 2) + 1])
@@ -275,9 +307,308 @@ def collator_worker(rank: int, world: int) -> dict:
     }
 
 
-def test_collator_pads_shards_and_gives_the_models_own_loss() -> None:
-    for rank, res in enumerate(run_distributed(collator_worker, 4)):
+def test_collator_pads_shards_and_gives_the_models_own_loss(world4) -> None:
+    for rank, res in enumerate(section(world4, "collator")):
         assert res["shape"] == (3, 10), res  # 37 tokens padded to 40 (a multiple of 2P = 8), 10 per rank
         assert res["items"] == res["meta items"] == 36 + 20 + 29, res
         assert res["devices"] == ["meta"] and res["meta shapes"] is True, res
         assert res["loss error"] <= TOL, (rank, res)
+
+
+def _mesh_against_reference(ref, model, mesh, ids: torch.Tensor, **kwargs) -> dict[str, float]:
+    """Errors of ``model`` (attached) against ``ref`` on ``ids`` with keyword arguments ``kwargs`` for both: this
+    rank's logits, and every parameter gradient of the mean next-token loss (summed over the CP group)."""
+    from mesh_cp.integrations import hf
+
+    logits = ref(input_ids=ids, use_cache=False, **kwargs).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+    batch = hf.shard_batch(ids, mesh=mesh)
+    local = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **kwargs).logits
+    hf.causal_lm_loss(local, batch.shift_labels, batch.num_items_in_batch).backward()
+    hf.reduce_gradients(model, mesh)
+    shard = mesh_cp.shard_sequence(logits.detach(), mesh=mesh, dim=1, layout="zigzag")
+    pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
+    assert all((a is None) == (b is None) for a, b in pairs), "gradients missing on one side"
+    return {
+        "logits": _max_err(local.detach(), shard),
+        "grads": max(_max_err(a, b) for a, b in pairs if a is not None),
+    }
+
+
+def keywords_section(rank: int, world: int) -> dict:
+    """Keywords of the attention call: exact (is_causal=False, attention sinks) or refused by name."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from mesh_cp.integrations import hf
+
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2))
+    results: dict = {}
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(configs()["llama-gqa"], attn_implementation="sdpa")
+    model = hf.attach(copy.deepcopy(ref), mesh)
+    # is_causal given as a keyword wins over the module's attribute, as in transformers' sdpa path.
+    for key, err in _mesh_against_reference(ref, model, mesh, ids, is_causal=False).items():
+        results[f"is_causal=False {key}"] = err
+    with torch.no_grad():
+        results["is_causal=False differs from causal"] = _max_err(ref(ids, is_causal=False).logits, ref(ids).logits)
+
+    # Attention sinks (gpt-oss's s_aux), every layer full attention; the reference is transformers' eager path.
+    sinks_config = GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        layer_types=["full_attention", "full_attention"],
+        attention_dropout=0.0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(sinks_config, attn_implementation="eager")
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    model = hf.attach(copy.deepcopy(ref), mesh)
+    for key, err in _mesh_against_reference(ref, model, mesh, ids).items():
+        results[f"attention sinks {key}"] = err
+
+    torch.manual_seed(0)
+    model = hf.attach(AutoModelForCausalLM.from_config(configs()["llama-gqa"]), mesh)
+    batch = hf.shard_batch(ids, mesh=mesh)
+    # Two documents of SEQ / 2 tokens packed in each row: positions restart; transformers would mask them apart.
+    packed = torch.cat([torch.arange(SEQ // 2)] * 2).unsqueeze(0).expand(BATCH, -1)
+    packed_local = mesh_cp.shard_sequence(packed, mesh=mesh, dim=1, layout="zigzag")
+    expect_error(
+        results,
+        "packed position_ids refused",
+        ValueError,
+        r"packed batch \(positions restarting per document\) is not supported",
+        lambda: model(input_ids=batch.input_ids, position_ids=packed_local),
+    )
+    cu = torch.tensor([0, SEQ // 2, SEQ], dtype=torch.int32)
+    expect_error(
+        results,
+        "cu_seq_lens refused",
+        NotImplementedError,
+        r"got cu_seq_lens_k, cu_seq_lens_q, max_length_k, max_length_q: packed batches",
+        lambda: model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=SEQ // 2,
+            max_length_k=SEQ // 2,
+        ),
+    )
+    expect_error(
+        results,
+        "unknown keyword refused",
+        NotImplementedError,
+        r"keyword\(s\) \['window_stride'\] it does not handle",
+        lambda: model(input_ids=batch.input_ids, position_ids=batch.position_ids, window_stride=2),
+    )
+    expect_error(
+        results,
+        "missing position_ids refused",
+        ValueError,
+        "called without position_ids",
+        lambda: model(input_ids=batch.input_ids),
+    )
+    # A layer called directly (not through the model's forward) with positions numbered from 0.
+    hidden = model.model.embed_tokens(batch.input_ids)
+    from_zero = torch.arange(SEQ // 4).unsqueeze(0)
+    expect_error(
+        results,
+        "shard numbered from 0 refused",
+        ValueError,
+        "are not this rank's global positions",
+        lambda: model.model.layers[0](
+            hidden, position_embeddings=model.model.rotary_emb(hidden, from_zero), position_ids=from_zero
+        ),
+    )
+    # A padding mask on an accelerator is refused without reading it (meta tensors cannot be read).
+    expect_error(
+        results,
+        "accelerator mask refused without a sync",
+        NotImplementedError,
+        "does not take attention_mask in the model call \\(got one on meta\\)",
+        lambda: hf.mesh_cp_mask(
+            batch_size=BATCH, q_length=12, kv_length=12, attention_mask=torch.ones(BATCH, 12, device="meta")
+        ),
+    )
+    return results
+
+
+def test_attention_keywords_are_exact_or_refused_by_name(world4) -> None:
+    for rank, res in enumerate(section(world4, "keywords")):
+        refusals = {k: v for k, v in res.items() if isinstance(v, (bool, str))}
+        assert refusals and all(v is True for v in refusals.values()), f"rank {rank}: {refusals}"
+        assert res["is_causal=False differs from causal"] > 1e-2, res
+        errors = {k: v for k, v in res.items() if isinstance(v, float) and "differs" not in k}
+        assert set(errors) == {
+            f"{case} {m}" for case in ("is_causal=False", "attention sinks") for m in ("logits", "grads")
+        }
+        assert all(v <= TOL for v in errors.values()), f"rank {rank}: {errors}"
+
+
+def switch_section(rank: int, world: int) -> dict:
+    """attach refuses a model that keeps its own attention, and a layer that does not call the mesh."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, FalconConfig
+
+    from mesh_cp.integrations import hf
+
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2))
+    results: dict = {}
+    falcon = AutoModelForCausalLM.from_config(
+        FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    )
+    expect_error(
+        results,
+        "model without the attention interface refused",
+        NotImplementedError,
+        r"FalconForCausalLM \('sdpa'\).* kept its attention implementation .* AttentionInterface",
+        lambda: hf.attach(falcon, mesh),
+    )
+    model = hf.attach(AutoModelForCausalLM.from_config(configs()["llama"]), mesh)
+    attention = model.model.layers[1].self_attn
+
+    def own_attention(hidden_states, *args, **kwargs):  # a layer that attends without the attention interface
+        return attention.o_proj(attention.v_proj(hidden_states)), None
+
+    attention.forward = own_attention
+    batch = hf.shard_batch(torch.randint(0, VOCAB, (BATCH, SEQ)), mesh=mesh)
+    expect_error(
+        results,
+        "layer bypassing the interface refused",
+        NotImplementedError,
+        r"model\.layers\.1\.self_attn \(LlamaAttention\) did not call mesh_cp attention",
+        lambda: model(input_ids=batch.input_ids, position_ids=batch.position_ids),
+    )
+    return results
+
+
+def test_attach_refuses_models_that_do_not_switch(world4) -> None:
+    for rank, res in enumerate(section(world4, "switch")):
+        assert len(res) == 2 and all(v is True for v in res.values()), f"rank {rank}: {res}"
+
+
+def _host_reads(model, batch) -> int:
+    """Values read on the host (what synchronises an accelerator) during one forward of ``model``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.equal.default,
+        torch.ops.aten.is_nonzero.default,
+    }
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func in reads
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Count():
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids.clone())
+    return Count.n
+
+
+def runtime_section(rank: int, world: int) -> dict:
+    """Autocast, copy.deepcopy of an attached model, and no host reads per layer."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from mesh_cp.integrations import hf
+
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2))
+    results: dict = {}
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(6))
+    batch = hf.shard_batch(ids, mesh=mesh)
+
+    # Autocast with fp32 weights: RoPE leaves q, k in fp32 and v in bf16; the mesh must match the stock model under
+    # the same autocast as closely as that model matches fp32 (flash-attn's rule: within 2x, plus a floor).
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(configs()["llama-gqa"], attn_implementation="sdpa")
+    model = hf.attach(copy.deepcopy(ref), mesh)
+    reference = copy.deepcopy(ref)
+
+    def loss_and_grads(m, autocast: bool, sharded: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if sharded:
+                logits = m(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+                loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
+            else:
+                logits = m(input_ids=ids).logits
+                loss = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1)
+                )
+        loss.backward()
+        if sharded:
+            hf.reduce_gradients(m, mesh)
+        else:
+            logits = mesh_cp.shard_sequence(logits, mesh=mesh, dim=1, layout="zigzag")
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad()
+        return logits.detach(), grads
+
+    logits32, grads32 = loss_and_grads(reference, autocast=False, sharded=False)
+    logits16, grads16 = loss_and_grads(ref, autocast=True, sharded=False)
+    mesh16, mesh_grads16 = loss_and_grads(model, autocast=True, sharded=True)
+    results["autocast dtype"] = str(mesh16.dtype)
+    results["autocast mesh logits error"] = _max_err(mesh16, logits32)
+    results["autocast sdpa logits error"] = _max_err(logits16, logits32)
+    results["autocast mesh grads error"] = max(_max_err(a, b) for a, b in zip(mesh_grads16, grads32, strict=True))
+    results["autocast sdpa grads error"] = max(_max_err(a, b) for a, b in zip(grads16, grads32, strict=True))
+
+    # copy.deepcopy of an attached model: a second model on the same mesh, with its own attachment.
+    clone = copy.deepcopy(model)
+    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+    out_clone = clone(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+    layer, layer_clone = model.model.layers[0].self_attn, clone.model.layers[0].self_attn
+    results["deepcopy same logits"] = bool(torch.equal(out, out_clone))
+    results["deepcopy own attachment"] = (
+        layer_clone.mesh_cp_attached is not layer.mesh_cp_attached
+        and layer_clone.mesh_cp_attached is clone.model.layers[1].self_attn.mesh_cp_attached
+        and layer_clone.mesh_cp_attached.mesh is mesh
+        and layer_clone.mesh_cp_attached.layers[0][1] is layer_clone
+    )
+
+    # Host reads per forward do not grow with the number of layers (the position check runs once per forward).
+    reads = {}
+    for layers in (2, 4):
+        torch.manual_seed(0)
+        config = LlamaConfig(**{**configs()["llama-gqa"].to_dict(), "num_hidden_layers": layers})
+        deep = hf.attach(AutoModelForCausalLM.from_config(config), mesh)
+        deep(input_ids=batch.input_ids, position_ids=batch.position_ids)  # the first forward checks the switch
+        reads[layers] = _host_reads(deep, batch)
+    results["host reads (2 layers, 4 layers)"] = (reads[2], reads[4])
+    return results
+
+
+def test_autocast_deepcopy_and_host_reads(world4) -> None:
+    for rank, res in enumerate(section(world4, "runtime")):
+        assert res["autocast dtype"] == "torch.bfloat16", res
+        for m in ("logits", "grads"):
+            assert res[f"autocast mesh {m} error"] <= 2 * res[f"autocast sdpa {m} error"] + 1e-4, (rank, m, res)
+        assert res["deepcopy same logits"] is True and res["deepcopy own attachment"] is True, (rank, res)
+        two, four = res["host reads (2 layers, 4 layers)"]
+        assert two == four, f"rank {rank}: host reads grow with the layers: {two} with 2, {four} with 4"
+
+
+WORLD4_SECTIONS = {
+    "models": hf_worker,
+    "dp_cp": dp_cp_worker,
+    "collator": collator_worker,
+    "keywords": keywords_section,
+    "switch": switch_section,
+    "runtime": runtime_section,
+}
