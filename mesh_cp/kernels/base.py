@@ -106,11 +106,15 @@ def out_for_delta(do: Tensor, delta: Tensor) -> Tensor:
     the lse that this construction cannot carry; use :func:`with_delta_column`).
     ``do (B, S, H, D)``, ``delta (B, H, S)``; the result is ``do.dtype``.
     """
+    # o = u * (delta / m) / |u|^2 with u = do / m, m = max|do| of the row: |u|^2 is in [1, D], so
+    # neither it nor the quotient underflows however small do is.
     do_acc = do.to(delta.dtype)
-    norm2 = (do_acc * do_acc).sum(-1)
-    delta_t = delta.transpose(1, 2)
-    coef = torch.where(norm2 > 0, delta_t / torch.where(norm2 > 0, norm2, 1), torch.where(delta_t == 0, 0, math.nan))
-    return (do_acc * coef.unsqueeze(-1)).to(do.dtype)
+    top = do_acc.abs().amax(-1, keepdim=True)
+    zero = top == 0
+    u = do_acc / torch.where(zero, 1, top)
+    delta_t = delta.transpose(1, 2).unsqueeze(-1)
+    coef = torch.where(zero, torch.where(delta_t == 0, 0, math.nan), delta_t / torch.where(zero, 1, top))
+    return (u * (coef / torch.where(zero, 1, (u * u).sum(-1, keepdim=True)))).to(do.dtype)
 
 
 def _exponent_range(dtype: torch.dtype) -> tuple[int, int]:
