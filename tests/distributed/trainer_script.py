@@ -2,9 +2,11 @@
 or with ``--deepspeed CONFIG`` under the deepspeed launcher (test_deepspeed.py), where the Trainer builds
 the layout from the config's ``"mesh_attention"`` block.
 
-DP 2 x CP 2 (tile 1x2) trains a tiny Llama for 3 SGD steps on ragged examples; the result must equal
-single-process training on the same global batches (both replicas' examples, right-padded, mean token
-loss). Prints ``rank R params err E``.
+DP 2 x CP 2 (tile 1x2) trains a tiny Llama for 2 epochs of 3 SGD steps on ragged examples; the result must
+equal single-process training on the same global batches (both replicas' examples, right-padded, mean token
+loss), each epoch in the order of the replicas' ``DistributedSampler`` reshuffled for it. The script also
+asserts, from the examples the collator saw, that every rank of a CP group saw the same examples, that each
+epoch followed that order, and that the two epochs' orders differ. Prints ``rank R params err E``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,18 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 from mesh_cp.integrations import hf
 from tests.distributed.test_hf import VOCAB, configs
 
-STEPS, BATCH, LR = 3, 2, 0.1
+STEPS, EPOCHS, BATCH, LR = 3, 2, 2, 0.1
+
+
+class RecordingCollator:
+    """The trainer's collator, recording the indices of the examples of every batch it collates."""
+
+    def __init__(self, collate):
+        self.collate, self.seen = collate, []
+
+    def __call__(self, examples):
+        self.seen.append([e["index"] for e in examples])
+        return self.collate(examples)
 
 
 def reference_batch(data: list[dict], sampler_order: list[list[int]], step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,11 +61,14 @@ def main(output_dir: str, deepspeed: str | None) -> None:
     gen = torch.Generator().manual_seed(1)
     dp_size = 2
     lengths = torch.randint(20, 33, (STEPS * BATCH * dp_size,), generator=gen)
-    data = [{"input_ids": torch.randint(1, VOCAB, (int(n),), generator=gen).tolist()} for n in lengths]
+    data = [
+        {"input_ids": torch.randint(1, VOCAB, (int(n),), generator=gen).tolist(), "index": i}
+        for i, n in enumerate(lengths)
+    ]
     args = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=BATCH,
-        max_steps=STEPS,
+        max_steps=STEPS * EPOCHS,
         learning_rate=LR,
         optim="sgd",
         lr_scheduler_type="constant",
@@ -65,7 +81,15 @@ def main(output_dir: str, deepspeed: str | None) -> None:
         save_strategy="no",
         seed=0,
     )
-    trainer = hf.mesh_cp_trainer_class()(model=model, args=args, train_dataset=data, layout=layout, pad_token_id=0)
+    trainer_class = hf.mesh_cp_trainer_class()
+    if layout is None:  # built by the trainer from the DeepSpeed config: its collator is the default one
+        trainer = trainer_class(model=model, args=args, train_dataset=data, pad_token_id=0)
+        trainer.data_collator = RecordingCollator(trainer.data_collator)
+    else:
+        collator = RecordingCollator(hf.ShardingCollator(layout.mesh, pad_token_id=0))
+        trainer = trainer_class(
+            model=model, args=args, train_dataset=data, layout=layout, pad_token_id=0, data_collator=collator
+        )
     layout = trainer.layout
     assert layout.dp_size == dp_size and layout.mesh.tile == (1, 2), layout
     trainer.train()
@@ -76,13 +100,28 @@ def main(output_dir: str, deepspeed: str | None) -> None:
     else:
         raise AssertionError("evaluation under CP must be refused")
 
-    order = [list(DistributedSampler(data, num_replicas=layout.dp_size, rank=r, seed=0)) for r in range(layout.dp_size)]
+    orders = []  # per epoch, per replica: the order its DistributedSampler gives that epoch
+    for epoch in range(EPOCHS):
+        orders.append([])
+        for r in range(layout.dp_size):
+            sampler = DistributedSampler(data, num_replicas=layout.dp_size, rank=r, seed=0)
+            sampler.set_epoch(epoch)
+            orders[-1].append(list(sampler))
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, trainer.data_collator.seen)
+    for rank, batches in enumerate(seen):
+        replica = rank // layout.mesh.size
+        assert batches == seen[replica * layout.mesh.size], f"CP ranks of replica {replica} saw different examples"
+        expected = [orders[e][replica][s * BATCH : (s + 1) * BATCH] for e in range(EPOCHS) for s in range(STEPS)]
+        assert batches == expected, f"rank {rank} saw {batches}, its sampler's epochs give {expected}"
+    assert all(orders[0][r] != orders[1][r] for r in range(layout.dp_size)), orders
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
-    for step in range(STEPS):
-        ids, mask = reference_batch(data, order, step)
-        reference(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    for epoch in range(EPOCHS):
+        for step in range(STEPS):
+            ids, mask = reference_batch(data, orders[epoch], step)
+            reference(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
     if deepspeed is None:
         trained = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
     else:
