@@ -477,7 +477,8 @@ def switch_section(rank: int, world: int) -> dict:
         r"FalconForCausalLM \('sdpa'\).* kept its attention implementation .* AttentionInterface",
         lambda: hf.attach(falcon, mesh),
     )
-    model = hf.attach(AutoModelForCausalLM.from_config(configs()["llama"]), mesh)
+    model = hf.attach(hf.attach(AutoModelForCausalLM.from_config(configs()["llama"]), mesh), mesh)
+    results["attaching again replaces the hooks"] = (len(model._forward_pre_hooks), len(model._forward_hooks)) == (1, 1)
     attention = model.model.layers[1].self_attn
 
     def own_attention(hidden_states, *args, **kwargs):  # a layer that attends without the attention interface
@@ -497,7 +498,7 @@ def switch_section(rank: int, world: int) -> dict:
 
 def test_attach_refuses_models_that_do_not_switch(world4) -> None:
     for rank, res in enumerate(section(world4, "switch")):
-        assert len(res) == 2 and all(v is True for v in res.values()), f"rank {rank}: {res}"
+        assert len(res) == 3 and all(v is True for v in res.values()), f"rank {rank}: {res}"
 
 
 def _host_reads(model, batch) -> int:
