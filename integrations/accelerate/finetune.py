@@ -95,7 +95,8 @@ def train(args: argparse.Namespace, accelerator) -> None:
     start = 0
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt_dir is not None and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
-        state = torch.load(ckpt, map_location=device, weights_only=False)
+        # On the host: load_state_dict copies into the parameters on the device, the optimizers move their state.
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if reference is not None and "reference" in state:

@@ -99,7 +99,7 @@ def train(args: argparse.Namespace) -> None:
         _, client_state = engine.load_checkpoint(str(ckpt_dir))
         start = client_state["step"]
         if reference is not None:
-            state = torch.load(ckpt_dir / f"reference_{start}.pt", map_location=device, weights_only=False)
+            state = torch.load(ckpt_dir / f"reference_{start}.pt", map_location="cpu", weights_only=False)
             reference.load_state_dict(state["model"])
             ref_optimizer.load_state_dict(state["optimizer"])
         if main_rank:
