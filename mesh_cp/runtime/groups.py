@@ -44,6 +44,11 @@ def new_subgroups(
 
     ``timeout`` bounds every collective of the subgroup; ``None`` means the timeout of ``parent`` (or,
     when it cannot be read, of the default group; torch's default when neither can).
+
+    torch names such a subgroup after its members and the number of process groups this rank has
+    made so far: the ranks of ``parent`` must have made the same number before (as the ranks of
+    every data-parallel replica do when each replica builds the same groups), or they wait for each
+    other until the timeout.
     """
     if not isinstance(parent, ProcessGroup):
         raise ValueError(f"parent must be a torch.distributed ProcessGroup, got {type(parent).__name__}")

@@ -10,6 +10,7 @@ import datetime
 import os
 import pickle
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,14 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 def _worker(
-    rank: int, fn: Callable, world: int, tmp: str, threads: int, timeout: datetime.timedelta, args: tuple
+    rank: int,
+    fn: Callable,
+    world: int,
+    tmp: str,
+    threads: int,
+    timeout: datetime.timedelta,
+    final_barrier: bool,
+    args: tuple,
 ) -> None:
     import torch._dynamo  # noqa: F401  (before init_process_group: gloo can abort at exit otherwise)
     import torch.distributed as dist
@@ -29,7 +37,8 @@ def _worker(
     try:
         result = fn(rank, world, *args)
     finally:
-        dist.barrier()
+        if final_barrier:
+            dist.barrier()
         dist.destroy_process_group()
     with open(os.path.join(tmp, f"result_{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
@@ -41,25 +50,41 @@ def spawn_gloo(
     *args: Any,
     threads_per_rank: int = 1,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    final_barrier: bool = True,
+    deadline: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes in one gloo group.
 
     Returns every rank's (picklable) return value, indexed by rank. ``fn`` must be a module-level
     function (it is pickled by name). An exception in any rank stops all of them and is re-raised
-    here with that rank's traceback. Each rank ends with ``barrier()`` + ``destroy_process_group()``.
-    ``timeout`` bounds every collective (when many ranks share few cores, one rank can wait a whole
-    iteration of the slowest one).
+    here with that rank's traceback. Each rank ends with ``barrier()`` (unless ``final_barrier`` is
+    false: for runs whose ranks leave out of step, such as a rank stalled on purpose) and
+    ``destroy_process_group()``. ``timeout`` bounds every collective (when many ranks share few cores,
+    one rank can wait a whole iteration of the slowest one). ``deadline`` (seconds, ``None``: none)
+    bounds the whole run: past it every rank is terminated and ``TimeoutError`` raised.
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
+    if deadline is not None and not deadline > 0:
+        raise ValueError(f"deadline must be a positive number of seconds or None, got {deadline!r}")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
+        context = mp.start_processes(
             _worker,
-            args=(fn, world, tmp, threads_per_rank, timeout, args),
+            args=(fn, world, tmp, threads_per_rank, timeout, final_barrier, args),
             nprocs=world,
-            join=True,
+            join=False,
             start_method="spawn",
         )
+        end = None if deadline is None else time.monotonic() + deadline
+        while not context.join(timeout=None if end is None else max(end - time.monotonic(), 0.0)):
+            if end is not None and time.monotonic() >= end:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                    process.join()
+                raise TimeoutError(
+                    f"spawn_gloo: the {world} ranks of {fn.__name__} ran past the deadline of {deadline} s"
+                )
         results = []
         for rank in range(world):
             with open(os.path.join(tmp, f"result_{rank}.pkl"), "rb") as f:

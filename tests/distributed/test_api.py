@@ -85,6 +85,13 @@ def errors_worker(rank: int, world: int) -> dict:
     )
     expect_error(
         res,
+        "zero kv heads",
+        ValueError,
+        r"k/v have 0 heads \(shape \(1, 4, 0, 8\)\); kv_heads must be at least 1",
+        lambda: call(q, torch.randn(1, 4, 0, 8), torch.randn(1, 4, 0, 8)),
+    )
+    expect_error(
+        res,
         "zigzag odd local length",
         ValueError,
         r"seq_local 3 must be even for the zigzag layout .*multiple of 2\*P = 4",
@@ -160,7 +167,7 @@ def counter_checks(rank: int, mesh) -> dict:
 
 def test_bad_inputs_raise_clear_errors() -> None:
     for rank, res in enumerate(run_distributed(errors_worker, 2)):
-        assert len(res) == 24, sorted(res)
+        assert len(res) == 25, sorted(res)
         failures = {name: outcome for name, outcome in res.items() if outcome is not True}
         assert not failures, f"rank {rank}: {failures}"
 

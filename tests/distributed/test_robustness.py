@@ -6,12 +6,13 @@ from __future__ import annotations
 import datetime
 import re
 
+import pytest
 import torch
 
 from tests.distributed.harness import expect_error, run_distributed
 
 
-def subgroups_worker(rank: int, world: int) -> dict:
+def subgroups_checks(rank: int) -> dict:
     """``new_subgroups`` on gloo for real, and the split path with a mocked device-bound default group."""
     import torch.distributed as dist
 
@@ -106,8 +107,399 @@ def subgroups_worker(rank: int, world: int) -> dict:
     return res
 
 
-def test_new_subgroups_on_gloo_and_on_a_device_bound_world() -> None:
-    for rank, res in enumerate(run_distributed(subgroups_worker, 4)):
-        failures = {name: outcome for name, outcome in res.items() if outcome is not True}
+def _inputs(seed: int, batch: int = 1, seq: int = 32, heads: int = 4, kv_heads: int = 2, dim: int = 16):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads, dim, generator=gen)
+    k, v = (torch.randn(batch, seq, kv_heads, dim, generator=gen) for _ in range(2))
+    do = torch.randn(batch, seq, heads, dim, generator=gen)
+    return q, k, v, do
+
+
+def _shard(mesh, t, layout="zigzag"):
+    import mesh_cp
+
+    return mesh_cp.shard_sequence(t, mesh=mesh, dim=1, layout=layout)
+
+
+def _exact(mesh, seed: int, **kwargs) -> float:
+    """Max abs error of ``mesh_attn_func`` (forward) against the fp64 reference, causal zig-zag."""
+    import mesh_cp
+    from mesh_cp.core.numerics import reference_attention
+
+    q, k, v, _ = (t.double() for t in _inputs(seed))
+    ref, _ = reference_attention(q, k, v, causal=True)
+    out = mesh_cp.mesh_attn_func(*(_shard(mesh, t) for t in (q, k, v)), mesh=mesh, causal=True, **kwargs)
+    return (out - _shard(mesh, ref)).abs().max().item()
+
+
+def mesh_checks(rank: int) -> dict:
+    """CPMesh.create: split path on a mocked device-bound world, timeouts, non-members, copies."""
+    import copy
+
+    import torch.distributed as dist
+
+    import mesh_cp
+    from mesh_cp.runtime.groups import group_device, group_timeout, new_subgroups
+
+    res: dict = {}
+    world = dist.group.WORLD
+    # The Q/KV subgroups take the CP group's timeout (the init_process_group one here), or timeout=.
+    mesh = mesh_cp.CPMesh.create(world, tile=(2, 2))
+    for name in ("q_group", "kv_group", "check_group"):
+        got = group_timeout(getattr(mesh, name))
+        res[f"{name} inherits timeout"] = got == datetime.timedelta(seconds=300) or got
+    short = mesh_cp.CPMesh.create(world, tile=(2, 2), timeout=datetime.timedelta(seconds=42))
+    got = [group_timeout(g) for g in (short.q_group, short.kv_group, short.check_group)]
+    res["timeout= reaches subgroups"] = got == [datetime.timedelta(seconds=42)] * 3 or got
+    expect_error(
+        res,
+        "timeout type",
+        ValueError,
+        r"timeout must be a datetime.timedelta or None, got 5",
+        lambda: mesh_cp.CPMesh.create(world, tile=(2, 2), timeout=5),
+    )
+    expect_error(
+        res,
+        "debug differs across ranks",
+        ValueError,
+        r"different debug= \(rank 0: False, rank 1: True, rank 2: False, rank 3: False\)",
+        lambda: mesh_cp.CPMesh.create(world, tile=(2, 2), debug=rank == 1),
+    )
+
+    # A mesh is a handle: copies are the mesh itself, and objects holding one can be deep-copied.
+    holder = torch.nn.Linear(2, 2)
+    holder.mesh = mesh
+    clone = copy.deepcopy(holder)
+    res["deepcopy mesh"] = copy.deepcopy(mesh) is mesh and copy.copy(mesh) is mesh
+    res["deepcopy holder"] = clone.mesh is mesh and clone.weight is not holder.weight
+    res["deepcopy holder weights"] = torch.equal(clone.weight, holder.weight)
+
+    # new_group (without local synchronization) gives non-members GroupMember.NON_GROUP_MEMBER. Every
+    # rank builds one mesh on its pair (member-local groups are named by the count of groups before).
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = mesh_cp.CPMesh.create(pairs[rank // 2], tile=(1, 2))
+    res["member mesh"] = str(mine).startswith(f"CP(1x2) rank {rank % 2}") or str(mine)
+    other = (rank // 2 + 1) % 2
+    expect_error(
+        res,
+        "non-member",
+        ValueError,
+        rf"global rank {rank} is not a member of the CP group it passed \(new_group returns "
+        r"GroupMember.NON_GROUP_MEMBER",
+        lambda: mesh_cp.CPMesh.create(pairs[other], tile=(1, 2)),
+    )
+    expect_error(
+        res,
+        "None names non-members",
+        ValueError,
+        r"group=None is not accepted.*returns None to ranks outside the group",
+        lambda: mesh_cp.CPMesh.create(None, tile=(2, 2)),
+    )
+
+    # A DP 2 x CP 2 layout on a default group bound to a device, with NCCL CP groups (mocked): the
+    # mesh's subgroups are splits of the CP group (group ranks), with its timeout, and work.
+    cp = new_subgroups(world, [[0, 1], [2, 3]])
+    calls = []
+
+    def fake_split(*, parent_pg, split_ranks, timeout):
+        calls.append((parent_pg, split_ranks, timeout))
+        mine = next(g for g in split_ranks if dist.get_group_rank(parent_pg, rank) in g)
+        members = [dist.get_global_rank(parent_pg, r) for r in mine]
+        return dist.new_group(members, timeout=timeout, use_local_synchronization=True)
+
+    real_backend, real_split = dist.get_backend, getattr(dist, "split_group", None)
+    try:
+        world.bound_device_id = torch.device("cuda", 0)
+        dist.get_backend = lambda group=None: "nccl" if group is cp else real_backend(group)
+        dist.split_group = fake_split
+        split_mesh = mesh_cp.CPMesh.create(cp, tile=(2, 1))
+    finally:
+        world.bound_device_id = None
+        dist.get_backend = real_backend
+        if real_split is None:
+            del dist.split_group
+        else:
+            dist.split_group = real_split
+    res["split from the CP group"] = [c[0] is cp for c in calls] == [True] * 3 or calls
+    res["split partitions"] = [c[1] for c in calls] == [[[0, 1]], [[0], [1]], [[0, 1]]] or [c[1] for c in calls]
+    res["split timeout"] = all(c[2] == datetime.timedelta(seconds=300) for c in calls) or calls
+    err = _exact(split_mesh, seed=3)
+    res["split mesh exact"] = err < 1e-12 or err
+
+    # The device of control collectives: CPU when the group has a CPU backend, else its bound device,
+    # else the current device (torch.cuda.set_device(local_rank) first).
+    class FakeNcclGroup:
+        _device_types = [torch.device("cuda")]
+        bound_device_id = torch.device("cuda", 1)
+
+    res["device of gloo group"] = group_device(world) == torch.device("cpu")
+    res["device of bound nccl group"] = group_device(FakeNcclGroup()) == torch.device("cuda", 1)
+    real_current = torch.cuda.current_device
+    try:
+        FakeNcclGroup.bound_device_id = None
+        torch.cuda.current_device = lambda: 3
+        res["device of lazy nccl group"] = group_device(FakeNcclGroup()) == torch.device("cuda", 3)
+    finally:
+        torch.cuda.current_device = real_current
+    return res
+
+
+def autocast_checks(rank: int) -> dict:
+    """CPU bf16 autocast with fp32 weights: q, k fp32 (RoPE) and v bf16 are cast like SDPA's inputs."""
+    import torch.distributed as dist
+
+    import mesh_cp
+    from mesh_cp.core.numerics import reference_attention
+
+    res: dict = {}
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2), debug=True)
+    q, k, v, do = _inputs(5, batch=2, seq=64, heads=4, kv_heads=2, dim=32)
+    v = v.bfloat16()
+    do = _shard(mesh, do.bfloat16())
+    leaves = [_shard(mesh, t).requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mesh_cp.mesh_attn_func(*leaves, mesh=mesh, causal=True)
+    out.backward(do)
+    res["out in autocast dtype"] = out.dtype == torch.bfloat16
+    res["grads in input dtypes"] = [t.grad.dtype for t in leaves] == [torch.float32, torch.float32, torch.bfloat16]
+
+    # The same call on inputs cast by hand, outside autocast: the very same numbers.
+    cast = [t.detach().bfloat16().requires_grad_() for t in leaves]
+    out_cast = mesh_cp.mesh_attn_func(*cast, mesh=mesh, causal=True)
+    out_cast.backward(do)
+    res["out equals cast inputs"] = torch.equal(out, out_cast)
+    res["grads equal cast inputs"] = all(
+        torch.equal(t.grad, c.grad.to(t.dtype)) for t, c in zip(leaves, cast, strict=True)
+    )
+    # Backward run inside autocast too: kernels are not recast.
+    again = [t.detach().clone().requires_grad_() for t in leaves]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mesh_cp.mesh_attn_func(*again, mesh=mesh, causal=True).backward(do)
+    res["grads with backward in autocast"] = all(
+        torch.equal(t.grad, a.grad) for t, a in zip(leaves, again, strict=True)
+    )
+
+    # Against fp64 attention on the cast inputs: within 2x plain bf16 SDPA's error.
+    full = [t.bfloat16() for t in (q, k, v)]
+    gold, _ = reference_attention(*(t.double() for t in full), causal=True)
+    plain = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in full), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
+    dist_err = (out.double() - _shard(mesh, gold)).abs().max().item()
+    plain_err = (_shard(mesh, plain).double() - _shard(mesh, gold)).abs().max().item()
+    res["error vs fp64 of cast inputs"] = dist_err <= 2 * plain_err or (dist_err, plain_err)
+
+    expect_error(
+        res,
+        "mixed dtypes outside autocast",
+        ValueError,
+        r"share one dtype, got torch.float32, torch.float32, torch.bfloat16",
+        lambda: mesh_cp.mesh_attn_func(*(t.detach() for t in leaves), mesh=mesh),
+    )
+    return res
+
+
+def disagreement_checks(rank: int) -> dict:
+    """Ranks that call with different shapes, dtypes or options raise a ValueError naming each rank's
+    value, on every rank: on a plain mesh for signatures new to every rank, and on a debug mesh
+    also after the same signature was checked before. The groups stay usable afterwards."""
+    import torch.distributed as dist
+
+    import mesh_cp
+
+    res: dict = {}
+    odd = rank == 1
+    q, k, v, _ = _inputs(7, seq=32)
+    base = {"causal": True, "layout": "zigzag"}
+    # name: (q, k, v, options) of this rank, pattern every rank must see.
+    cases = {
+        "seq_local": (
+            (q[:, :4], k[:, :4], v[:, :4]) if odd else (q[:, :8], k[:, :8], v[:, :8]),
+            {},
+            r"q shape \(rank 0: \(1, 8, 4, 16\), rank 1: \(1, 4, 4, 16\), rank 2: \(1, 8, 4, 16\)",
+        ),
+        "heads": (
+            (q[:, :8, :2], k[:, :8], v[:, :8]) if odd else (q[:, :8], k[:, :8], v[:, :8]),
+            {},
+            r"q shape \(rank 0: \(1, 8, 4, 16\), rank 1: \(1, 8, 2, 16\)",
+        ),
+        "head_dim": (
+            tuple(t[:, :8, :, :8] for t in (q, k, v)) if odd else tuple(t[:, :8] for t in (q, k, v)),
+            {},
+            r"q shape \(rank 0: \(1, 8, 4, 16\), rank 1: \(1, 8, 4, 8\).*k shape .*v shape",
+        ),
+        "dtype of the same size": (
+            tuple(t[:, :8].to(torch.bfloat16 if odd else torch.float16) for t in (q, k, v)),
+            {},
+            r"dtypes \(rank 0: 'torch.float16, torch.float16, torch.float16', "
+            r"rank 1: 'torch.bfloat16, torch.bfloat16, torch.bfloat16'",
+        ),
+        "causal": (None, {"causal": not odd}, r"causal \(rank 0: True, rank 1: False, rank 2: True, rank 3: True\)"),
+        "layout": (
+            None,
+            {"layout": "contiguous" if odd else "zigzag"},
+            r"layout \(rank 0: 'zigzag', rank 1: 'contiguous'",
+        ),
+        "softmax_scale": (None, {"softmax_scale": 0.5 if odd else None}, r"softmax_scale \(rank 0: 0.25, rank 1: 0.5"),
+        "schedule": (
+            None,
+            {"schedule": "collective" if odd else "overlap"},
+            r"schedule \(rank 0: 'overlap', rank 1: 'collective'",
+        ),
+        "backward": (
+            None,
+            {"backward": "reuse" if odd else "regather"},
+            r"backward \(rank 0: 'regather', rank 1: 'reuse'",
+        ),
+        "kernel": (
+            None,
+            {"kernel": "reference" if odd else "cpu_flash"},
+            r"kernel \(rank 0: 'cpu_flash', rank 1: 'reference'",
+        ),
+        "requires grad": (
+            tuple(t[:, :8].clone().requires_grad_(odd) for t in (q, k, v)),
+            {},
+            r"requires grad \(rank 0: False, rank 1: True",
+        ),
+    }
+    plain = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2))
+    debug = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2), debug=True)
+    same = tuple(t[:, :8] for t in (q, k, v))
+    # On the debug mesh, every rank first makes the call most cases keep on the ranks that agree.
+    debug_ok = mesh_cp.mesh_attn_func(*same, mesh=debug, kernel="cpu_flash", **base)
+    res["debug mesh first call"] = debug_ok.shape == same[0].shape
+    for mesh_name, mesh in (("plain", plain), ("debug", debug)):
+        for name, (tensors, options, pattern) in cases.items():
+            kwargs = {**base, "kernel": "cpu_flash", **options}
+            expect_error(
+                res,
+                f"{mesh_name}: {name}",
+                ValueError,
+                r"ranks of the CP group called mesh_attn_func with different arguments: .*" + pattern,
+                lambda: mesh_cp.mesh_attn_func(*(tensors or same), mesh=mesh, **kwargs),
+            )
+        err = _exact(mesh, seed=11)
+        res[f"{mesh_name}: exact after the errors"] = err < 1e-12 or err
+
+    # The check runs once per new signature (this scale is new) on a plain mesh (on its check group), on
+    # every call in debug.
+    x = tuple(t.double() for t in same)
+    sent = {}
+    for mesh_name, mesh in (("plain", plain), ("debug", debug)):
+        for call in range(2):
+            with mesh_cp.CommCounter() as counter:
+                mesh_cp.mesh_attn_func(*x, mesh=mesh, causal=True, softmax_scale=0.3)
+            sent[mesh_name, call] = counter.bytes_by_role(mesh).get("check", 0)
+    checked = {key: value > 0 for key, value in sent.items()}
+    res["checks once, every call in debug"] = (
+        checked
+        == {
+            ("plain", 0): True,
+            ("plain", 1): False,
+            ("debug", 0): True,
+            ("debug", 1): True,
+        }
+        or sent
+    )
+    return res
+
+
+def p2p_checks(rank: int) -> dict:
+    """The overlapped schedule's ring steps run on torch 2.4's P2POp (a global peer rank, no group_peer=)."""
+    import torch.distributed as dist
+
+    import mesh_cp
+
+    res: dict = {}
+    real = dist.P2POp
+
+    def p2p_op_2_4(op, tensor, peer, group=None, tag=0):
+        return real(op, tensor, peer, group, tag)
+
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2))
+    try:
+        dist.P2POp = p2p_op_2_4
+        err: object = _exact(mesh, seed=13, schedule="overlap")
+    except TypeError as e:
+        err = f"TypeError: {e}"
+    finally:
+        dist.P2POp = real
+    res["overlap on torch 2.4 P2POp"] = (isinstance(err, float) and err < 1e-12) or err
+    return res
+
+
+def robustness_worker(rank: int, world: int) -> dict:
+    res: dict = {}
+    for part, checks in (
+        ("subgroups", subgroups_checks),
+        ("mesh", mesh_checks),
+        ("autocast", autocast_checks),
+        ("disagree", disagreement_checks),
+        ("p2p", p2p_checks),
+    ):
+        res.update({f"{part}/{name}": outcome for name, outcome in checks(rank).items()})
+    return res
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    """One spawned group of 4 ranks for every multi-rank case of this module but the stalled rank."""
+    return run_distributed(robustness_worker, 4)
+
+
+@pytest.mark.parametrize("part", ["subgroups", "mesh", "autocast", "disagree", "p2p"])
+def test_runtime_robustness(results: list[dict], part: str) -> None:
+    for rank, res in enumerate(results):
+        mine = {name: outcome for name, outcome in res.items() if name.startswith(part + "/")}
+        assert mine, f"rank {rank} ran no {part} case"
+        failures = {name: outcome for name, outcome in mine.items() if outcome is not True}
         assert not failures, f"rank {rank}: {failures}"
-        assert len(res) == 17, sorted(res)
+
+
+STALL_TIMEOUT = datetime.timedelta(seconds=3)
+
+
+def stalled_rank_worker(rank: int, world: int, marker: str) -> dict:
+    """Rank 1 stalls before its second attention call; rank 0 must raise within the group's timeout."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    import mesh_cp
+
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(1, 2))  # the KV-group is a subgroup of both ranks
+    local = [_shard(mesh, t) for t in _inputs(17)[:3]]
+    mesh_cp.mesh_attn_func(*local, mesh=mesh)  # in step; the signature is checked once
+    if rank == 1:  # stall (boundedly) until rank 0 has given up
+        give_up = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < give_up:
+            time.sleep(0.05)
+        return {}
+    start = time.monotonic()
+    try:
+        mesh_cp.mesh_attn_func(*local, mesh=mesh)
+        outcome = "did not raise"
+    except RuntimeError as err:
+        outcome = f"RuntimeError: {err}"
+    elapsed = time.monotonic() - start
+    with open(marker, "w"):
+        pass
+    return {"elapsed": elapsed, "outcome": outcome}
+
+
+def test_stalled_rank_makes_the_others_raise_within_the_timeout(tmp_path) -> None:
+    from mesh_cp.runtime.launch import spawn_gloo
+
+    results = spawn_gloo(
+        stalled_rank_worker,
+        2,
+        str(tmp_path / "rank0_gave_up"),
+        timeout=STALL_TIMEOUT,
+        final_barrier=False,  # the ranks leave out of step
+        deadline=120,
+    )
+    elapsed, outcome = results[0]["elapsed"], results[0]["outcome"]
+    assert outcome.startswith("RuntimeError"), outcome
+    limit = STALL_TIMEOUT.total_seconds()
+    assert 0.5 * limit <= elapsed <= limit + 5, f"rank 0 raised after {elapsed:.1f} s (timeout {limit} s): {outcome}"
