@@ -122,7 +122,8 @@ def _splits_parent(parent: ProcessGroup) -> bool:
 def group_timeout(group: ProcessGroup) -> datetime.timedelta | None:
     """The timeout of ``group``'s collectives, else of the default group; ``None`` when neither can be read.
 
-    torch keeps it in the options of the group's backend (``Backend.options._timeout``; torch >= 2.5).
+    torch keeps it in the options of the group's backend (``Backend.options._timeout``); a torch that does
+    not expose them gives ``None``, and subgroups then get torch's default unless given ``timeout=``.
     """
     for pg in (group, dist.group.WORLD):
         timeout = _backend_timeout(pg)

@@ -208,13 +208,15 @@ class CPMesh:
         return self
 
     def check_same_call(self, signature: Mapping[str, object]) -> None:
-        """Raise ``ValueError`` on every rank when the ranks of the CP group called with different ``signature``.
+        """Raise ``ValueError`` on every rank when the ranks of the CP group call with different ``signature``.
 
-        ``signature`` maps names to ints, bools, floats, strings, shapes (tuples of up to 4 ints) or ``None``
-        (the same names, in the same order, on every rank; :func:`mesh_cp.mesh_attn_func` passes its shapes, dtype, device type and
-        options). Collective over the CP group (on :attr:`check_group`) when it checks: once per signature
-        new to this rank (one all-gather of a few int64 on the group's device), on every call when
-        :attr:`debug` is set. A group of the ``"fake"`` backend moves no data and is not checked.
+        ``signature`` maps names to ints, bools, floats, strings, shapes (tuples of up to 4 ints) or
+        ``None``: the same names, in the same order, on every rank (:func:`mesh_cp.mesh_attn_func` passes
+        its shapes, dtypes, device type and options). The error names, for each entry that differs, the
+        value of every rank. Collective over the CP group (on :attr:`check_group`) when it checks: once per
+        signature new to this rank (one all-gather of a few int64 on the group's device, and a host sync),
+        on every call when :attr:`debug` is set. A group of the ``"fake"`` backend moves no data and is
+        not checked.
 
         Limit: a rank whose signature was already checked does not check again (without :attr:`debug`).
         When one rank diverges to a signature it has seen before while the others call with one that
