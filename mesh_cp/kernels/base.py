@@ -14,7 +14,8 @@ themselves. Two constructions give them an ``out`` whose row sum with ``dO`` is 
 
 1. :func:`out_for_delta`, ``o = dO * delta / |dO|^2``: exact when no gradient reaches the lse
    (``delta = rowsum(dO * O)``): a row with ``dO = 0`` has ``delta = 0`` and gets ``o = 0``, and
-   ``|o| = |delta| / |dO| <= |O|`` (Cauchy-Schwarz), so ``o`` fits wherever ``O`` does. With a
+   ``|o| = |delta| / |dO| <= |O|`` (Cauchy-Schwarz), so ``o`` fits wherever ``O`` does (each row is
+   scaled by its largest ``|dO|`` first, so ``|dO|^2`` does not underflow for tiny rows). With a
    gradient on the lse it fails: a row with ``dO = 0`` and ``delta = -dlse != 0`` has no such ``o``,
    and a tiny ``|dO|`` overflows fp16. Such rows get ``nan`` (never a silently wrong gradient).
 2. :func:`with_delta_column`, used when the lse receives a gradient (``lse_grad=True``): one more
@@ -34,7 +35,7 @@ Where one more column exceeds a kernel's head-dim limit (flash kernels at ``head
 ``lse_grad`` is decided on each rank; every rank of a mesh must agree (the lse of the call receives
 a gradient everywhere or nowhere, as it does when every rank runs the same program). If a rank
 without one computes a row whose owner had one, construction 1 meets ``dO = 0, delta != 0`` and
-returns ``nan`` there.
+returns ``nan`` there (rows with ``dO != 0`` stay exact), never a silently dropped gradient.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """CUDA kernel through PyTorch's own copy of FlashAttention 2 (fp16/bf16, sm80+, native GQA).
 
 ``aten._scaled_dot_product_flash_attention`` / ``_scaled_dot_product_flash_attention_backward``
-(schemas unchanged from torch 2.4 to 2.13)::
+(arguments unchanged from torch 2.4 to 2.13; outputs 6 and 7 were named ``philox_seed``,
+``philox_offset`` before)::
 
     (query, key, value, dropout_p, is_causal, return_debug_mask, *, scale)
         -> (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask)

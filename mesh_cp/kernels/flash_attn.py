@@ -20,16 +20,17 @@ mesh_cp calls ``flash_attn.flash_attn_interface._flash_attn_forward`` / ``_flash
                                  causal, window_size_left, window_size_right, softcap, alibi_slopes,
                                  deterministic, rng_state=None) -> softmax_d
 
-From 2.7 both are ``torch.library.custom_op`` s (their parameter names live in the op's schema) and
-the C++ requires ``head_dim % 8 == 0`` and ``<= 256`` in forward too (2.6.3 padded in C++ and
-returned ``out`` unpadded; its backward already required padded ``q, k, v, out``). So this kernel
-pads q, k, v, dO and out with zeros to a multiple of 8 itself for every version (``softmax_scale``
-keeps the original head dim), cuts the results back, and is not offered above 256. ``dq, dk, dv`` are
-written into the buffers passed in, for both forms. ``softmax_lse`` is ``(B, H, Sq)`` fp32.
-``deterministic`` follows ``torch.are_deterministic_algorithms_enabled()``; no dropout (so
-``rng_state`` is ``None``), no window, no softcap, no ALiBi. The form is chosen by the installed
-version and cross-checked against the parameter names where they can be read; a disagreement is
-refused rather than guessed.
+From 2.7 both are ``torch.library.custom_op`` s under torch >= 2.4 (their parameter names live in
+the op's schema, not in ``inspect.signature``), and the C++ requires ``head_dim % 8 == 0`` and
+``<= 256`` in forward too (2.6.3 padded in C++ and returned ``out`` unpadded; its backward already
+required padded ``q, k, v, out``). So this kernel pads q, k, v, dO and out with zeros to a multiple
+of 8 itself for every version (``softmax_scale`` keeps the original head dim), cuts the results
+back, and is not offered above 256; a gradient on the lse at head_dim 256 goes by parts (Note
+[Gradient of the lse] in :mod:`mesh_cp.kernels.base`). ``dq, dk, dv`` are written into the buffers
+passed in, for both forms. ``softmax_lse`` is ``(B, H, Sq)`` fp32. ``deterministic`` follows
+``torch.are_deterministic_algorithms_enabled()``; no dropout (so ``rng_state`` is ``None``), no
+window, no softcap, no ALiBi. The form is chosen by the installed version and cross-checked against
+the parameter names where they can be read; a disagreement is refused rather than guessed.
 
 flash-attn 3 (the ``flash_attn_interface`` module of the ``hopper/`` build) is not offered: it is
 built from source with no release that fixes its private ``_flash_attn_forward`` (34 parameters,
