@@ -141,8 +141,11 @@ class _CPURotaryEmbedding(RotaryEmbedding):
 
 def use_cpu_rotary_embedding(model: torch.nn.Module) -> torch.nn.Module:
     """CPU workaround (see :class:`_CPURotaryEmbedding`): switch ``model``'s RoPE module, if any, to the
-    CPU form. Parameters and outputs are unchanged; on GPU do not call it."""
+    CPU form, with its frequencies (a plain attribute, which ``model.to`` does not move) on the device of
+    the model's parameters. Parameters and outputs are unchanged; on GPU do not call it."""
+    device = next(model.parameters()).device
     for module in model.modules():
         if type(module) is RotaryEmbedding:
             module.__class__ = _CPURotaryEmbedding
+            module.inv_freq = module.inv_freq.to(device)
     return model

@@ -277,7 +277,9 @@ class _Propagation(TorchDispatchMode):
             shapes = [tuple(x.shape) for x in host]
             t.violation("mixed devices", f"aten.{name} mixes host tensors {shapes} with device tensors")
         out = func(*args, **kwargs)
-        if host and not device:
+        if name in _MIX_OK:  # a copy or an indexing op: the result is where its first tensor is
+            t.place(out, t.is_host(tensors[0]))
+        elif host and not device:
             t.place(out, True)
         return out
 
@@ -391,6 +393,7 @@ def test_detector_catches_what_a_gpu_would_refuse() -> None:
         x = torch.randn(2, 4).to(DEVICE)
         y = model(x)
         assert y.device == DEVICE and x.cpu().device == HOST and torch.arange(2).device == HOST
+        assert torch.arange(4)[[1, 2]].device == HOST and y[:, torch.tensor([0, 1])].device == DEVICE  # indexing
         torch.ones(3, device=y.device) + torch.tensor(2.0)  # a host scalar is allowed, as on CUDA
         y.sum().backward()
         assert model.weight.grad.device == DEVICE
