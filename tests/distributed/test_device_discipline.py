@@ -21,8 +21,9 @@ CPU), it gets the launcher's device, as it would on NCCL. Recorded as violations
 
 - a host tensor (an input, parameter or buffer) reaching a module's forward;
 - a host tensor in a ``c10d`` collective (``torch.distributed``, and everything built on it);
-- an op mixing a host tensor of one element or more dimensions with a device tensor (CUDA refuses it;
-  copies and indexing with host indices are allowed, as on CUDA);
+- an op mixing a host tensor of one or more dimensions with a device tensor (CUDA refuses it; a 0-dim host
+  tensor is a scalar to CUDA, and copies and indexing are allowed: their result is where their first tensor
+  is);
 - from the first forward on, a host read (``_local_scalar_dense``: ``item``/``int``/``float``/``bool``;
   ``equal``, ``nonzero``, ``tolist``) of a *device* tensor whose nearest caller outside torch is
   mesh_cp's own code (``mesh_cp/``, ``integrations/``) that happens more than once (a check made on the
@@ -30,10 +31,12 @@ CPU), it gets the launcher's device, as it would on NCCL. Recorded as violations
   ``# host sync: printed`` (the one read per step that prints the loss). Host reads inside transformers,
   DeepSpeed or Megatron are theirs, not counted.
 
-What it cannot catch: tensors made outside factories (unpickled by ``torch.load``, made in C++ by a
-library) count as on the device; code that only runs on CUDA (``CudaStep``, NCCL-only branches) does not
-run here; an explicit ``device="cpu:0"`` is the device; a host read through the buffer protocol (``numpy()``
-of a device tensor is recorded as a violation, but ``memoryview`` is not seen).
+What it cannot catch: tensors made outside the factories above (unpickled by ``torch.load``, made in C++
+by a library, a list turned into an index) count as on the device; code that only runs on CUDA
+(``CudaStep``, NCCL-only branches, TransformerEngine) does not run here; ops inside ``torch.compile``d code
+are not seen; the checkpoint/resume paths are not run (``test_accelerate``, ``test_deepspeed`` and
+``test_megatron`` run them); a host read through the buffer protocol is not seen (``numpy()`` of a device
+tensor is recorded as a violation, ``memoryview`` is not), nor one made only once (a cached check).
 """
 
 from __future__ import annotations
