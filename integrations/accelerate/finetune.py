@@ -5,6 +5,14 @@ On CPU (4 gloo processes, 2x2 mesh, 8192-token sequences)::
     ACCELERATE_USE_CPU=true .venv/bin/accelerate launch --config_file configs/accelerate_mesh_cp.yaml \\
         integrations/accelerate/finetune.py --cp 4 --tile 2x2
 
+On GPUs (NCCL), the same config without ``ACCELERATE_USE_CPU``, one process per GPU::
+
+    accelerate launch --config_file configs/accelerate_mesh_cp.yaml --num_processes 8 \
+        integrations/accelerate/finetune.py --cp 8 --tile 2x4
+
+Each process binds GPU ``LOCAL_RANK`` before accelerate makes the NCCL group; the model, the reference
+and each step's batch shard live on ``accelerator.device``, the token sequences on the host.
+
 The processes form DP x CP replicas (``--cp`` consecutive ranks per replica, tiled ``--tile``); each
 replica trains on its own sequences, every rank of a replica holds a zig-zag shard of them. The text
 is the Python standard library's source and the tokenizer a BPE trained on it (no downloads).

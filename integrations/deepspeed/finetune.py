@@ -7,6 +7,10 @@ On CPU (4 gloo processes; the config's ``"mesh_attention"`` block asks for one C
     .venv/bin/torchrun --nproc-per-node 4 integrations/deepspeed/finetune.py \\
         --deepspeed_config configs/ds_mesh_cp_zero3.json
 
+On GPUs (NCCL) drop ``DS_ACCELERATOR=cpu`` and start one process per GPU (``--num_gpus 8``, with ``"cp_size"``
+and ``"tile"`` to match). The process binds GPU ``LOCAL_RANK`` before the NCCL group is made; DeepSpeed puts
+the model on ``engine.device``, and the reference and each step's batch shard go there too.
+
 :func:`mesh_cp.integrations.deepspeed.initialize` builds the DP x CP replicas from the block; each
 replica trains on its own sequences, every rank of a replica holds a zig-zag shard of them. The text is
 the Python standard library's source and the tokenizer a BPE trained on it (no downloads). ``--reference``
