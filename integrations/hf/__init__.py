@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader
 
 import mesh_cp
 from mesh_cp.core.plan import BACKWARD_MODES, check_layout
+from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.schedules import SCHEDULES
 
@@ -707,12 +708,11 @@ class DataContextParallel:
         ranks = dist.get_process_group_ranks(group)
         me = dist.get_rank(group)
         dp_rank, cp_rank = divmod(me, cp_size)
-        backend = dist.get_backend(group)
-        # Every rank creates its CP group, then its DP group; groups of one kind are disjoint.
-        cp_group = dist.new_group(
-            ranks[dp_rank * cp_size : (dp_rank + 1) * cp_size], backend=backend, use_local_synchronization=True
-        )
-        dp_group = dist.new_group(ranks[cp_rank::cp_size], backend=backend, use_local_synchronization=True)
+        # Every rank creates its CP group, then its DP group (Note [Subgroups of an eagerly initialised
+        # NCCL world] in mesh_cp.runtime.groups); both inherit the timeout of ``group``.
+        dp_size = world // cp_size
+        cp_group = new_subgroups(group, [ranks[d * cp_size : (d + 1) * cp_size] for d in range(dp_size)])
+        dp_group = new_subgroups(group, [ranks[c::cp_size] for c in range(cp_size)])
         mesh = CPMesh.create(cp_group, tile=tile, **mesh_options)
         return cls(mesh=mesh, group=group, dp_group=dp_group, dp_size=world // cp_size, dp_rank=dp_rank)
 

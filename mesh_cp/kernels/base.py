@@ -25,17 +25,18 @@ themselves. Two constructions give them an ``out`` whose row sum with ``dO`` is 
    ``sqrt|delta|``, so both factors stay in fp16's range and the product is exact up to one rounding
    of ``delta / s`` to the input dtype). The extra columns of ``dq, dk, dv`` are dropped. Kernels
    that need ``head_dim % 8 == 0`` pad to the next multiple of 8 instead of by one. It costs a padded
-   copy of ``q, k, v, dO``, so it is used only when the lse really receives a gradient, which
-   :class:`~mesh_cp.runtime.attention.MeshAttnFunc` knows without a host sync (autograd hands it
-   ``dlse=None`` otherwise).
+   copy of ``q, k, v, dO``, so it is used only when the lse may receive a gradient: when
+   :func:`~mesh_cp.runtime.attention.mesh_attn_func` was asked for it (``return_lse=True``), which
+   is known without a host sync and equal on every rank of the mesh (its call check compares it).
 
 Where one more column exceeds a kernel's head-dim limit (flash kernels at ``head_dim == 256``),
 :func:`backward_by_parts` splits ``ds = p * dp - p * delta`` over three calls of the kernel itself.
 
-``lse_grad`` is decided on each rank; every rank of a mesh must agree (the lse of the call receives
-a gradient everywhere or nowhere, as it does when every rank runs the same program). If a rank
-without one computes a row whose owner had one, construction 1 meets ``dO = 0, delta != 0`` and
-returns ``nan`` there (rows with ``dO != 0`` stay exact), never a silently dropped gradient.
+Every rank of a mesh must pass the same ``lse_grad``, since the blocks of one row are computed on
+several ranks; :class:`~mesh_cp.runtime.attention.MeshAttnFunc` derives it from ``return_lse``. A
+block called with ``lse_grad=False`` for a row whose lse has a gradient would meet
+``dO = 0, delta != 0`` in construction 1, which returns ``nan`` there rather than a silently
+dropped gradient.
 """
 
 from __future__ import annotations

@@ -15,18 +15,32 @@ from mesh_cp.runtime.schedules import Schedule, get_schedule
 class MeshAttnFunc(torch.autograd.Function):
     """Autograd function of Mesh-Attention; use :func:`mesh_attn_func` rather than calling it directly.
 
-    ``forward(q, k, v, mesh, plan, kernel, schedule, scale) -> (out, lse)``.
+    ``forward(q, k, v, mesh, plan, kernel, schedule, scale, lse_grad) -> (out, lse)``.
 
-    Gradients are not materialised: an output that no loss reads arrives in ``backward`` as ``None``.
-    ``dlse is None`` (the lse is unused, always so without ``return_lse``) lets the fused block
-    kernels take their cheap exact path; a used lse takes the exact path for any ``dlse`` (Note
-    [Gradient of the lse] in :mod:`mesh_cp.kernels.base`). Decided without a host sync; every rank
-    of the mesh must use the lse alike (all or none), as SPMD programs do.
+    Gradients are not materialised: an output that no loss reads arrives in ``backward`` as ``None``
+    (and is taken as zeros). ``lse_grad`` (``mesh_attn_func``'s ``return_lse``, equal on every rank of
+    the mesh by its call check) says whether the lse may receive a gradient: the fused block kernels
+    then take the exact path for any ``dlse``, otherwise their cheaper one (Note [Gradient of the lse]
+    in :mod:`mesh_cp.kernels.base`). Every block of a row is computed with the same choice whichever
+    rank computes it, and nothing is decided from data (no host sync). Backward always runs its
+    collectives, even when no gradient reaches this rank's outputs, so the other ranks never wait.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh: CPMesh, plan: AttentionPlan, kernel: BlockKernel, schedule: Schedule, scale: float):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        mesh: CPMesh,
+        plan: AttentionPlan,
+        kernel: BlockKernel,
+        schedule: Schedule,
+        scale: float,
+        lse_grad: bool = False,
+    ):
         ctx.set_materialize_grads(False)
+        ctx.lse_grad = lse_grad
         out, lse, saved = schedule.forward(q, k, v, mesh=mesh, plan=plan, kernel=kernel, scale=scale)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *saved)
@@ -35,11 +49,13 @@ class MeshAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        if dout is None and dlse is None:
-            return None, None, None, None, None, None, None, None
         q, k, v, out, lse, *saved = ctx.saved_tensors
-        if dout is None:  # only the lse is used
+        if dout is None:  # only the lse is used (or neither, on this rank)
             dout = torch.zeros_like(out)
+        if not ctx.lse_grad:
+            dlse = None
+        elif dlse is None:
+            dlse = torch.zeros_like(lse)
         dq, dk, dv = ctx.schedule.backward(
             dout,
             q,
@@ -54,7 +70,7 @@ class MeshAttnFunc(torch.autograd.Function):
             kernel=ctx.kernel,
             scale=ctx.scale,
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def mesh_attn_func(
@@ -137,6 +153,7 @@ def mesh_attn_func(
             "device type": q.device.type,
             "requires grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
             "causal": bool(causal),
+            "return_lse": bool(return_lse),
             "layout": layout,
             "softmax_scale": softmax_scale,
             "schedule": schedule,
@@ -160,12 +177,15 @@ def mesh_attn_func(
         buffer_budget=buffer_budget,
     )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    block_kernel = resolve_kernel(kernel, q.device, q.dtype)
+    block_kernel = resolve_kernel(kernel, q.device, q.dtype, head_dim=q.shape[-1])
+    lse_grad = bool(return_lse)
     if cast_to is None:
-        out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale)
+        out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale, lse_grad)
     else:  # the inputs are cast; autocast must not recast what the kernels compute in fp32
         with torch.autocast(q.device.type, enabled=False):
-            out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale)
+            out, lse = MeshAttnFunc.apply(
+                q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale, lse_grad
+            )
     return (out, lse) if return_lse else out
 
 

@@ -35,15 +35,42 @@ def all_to_all(x: Tensor, group: ProcessGroup) -> Tensor:
     return out
 
 
-def ring_step(sends: list[Tensor], recvs: list[Tensor], group: ProcessGroup, *, tag: int) -> list[dist.Work]:
+def ring_step(sends: list[Tensor], recvs: list[Tensor], group: ProcessGroup, *, tag: int) -> list:
     """Post one ring step: send ``sends`` to the next group rank, receive ``recvs`` from the previous.
 
-    Returns the works to wait on. Tensors ``i`` use tag ``tag + i``; every member posts the same
-    step, so sends and receives pair up. ``batch_isend_irecv`` lets NCCL post both sides together.
+    Returns the works to wait on (``recvs`` hold the data once every work has been waited on).
+    Tensors ``i`` use tag ``tag + i``; every member posts the same step, so sends and receives pair
+    up. ``batch_isend_irecv`` lets NCCL post both sides together. gloo cannot send or receive
+    device memory (its all-gather and all-to-all can), so on a gloo group device tensors travel
+    through host copies: the receive's work copies its host buffer into ``recvs[i]`` when waited on.
     """
     n, me = dist.get_world_size(group), dist.get_rank(group)
     # P2POp takes the peer's global rank (``group_peer=`` needs torch >= 2.6).
     nxt, prev = dist.get_global_rank(group, (me + 1) % n), dist.get_global_rank(group, (me - 1) % n)
-    ops = [dist.P2POp(dist.isend, t, peer=nxt, group=group, tag=tag + i) for i, t in enumerate(sends)]
-    ops += [dist.P2POp(dist.irecv, t, peer=prev, group=group, tag=tag + i) for i, t in enumerate(recvs)]
-    return dist.batch_isend_irecv(ops)
+    staged = dist.get_backend(group) == "gloo" and any(t.device.type != "cpu" for t in (*sends, *recvs))
+    if not staged:
+        ops = [dist.P2POp(dist.isend, t, peer=nxt, group=group, tag=tag + i) for i, t in enumerate(sends)]
+        ops += [dist.P2POp(dist.irecv, t, peer=prev, group=group, tag=tag + i) for i, t in enumerate(recvs)]
+        return dist.batch_isend_irecv(ops)
+    host_sends = [t.cpu() for t in sends]
+    host_recvs = [torch.empty(t.shape, dtype=t.dtype) for t in recvs]
+    ops = [dist.P2POp(dist.isend, t, peer=nxt, group=group, tag=tag + i) for i, t in enumerate(host_sends)]
+    ops += [dist.P2POp(dist.irecv, t, peer=prev, group=group, tag=tag + i) for i, t in enumerate(host_recvs)]
+    works = dist.batch_isend_irecv(ops)
+    n_send = len(sends)
+    return [_HostStaged(w, host_sends[i], None) for i, w in enumerate(works[:n_send])] + [
+        _HostStaged(w, host_recvs[i], recvs[i]) for i, w in enumerate(works[n_send:])
+    ]
+
+
+class _HostStaged:
+    """The work of a gloo send or receive of a host copy; a receive's ``wait`` fills its device tensor."""
+
+    def __init__(self, work: dist.Work, host: Tensor, target: Tensor | None) -> None:
+        self.work, self.host, self.target = work, host, target
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.target is not None:
+            self.target.copy_(self.host)
+        return True

@@ -3,7 +3,7 @@
 One spawned group of 4 ranks runs tiles 2x2 and 1x4, both schedules, both backward modes and the fused CPU
 kernel (cpu_flash), with three losses: on the lse only (dO = 0 everywhere: the case the scaled construction of
 Note [Gradient of the lse] cannot carry), on out and lse together, and on out only with
-``return_lse=True`` (the lse is returned but unused, so autograd hands MeshAttnFunc no lse gradient).
+``return_lse=True`` (the lse is returned but unused: autograd hands MeshAttnFunc no lse gradient, taken as zeros).
 """
 
 from __future__ import annotations

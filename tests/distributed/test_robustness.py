@@ -335,6 +335,11 @@ def disagreement_checks(rank: int) -> dict:
             r"rank 1: 'torch.bfloat16, torch.bfloat16, torch.bfloat16'",
         ),
         "causal": (None, {"causal": not odd}, r"causal \(rank 0: True, rank 1: False, rank 2: True, rank 3: True\)"),
+        "return_lse": (
+            None,
+            {"return_lse": odd},
+            r"return_lse \(rank 0: False, rank 1: True",
+        ),
         "layout": (
             None,
             {"layout": "contiguous" if odd else "zigzag"},
