@@ -361,8 +361,8 @@ class Job:
     """Schedule of the Hugging Face cases (``hf.attach(..., schedule=)``)."""
     timeout_s: float = 60.0
     """Process-group timeout: a collective that waits longer raises instead of hanging."""
-    start_at: int = 0
-    """Index of the first case to run (a group restarted after a process died in a case)."""
+    only: tuple[int, ...] | None = None
+    """Indices of the cases to run (a group started again after a process died in a case); all if None."""
     case_filter: str | None = None
     """Run only the cases whose name this regular expression finds (``--cases``)."""
 
@@ -378,7 +378,7 @@ class Case:
 
 def rank_entry(rank: int, job: Job, tmp: str) -> None:
     """Spawned process ``rank``: start the group (itself a case), list the checks' cases and run those
-    from ``job.start_at`` on, writing a line before each case and its row after it (a process that
+    in ``job.only`` (all by default), writing a line before each case and its row after it (a process that
     dies in a case leaves the first line without the second)."""
     import torch.distributed as dist
 
@@ -415,7 +415,7 @@ def rank_entry(rank: int, job: Job, tmp: str) -> None:
         return Verdict(True, f"{job.backend} on {device}{', device-bound' if job.eager else ''}")
 
     row = run_case(job.section, f"{job.label}: start group", start)
-    if row.status != PASS or job.start_at == 0:
+    if row.status != PASS or job.only is None:
         emit(-1, row)
     if row.status != PASS:
         return
@@ -428,7 +428,7 @@ def rank_entry(rank: int, job: Job, tmp: str) -> None:
             cases = [c for c in cases if re.search(job.case_filter, c.name)]
         emit(-1, cases=[[c.section, c.name] for c in cases])
         for index, case in enumerate(cases):
-            if index < job.start_at:
+            if job.only is not None and index not in job.only:
                 continue
             emit(index, started=True, section=case.section, case=case.name)
             emit(index, run_case(case.section, case.name, case.fn, device))

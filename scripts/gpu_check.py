@@ -2,33 +2,46 @@
 
     python scripts/gpu_check.py                          # everything, on the GPUs of this machine
     python scripts/gpu_check.py --sections kernels,hf    # some sections only (or --skip examples)
-    python scripts/gpu_check.py --out gpu_check.md       # also write the table as markdown
+    python scripts/gpu_check.py --cases "cuda_flash bf16" # only the cases whose name matches
+    python scripts/gpu_check.py --out gpu_check.md       # also write the versions and table as markdown
     python scripts/gpu_check.py --cpu-selftest           # the same checks on CPU (CI runs this)
 
-Sections (each case runs in isolation: an exception is that case's FAIL and the rest still run):
+Every case is isolated: an exception is that case's FAIL and the rest still run. Multi-process sections
+run in spawned process groups; a process that dies or hangs in a case makes that case a FAIL (with the
+signal, or the timeout) and the group is started again for the cases after it.
 
-kernels   every block kernel of mesh_cp.kernels that runs on this device, and ``"auto"`` (with the kernel
-          it chose), forward and backward against fp64: out, lse, dq, dk, dv; causal and full; MHA and
-          GQA; head dims 64, 128 and 72; and a case where the loss also depends on the lse (with rows of
-          dO zero or tiny). fp16/bf16 pass within 2x the error of plain PyTorch attention in that dtype
-          (flash-attn's rule) plus a floor of eps/8; fp32 the same with a floor of 1e-5 (relative to
-          max(1, largest reference value)). A kernel whose library is missing, or not registered, is SKIP.
-mesh-nccl the mesh at P = number of GPUs over NCCL (one process per GPU, ``torch.cuda.set_device`` first),
-          once with a lazily initialised default group and once bound to the device (``device_id=``):
-          every tile of P, forward and backward (a loss on out and lse) against fp64, a tile mismatch.
-mesh-gloo 4 gloo ranks sharing GPU 0 (tensors on the GPU, collectives over gloo): tiles 2x2, 1x4, 4x1 and
-          P = 2 pairs; causal/full, GQA, bf16 and fp32 against fp64.
-hf        a tiny Llama (MHA and GQA) with ``hf.attach`` at P = 4 (NCCL with 4 GPUs, else 4 gloo ranks
-          sharing GPU 0): fp32 (within 1e-4 of the SDPA model, TF32 off), bf16 weights, and fp32 weights
-          under bf16 autocast (2x the SDPA model's error against fp64).
-examples  the accelerate, DeepSpeed and Megatron examples under torchrun with tiny settings, their loss
-          against their ``--reference`` where they have one; SKIP where a framework is missing.
+kernels   every block kernel of mesh_cp.kernels that runs on this device (flash_attn, cuda_flash,
+          cuda_sdpa, reference; cpu_flash on CPU) and ``"auto"`` with the kernel it chose, forward and
+          backward against fp64 (out, lse, dq, dk, dv): causal and full, MHA 4:4 and GQA 8:2, head dims
+          64, 128 and 72, 250 tokens (50 on CPU: lengths no block size divides), a case whose loss also depends
+          on the lse with rows of dO zero or tiny (1e-7). Rule, per quantity: the error is at most 2x the
+          error of plain PyTorch attention in that dtype (``scaled_dot_product_attention``; written out
+          where the lse gets a gradient) plus a floor relative to max(1, largest reference value): eps/8
+          for fp16/bf16 (flash-attn's rule), 1e-5 for fp32 (TF32 off). A kernel that is not registered,
+          whose library is missing, or that does not take the dtype is SKIP with the reason.
+mesh-nccl the mesh at P = number of GPUs over NCCL, one process per GPU (``torch.cuda.set_device`` first),
+          with a lazily initialised default group and with one bound to the device (``device_id=``):
+          every tile of P, both schedules, bf16/fp16/fp32, causal (zig-zag) and full (contiguous), MHA
+          and GQA, a loss on out and lse, against fp64 by the rule above; ranks asking for different
+          tiles must be refused.
+mesh-gloo the same with 4 gloo ranks sharing GPU 0 (CUDA tensors, gloo collectives): P = 4 (1x4, 2x2,
+          4x1) and P = 2 (pairs {0,1} and {2,3}), bf16 and fp32. The collective schedule runs first:
+          gloo may take CUDA tensors in collectives but not point to point (the overlapped schedule).
+hf        a tiny Llama (MHA and GQA) with ``hf.attach``, against the single-process SDPA model on the
+          same device: fp32 within 1e-4; bf16 weights, and fp32 weights under bf16 autocast, within 2x the
+          SDPA model's error against the model in fp64. At P = 4 on NCCL with 4 GPUs; otherwise at
+          P = #GPUs on NCCL and at P = 4 on gloo ranks sharing GPU 0 (collective schedule).
+examples  the accelerate, DeepSpeed and Megatron examples under ``python -m torch.distributed.run`` with
+          tiny settings on min(#GPUs, 4) processes (CP = all of them): the loss of every step against
+          the example's ``--reference`` (accelerate, DeepSpeed), or a falling finite loss (Megatron);
+          SKIP where a framework is not installed.
 
-``--cpu-selftest`` runs the same sections on CPU where they make sense (kernels: cpu_flash, reference
-and auto; the mesh on gloo at P = 4 and 2 in one spawn; hf fp32, bf16 and CPU bf16 autocast; NCCL and the
-examples SKIP), so the checker's own logic is tested without a GPU. ``--inject-fault KERNEL[:raise]``
-plants a bug in a kernel (``wrong``: 0.1 added to the last row of every block's output; ``raise``: its
-forward raises) to show that the check reports it.
+``--cpu-selftest`` runs the sections on CPU where they make sense (kernels: cpu_flash, reference and
+auto; the mesh on 4 gloo ranks at P = 4 and 2 and the hf checks at P = 4, in one spawned group; NCCL
+and the examples SKIP), so the checker's own logic is tested without a GPU
+(``tests/distributed/test_gpu_check.py``). ``--inject-fault KERNEL[:MODE[:DTYPE]]`` plants a bug in a
+kernel to show that the check catches it: ``wrong`` adds 0.1 to the last row of every block's output,
+``raise`` raises in forward, ``abort`` ends the spawned rank's process in forward.
 """
 
 from __future__ import annotations
@@ -196,6 +209,7 @@ def kernel_rows(opts: Options) -> list[Row]:
 
     device = opts.device
     if opts.cpu:
+        torch.set_num_threads(1)  # the spawned ranks run one thread each too; cores are few
         dtypes, batch, seq = (torch.float32, torch.bfloat16, torch.float16), 1, 50
         names = [*CPU_KERNELS, "reference", "auto", *CUDA_KERNELS]
     else:
@@ -287,7 +301,7 @@ def spawned_jobs(opts: Options) -> list[Job]:
         if checks:
             jobs.append(Job("gloo cpu", "mesh-gloo", "gloo", 4, "cpu", checks, **common))
         return jobs
-    gpu = dict(chunk=32, head_dim=64, timeout_s=120.0, **common)
+    gpu = dict(chunk=32, head_dim=64, timeout_s=60.0, **common)
     if "mesh-nccl" in want:
         for eager in (False, True):
             label = f"nccl {'eager' if eager else 'lazy'}"
@@ -311,12 +325,13 @@ def spawned_jobs(opts: Options) -> list[Job]:
 MAX_RESTARTS = 16
 
 
-def spawn_once(job: Job, timeout_s: float) -> tuple[str | None, list[list[dict]]]:
-    """Run the job's ranks once: the error that ended them (``None`` when they all ended well) and every
-    rank's records (the case list, a line before each case, each case's row)."""
+def spawn_once(job: Job, timeout_s: float) -> tuple[str | None, int | None, list[list[dict]]]:
+    """Run the job's ranks once: the error that ended them (``None`` when all ended well), the rank whose
+    process failed first (``None`` if unknown or on a timeout), and every rank's records (the case list,
+    a line before each case, each case's row)."""
     import torch.multiprocessing as mp
 
-    error = None
+    error, culprit = None, None
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         ctx = mp.start_processes(rank_entry, args=(job, tmp), nprocs=job.world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
@@ -330,49 +345,55 @@ def spawn_once(job: Job, timeout_s: float) -> tuple[str | None, list[list[dict]]
                     break
         except Exception as err:  # noqa: BLE001 - a rank that died (signal, exit code, uncaught error)
             error = " ".join(str(err).split())[-400:]
+            culprit = getattr(err, "error_index", None)
         records = []
         for rank in range(job.world):
             path = Path(tmp) / f"rank{rank}.jsonl"
-            records.append([json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [])
-    return error, records
+            lines = path.read_text().splitlines() if path.exists() else []
+            records.append([json.loads(line) for line in lines if line.endswith("}")])  # not a line cut short
+    return error, culprit, records
 
 
 def run_job(job: Job, timeout_s: float) -> list[Row]:
-    """Spawn the job's ranks and merge their rows. A process that dies (or hangs) in a case makes that
-    case a FAIL with the reason; the group is then started again for the cases after it."""
+    """Spawn the job's ranks and merge their rows over ranks.
+
+    A process that dies in a case makes that case a FAIL with the reason (on a timeout, every case then
+    running); the group is then started again for the cases that did not finish on every rank (those
+    the other processes were in when they were stopped, and those after)."""
     fields = {f.name for f in dataclasses.fields(Row)}
     results: list[dict[int, Row]] = [{} for _ in range(job.world)]
     planned: list[tuple[str, str]] = []
-    start_at, extra = 0, []
+    failed_in: set[int] = set()
+    todo, extra = None, []
     for _ in range(MAX_RESTARTS + 1):
         t0 = time.perf_counter()
-        error, records = spawn_once(dataclasses.replace(job, start_at=start_at), timeout_s)
-        started: dict[int, tuple[str, str]] = {}
-        unfinished: set[int] = set()
+        error, culprit, records = spawn_once(dataclasses.replace(job, only=todo), timeout_s)
+        running: dict[int, int] = {}  # rank -> index of the case it was in when it ended
         for rank, recs in enumerate(records):
             for rec in recs:
                 if "cases" in rec:
                     planned = [tuple(c) for c in rec["cases"]]
                 elif rec.get("started"):
-                    started[rec["index"]] = (rec["section"], rec["case"])
-                    unfinished.add((rank, rec["index"]))
+                    running[rank] = rec["index"]
                 else:
                     results[rank][rec["index"]] = Row(**{k: v for k, v in rec.items() if k in fields})
-                    unfinished.discard((rank, rec["index"]))
+                    running.pop(rank, None)
         if error is None:
             break
-        died_in = min((index for _, index in unfinished), default=None)
-        if died_in is None:  # outside any case: starting or ending the group
+        if culprit in running:
+            blamed = {running[culprit]}
+        elif culprit is None and error.startswith("timed out"):
+            blamed = set(running.values())
+        else:  # it failed outside any case: starting or ending the group
             extra.append(Row(job.section, f"{job.label}: processes", FAIL, error, time.perf_counter() - t0, math.inf))
             break
-        for rank in range(job.world):
-            for index in [i for i in results[rank] if i > died_in]:  # run again in the restarted group
-                del results[rank][index]
-            if (rank, died_in) in unfinished:
-                detail = f"the processes ended in this case: {error}"
-                results[rank][died_in] = Row(*started[died_in], FAIL, detail, time.perf_counter() - t0, math.inf)
-        start_at = died_in + 1
-        if start_at >= len(planned):
+        for index in blamed:
+            detail = f"the processes ended in this case: {error}"
+            for rank in range(job.world):
+                results[rank][index] = Row(*planned[index], FAIL, detail, time.perf_counter() - t0, math.inf)
+        failed_in |= blamed
+        todo = tuple(i for i in range(len(planned)) if i not in failed_in and not all(i in r for r in results))
+        if not todo:
             break
     else:
         extra.append(

@@ -94,17 +94,20 @@ def test_a_wrong_kernel_output_is_reported_as_failure(tmp_path: Path) -> None:
 
 
 def test_a_process_that_dies_in_a_case_fails_that_case_and_the_group_starts_again(tmp_path: Path) -> None:
+    only = "P=2 1x2|P=4 2x2 fp32"  # the pairs {0,1} and {2,3} run their cases independently of each other
     code, rows, output = run_check(
-        tmp_path, "--sections", "mesh-gloo", "--cases", "P=2 1x2", "--inject-fault", "cpu_flash:abort:bf16"
+        tmp_path, "--sections", "mesh-gloo", "--cases", only, "--inject-fault", "cpu_flash:abort:bf16"
     )
     assert code == 1, output[-3000:]
     for schedule in ("collective", "overlap"):
         died = rows[("mesh-gloo", f"gloo cpu P=2 1x2 bf16 {schedule}")]
         assert died["status"] == "FAIL" and "the processes ended in this case" in died["detail"], died
         assert "SIGABRT" in died["detail"], died
-        assert rows[("mesh-gloo", f"gloo cpu P=2 1x2 fp32 {schedule}")]["status"] == "PASS"  # after a restart
-    assert rows[("mesh-gloo", "gloo cpu P=2 1x2 CPMesh.create")]["status"] == "PASS"
-    assert len(rows) == 6, sorted(rows)
+        for case in (f"P=2 1x2 fp32 {schedule}", f"P=4 2x2 fp32 {schedule}"):  # run in a group started again
+            assert rows[("mesh-gloo", f"gloo cpu {case}")]["status"] == "PASS", rows[("mesh-gloo", f"gloo cpu {case}")]
+    created = rows[("mesh-gloo", "gloo cpu P=2 1x2 CPMesh.create")]
+    assert created["status"] == "PASS", created
+    assert len(rows) == 8, sorted(rows)
 
 
 def test_a_case_that_raises_is_its_own_failure_and_the_rest_still_run(tmp_path: Path) -> None:
