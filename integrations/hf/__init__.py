@@ -435,6 +435,13 @@ def _detach(model: torch.nn.Module) -> None:
                     extra.pop(hook_id, None)
 
 
+_POSITIONS_MESSAGE = (
+    "position_ids are not this rank's global positions of one sequence (in every row): a packed batch (positions "
+    "restarting per document) is not supported by mesh_cp yet, and a shard numbered from 0 would be silently wrong; "
+    "pass the position_ids of shard_batch / ShardingCollator"
+)
+
+
 class _Attachment:
     """What :func:`attach` gives a model: its mesh, layout and options (read by every attention layer), and
     the checks that run once per forward. Deep-copied with the model (the mesh copies as itself)."""
@@ -447,11 +454,15 @@ class _Attachment:
         """``id`` of the layers that called :func:`mesh_cp_attention` in this forward."""
         self._checked: tuple[weakref.ref, int] | None = None
         self._expected: dict[tuple[int, torch.device], Tensor] = {}
+        self._position_kinds: set[tuple] = set()
 
     def check_positions(self, position_ids: Tensor) -> None:
         """``position_ids`` must be this rank's global positions (:func:`mesh_cp.position_ids`) of one sequence
         of ``P * seq_local`` tokens, for every row. Checked once per tensor (identity and version), so once per
-        forward however many layers pass it on; that check reads a value on the host."""
+        forward however many layers pass it on. The first tensor of each (shape, device, dtype) is compared on
+        the host (a clear error naming the positions); later ones, a new tensor every step, are compared where
+        they are with ``torch._assert_async`` (on a GPU a wrong tensor stops the run with a device-side assertion
+        at the next synchronisation, with no host read per step; on the CPU the same ``ValueError`` at once)."""
         if (
             self._checked is not None
             and self._checked[0]() is position_ids
@@ -467,7 +478,13 @@ class _Attachment:
             if key not in self._expected:
                 self._expected[key] = mesh_cp.position_ids(seq, mesh=self.mesh, layout=self.layout, device=key[1])
             expected = self._expected[key]
-        if expected is None or position_ids.dim() > 2 or not bool((position_ids == expected).all()):
+        kind = (tuple(position_ids.shape), position_ids.device, position_ids.dtype)
+        if expected is not None and position_ids.dim() <= 2 and kind in self._position_kinds:
+            try:
+                torch._assert_async((position_ids == expected).all(), _POSITIONS_MESSAGE)
+            except RuntimeError:  # raised at once on the CPU; on a GPU the assertion fires on the device
+                raise ValueError(_POSITIONS_MESSAGE) from None
+        elif expected is None or position_ids.dim() > 2 or not bool((position_ids == expected).all()):
             shown = position_ids.reshape(-1, seq_local)[0].tolist()
             raise ValueError(
                 f"position_ids {_preview(shown)} are not this rank's global positions of one sequence of {seq} tokens "
@@ -475,6 +492,7 @@ class _Attachment:
                 f"row): a packed batch (positions restarting per document) is not supported by mesh_cp yet, and a "
                 f"shard numbered from 0 would be silently wrong; pass the position_ids of shard_batch / ShardingCollator"
             )
+        self._position_kinds.add(kind)
         self._checked = (weakref.ref(position_ids), position_ids._version)
 
     def before_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
