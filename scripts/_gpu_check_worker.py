@@ -444,8 +444,8 @@ def most_square(p: int) -> tuple[int, int]:
 def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> list[Case]:
     """The mesh over the whole group (every tile of P), and at world 4 also over the pairs {0,1}, {2,3}:
     a refused tile mismatch, then forward and backward (a loss on out and lse) against the fp64
-    reference. The collective schedule comes first: a backend that takes CUDA tensors in collectives
-    but not point to point (gloo) aborts the process at the first ring step of the overlapped one."""
+    reference. The collective schedule comes first, so that a backend failing point to point (the
+    overlapped schedule's ring steps) still shows how the collectives did."""
     import torch.distributed as dist
 
     import mesh_cp

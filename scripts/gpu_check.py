@@ -25,12 +25,12 @@ mesh-nccl the mesh at P = number of GPUs over NCCL, one process per GPU (``torch
           and GQA, a loss on out and lse, against fp64 by the rule above; ranks asking for different
           tiles must be refused.
 mesh-gloo the same with 4 gloo ranks sharing GPU 0 (CUDA tensors, gloo collectives): P = 4 (1x4, 2x2,
-          4x1) and P = 2 (pairs {0,1} and {2,3}), bf16 and fp32. The collective schedule runs first:
-          gloo may take CUDA tensors in collectives but not point to point (the overlapped schedule).
+          4x1) and P = 2 (pairs {0,1} and {2,3}), bf16 and fp32. The collective schedule runs first, so
+          a backend that fails point to point (the overlapped schedule's ring steps) still shows the rest.
 hf        a tiny Llama (MHA and GQA) with ``hf.attach``, against the single-process SDPA model on the
           same device: fp32 within 1e-4; bf16 weights, and fp32 weights under bf16 autocast, within 2x the
           SDPA model's error against the model in fp64. At P = 4 on NCCL with 4 GPUs; otherwise at
-          P = #GPUs on NCCL and at P = 4 on gloo ranks sharing GPU 0 (collective schedule).
+          P = #GPUs on NCCL and at P = 4 on gloo ranks sharing GPU 0.
 examples  the accelerate, DeepSpeed and Megatron examples under ``python -m torch.distributed.run`` with
           tiny settings on min(#GPUs, 4) processes (CP = all of them): the loss of every step against
           the example's ``--reference`` (accelerate, DeepSpeed), or a falling finite loss (Megatron);
@@ -111,6 +111,7 @@ class Options:
     case_filter: str | None
     job_timeout_s: float
     example_timeout_s: float
+    log_dir: str | None = None
     device: torch.device = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -317,8 +318,7 @@ def spawned_jobs(opts: Options) -> list[Job]:
         else:
             # P = 1 on NCCL as well: the model on the GPU (bf16, autocast) even where gloo cannot do P = 4.
             jobs.append(Job(f"nccl {opts.gpus} GPU", "hf", "nccl", opts.gpus, "cuda", ["hf:hf"], **gpu))
-            # gloo sends no CUDA tensors point to point (see the mesh-gloo rows): the collective schedule.
-            jobs.append(Job("gloo 4 on cuda:0", "hf", "gloo", 4, "cuda:0", ["hf:hf"], hf_schedule="collective", **gpu))
+            jobs.append(Job("gloo 4 on cuda:0", "hf", "gloo", 4, "cuda:0", ["hf:hf"], **gpu))
     return jobs
 
 
@@ -516,9 +516,21 @@ def torchrun(script: list[str], n: int, modules: list[str], opts: Options) -> st
         cmd + script, capture_output=True, text=True, timeout=opts.example_timeout_s, env=env, cwd=ROOT
     )
     out = proc.stdout + proc.stderr
+    if opts.log_dir:
+        Path(opts.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(opts.log_dir) / f"{Path(script[0]).parent.name}_{Path(script[0]).stem}.log").write_text(out)
     if proc.returncode != 0:
-        raise RuntimeError(f"exit code {proc.returncode}: {tail(out)}")
+        raise RuntimeError(f"exit code {proc.returncode}: {first_error(out) or tail(out)}")
     return out
+
+
+def first_error(text: str) -> str | None:
+    """The first ``SomethingError: message`` line a rank printed (torchrun's own summary comes after)."""
+    for line in text.splitlines():
+        match = re.search(r"\b(\w+(Error|Exception)): (.*)", line)
+        if match and "ChildFailedError" not in line:
+            return f"{match[1]}: {match[3]}"[:300]
+    return None
 
 
 def reference_example(script: list[str], n: int, modules: list[str], opts: Options) -> Verdict:
@@ -607,6 +619,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", default=None, metavar="REGEX", help="run only the cases whose name matches")
     p.add_argument("--job-timeout", type=float, default=None, help="seconds per spawned group (CPU 240, GPU 600)")
     p.add_argument("--example-timeout", type=float, default=600.0, help="seconds per example run")
+    p.add_argument("--log-dir", default=None, help="write each example's whole output here")
     args = p.parse_args(argv)
     chosen = [s for s in args.sections.split(",") if s]
     skipped = [s for s in args.skip.split(",") if s]
@@ -638,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
         case_filter=args.cases,
         job_timeout_s=args.job_timeout or (240.0 if args.cpu_selftest else 600.0),
         example_timeout_s=args.example_timeout,
+        log_dir=args.log_dir,
     )
     start = time.perf_counter()
     info = versions(opts)
