@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader
 
 import mesh_cp
 from mesh_cp.core.plan import BACKWARD_MODES, check_layout
+from mesh_cp.runtime.device_checks import check_on_device
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.schedules import SCHEDULES
@@ -480,10 +481,7 @@ class _Attachment:
             expected = self._expected[key]
         kind = (tuple(position_ids.shape), position_ids.device, position_ids.dtype)
         if expected is not None and position_ids.dim() <= 2 and kind in self._position_kinds:
-            try:
-                torch._assert_async((position_ids == expected).all(), _POSITIONS_MESSAGE)
-            except RuntimeError:  # raised at once on the CPU; on a GPU the assertion fires on the device
-                raise ValueError(_POSITIONS_MESSAGE) from None
+            check_on_device((position_ids == expected).all(), ValueError(_POSITIONS_MESSAGE))
         elif expected is None or position_ids.dim() > 2 or not bool((position_ids == expected).all()):
             shown = position_ids.reshape(-1, seq_local)[0].tolist()
             raise ValueError(

@@ -42,6 +42,7 @@ from torch import Tensor
 
 import mesh_cp
 from mesh_cp.core import AttentionShape, Tiling, factorizations, most_square_tile
+from mesh_cp.runtime.device_checks import check_on_device
 from mesh_cp.runtime.mesh import CPMesh
 
 logger = logging.getLogger("mesh_cp")
@@ -123,10 +124,7 @@ class MaskCheck:
         same = (mask == expected).all()
         kind = (tuple(mask.shape), mask.device, mask.dtype)
         if kind in self._kinds:
-            try:
-                torch._assert_async(same, self.MESSAGE)
-            except RuntimeError:  # raised at once on the CPU; on a GPU the assertion fires on the device
-                raise NotImplementedError(self.MESSAGE) from None
+            check_on_device(same, NotImplementedError(self.MESSAGE))
         elif not bool(same):
             raise NotImplementedError(self.MESSAGE)
         self._kinds.add(kind)

@@ -21,6 +21,8 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.utils import get_batch_on_this_cp_rank
 from torch import Tensor
 
+from mesh_cp.runtime.device_checks import check_on_device
+
 
 def shard_batch(tokens: Tensor, *, cp_group: dist.ProcessGroup, loss_mask: Tensor | None = None) -> dict[str, Tensor]:
     """This CP rank's share of a ``(batch, seq + 1)`` token window: ``tokens``, ``labels`` (next tokens,
@@ -68,10 +70,7 @@ def loss_share(per_token_loss: Tensor, loss_mask: Tensor, global_tokens: int | T
     elif global_tokens.numel() != 1:
         raise ValueError(f"global_tokens must be one number, got a tensor of shape {tuple(global_tokens.shape)}")
     else:
-        try:
-            torch._assert_async((global_tokens >= 1).reshape(()), message)
-        except RuntimeError:  # raised at once on the CPU; on a GPU the assertion fires on the device
-            raise ValueError(message) from None
+        check_on_device((global_tokens >= 1).reshape(()), ValueError(message))
     return (per_token_loss.float() * loss_mask).sum() / global_tokens
 
 
