@@ -149,6 +149,19 @@ def with_delta_column(
     return do_p, *(F.pad(t, (0, padded - dim)) for t in (q, k, v)), out_p
 
 
+def fused_backward_inputs(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, delta: Tensor, *, lse_grad: bool, multiple: int = 1
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(do, q, k, v, out)`` for a fused backward that forms ``rowsum(do * out)`` itself, head dim padded
+    to a multiple of ``multiple``: construction 2 of Note [Gradient of the lse] (:func:`with_delta_column`)
+    when ``lse_grad``, else construction 1 (:func:`out_for_delta`). Cut the kernel's ``dq, dk, dv`` back
+    to ``[..., :D]``."""
+    if lse_grad:
+        return with_delta_column(do, q, k, v, delta, multiple=multiple)
+    padded = round_up(q.shape[-1], multiple)
+    return tuple(pad_head_dim(t, padded) for t in (do, q, k, v, out_for_delta(do, delta)))
+
+
 def backward_by_parts(
     kernel: BlockKernel,
     do: Tensor,

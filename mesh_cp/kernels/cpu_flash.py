@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.numerics import SUPPORTED_DTYPES, expand_kv, fold_kv_grad
-from mesh_cp.kernels.base import out_for_delta, with_delta_column
+from mesh_cp.kernels.base import fused_backward_inputs
 
 
 class CpuFlashKernel:
@@ -50,10 +50,7 @@ class CpuFlashKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         heads, kv_heads, dim = q.shape[2], k.shape[2], q.shape[-1]
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
-        if lse_grad:
-            do, q, k, v, out = with_delta_column(do, q, k, v, delta)
-        else:
-            out = out_for_delta(do, delta)
+        do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.transpose(1, 2),
             q.transpose(1, 2),

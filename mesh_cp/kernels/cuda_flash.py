@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mesh_cp.kernels.base import backward_by_parts, out_for_delta, pad_head_dim, round_up, with_delta_column
+from mesh_cp.kernels.base import backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_MULTIPLE = 8
@@ -93,13 +93,9 @@ class CudaFlashKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         dim = q.shape[-1]
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
-        if lse_grad:
-            if round_up(dim + 1, HEAD_DIM_MULTIPLE) > MAX_HEAD_DIM:
-                return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale)
-            do, q, k, v, out = with_delta_column(do, q, k, v, delta, multiple=HEAD_DIM_MULTIPLE)
-        else:
-            padded = round_up(dim, HEAD_DIM_MULTIPLE)
-            do, q, k, v, out = (pad_head_dim(t, padded) for t in (do, q, k, v, out_for_delta(do, delta)))
+        if lse_grad and round_up(dim + 1, HEAD_DIM_MULTIPLE) > MAX_HEAD_DIM:
+            return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale)
+        do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad, multiple=HEAD_DIM_MULTIPLE)
         no_rng = torch.empty((), device=q.device, dtype=torch.int64)  # read only with dropout
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             do.transpose(1, 2),

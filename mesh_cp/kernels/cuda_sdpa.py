@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mesh_cp.core.numerics import expand_kv, fold_kv_grad
-from mesh_cp.kernels.base import out_for_delta, pad_head_dim, round_up, with_delta_column
+from mesh_cp.kernels.base import fused_backward_inputs, pad_head_dim, round_up
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The head dim is padded with zeros to a multiple of this (exact: zero columns change no score), so
@@ -88,11 +88,7 @@ class CudaSdpaKernel:
         heads, kv_heads, rows, dim = q.shape[2], k.shape[2], q.shape[1], q.shape[-1]
         k, v = expand_kv(k, heads), expand_kv(v, heads)
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
-        if lse_grad:
-            do, q, k, v, out = with_delta_column(do, q, k, v, delta, multiple=HEAD_DIM_MULTIPLE)
-        else:
-            padded = round_up(dim, HEAD_DIM_MULTIPLE)
-            do, q, k, v, out = (pad_head_dim(t, padded) for t in (do, q, k, v, out_for_delta(do, delta)))
+        do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad, multiple=HEAD_DIM_MULTIPLE)
         lse = F.pad(lse.float(), (0, _lse_len(rows) - rows)).contiguous()
         empty = torch.empty((), device=q.device, dtype=torch.int64)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(

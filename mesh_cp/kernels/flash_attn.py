@@ -48,7 +48,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from mesh_cp.kernels.base import backward_by_parts, out_for_delta, pad_head_dim, round_up, with_delta_column
+from mesh_cp.kernels.base import backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
 
 MIN_VERSION = (2, 6, 3)
 SPLIT_WINDOW_VERSION = (2, 7, 0)
@@ -194,13 +194,9 @@ class FlashAttnKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         dim = q.shape[-1]
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
-        if lse_grad:
-            if round_up(dim + 1, HEAD_DIM_MULTIPLE) > MAX_HEAD_DIM:
-                return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale)
-            do, q, k, v, out = with_delta_column(do, q, k, v, delta, multiple=HEAD_DIM_MULTIPLE)
-        else:
-            padded = round_up(dim, HEAD_DIM_MULTIPLE)
-            do, q, k, v, out = (pad_head_dim(t, padded) for t in (do, q, k, v, out_for_delta(do, delta)))
+        if lse_grad and round_up(dim + 1, HEAD_DIM_MULTIPLE) > MAX_HEAD_DIM:
+            return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale)
+        do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad, multiple=HEAD_DIM_MULTIPLE)
         do, q, k, v, out = (t.contiguous() for t in (do, q, k, v, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._fa._flash_attn_backward(
