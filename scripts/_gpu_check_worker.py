@@ -229,16 +229,18 @@ class AttentionInputs:
     def plain(self) -> dict[str, Tensor]:
         """Plain PyTorch attention in the inputs' dtype: ``scaled_dot_product_attention`` for out and the
         gradients of ``<dO, out>``; with an lse gradient (SDPA returns no lse) the attention written out
-        in that dtype. The lse is the log-sum-exp of the scores computed in that dtype."""
+        in that dtype. The lse is the log-sum-exp of the scores of the rounded inputs computed in fp32 (the
+        kernels return an fp32 lse, so its error is judged against fp32 arithmetic, not the input dtype's)."""
         leaves = [t.detach().clone().requires_grad_() for t in (self.q, self.k, self.v)]
         if self.dlse is None:
             out = sdpa(*leaves, causal=self.causal, scale=self.scale)
-            with torch.no_grad():
-                _, lse = attention_math(*leaves, causal=self.causal, scale=self.scale)
             self.loss(out, None).backward()
         else:
             out, lse = attention_math(*leaves, causal=self.causal, scale=self.scale)
             self.loss(out, lse).backward()
+        with torch.no_grad():
+            wide = torch.float64 if self.q.dtype == torch.float64 else torch.float32
+            _, lse = attention_math(*(t.detach().to(wide) for t in leaves), causal=self.causal, scale=self.scale)
         return {"out": out.detach(), "lse": lse.detach(), **grads_of(leaves)}
 
 

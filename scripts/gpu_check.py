@@ -256,6 +256,8 @@ def kernel_dtype_rows(name, kernel, dtype, device, batch, seq, opts) -> list[Row
     rows = []
     cases = [(label, h, kv, d, False) for label, h, kv, d in KERNEL_SHAPES]
     cases.append(("8:2 d64 lse grad", 8, 2, 64, True))
+    if device.type == "cuda":  # the delta column past the kernels' head-dim limits: backward by parts
+        cases += [("8:2 d192 lse grad", 8, 2, 192, True), ("8:2 d256 lse grad", 8, 2, 256, True)]
     for label, heads, kv_heads, dim, lse_grad in cases:
 
         def case(heads=heads, kv_heads=kv_heads, dim=dim, lse_grad=lse_grad) -> Verdict:

@@ -17,7 +17,8 @@ themselves. Two constructions give them an ``out`` whose row sum with ``dO`` is 
    ``|o| = |delta| / |dO| <= |O|`` (Cauchy-Schwarz), so ``o`` fits wherever ``O`` does (each row is
    scaled by its largest ``|dO|`` first, so ``|dO|^2`` does not underflow for tiny rows). With a
    gradient on the lse it fails: a row with ``dO = 0`` and ``delta = -dlse != 0`` has no such ``o``,
-   and a tiny ``|dO|`` overflows fp16. Such rows get ``nan`` (never a silently wrong gradient).
+   and a tiny ``|dO|`` overflows fp16. Such rows get ``nan`` (``dO = 0``) or ``inf`` (overflow),
+   never a silently wrong gradient.
 2. :func:`with_delta_column`, used when the lse receives a gradient (``lse_grad=True``): one more
    head-dim column, ``0`` in ``q, k, v`` (scores and ``dp = dO v^T`` are unchanged: the added terms
    are ``0 * x``), ``s`` in ``dO`` and ``delta / s`` in ``out``, whose other columns are ``0``; the

@@ -28,6 +28,22 @@ HEAD_DIM_MULTIPLE = 8
 MAX_HEAD_DIM = 256
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device; ``(0, 0)`` for others (``meta`` tensors in tests)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def _refused_width(padded: int, capability: tuple[int, int], what: str) -> str | None:
+    """Why the kernel cannot train with a padded head dim of ``padded`` on a GPU of ``capability``."""
+    if padded > MAX_HEAD_DIM:
+        return f"{what} > {MAX_HEAD_DIM}"
+    # PyTorch's own dispatch (sdp_utils: ..._gt192_constraints_on_sm86_89_or_120) refuses training with
+    # head dims in (192, 224] on these GPUs.
+    if capability in ((8, 6), (8, 9), (12, 0), (12, 1)) and 192 < padded <= 224:
+        return f"{what} (padded to {padded}) in (192, 224] has no backward on compute capability {capability}"
+    return None
+
+
 class CudaFlashKernel:
     """``aten._scaled_dot_product_flash_attention`` and its backward, on CUDA tensors."""
 
@@ -60,13 +76,7 @@ class CudaFlashKernel:
         if (major, minor) < (8, 0):
             return f"FlashAttention needs compute capability >= 8.0 (Ampere), got {major}.{minor}"
         if head_dim is not None:
-            padded = round_up(head_dim, HEAD_DIM_MULTIPLE)
-            if padded > MAX_HEAD_DIM:
-                return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
-            # PyTorch's own dispatch (sdp_utils: ..._gt192_constraints_on_sm86_89_or_120) refuses
-            # training with head dims in (192, 224] on these GPUs.
-            if (major, minor) in ((8, 6), (8, 9), (12, 0), (12, 1)) and 192 < padded <= 224:
-                return f"head_dim {head_dim} in (192, 224] has no backward on compute capability {major}.{minor}"
+            return _refused_width(round_up(head_dim, HEAD_DIM_MULTIPLE), (major, minor), f"head_dim {head_dim}")
         return None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
@@ -93,7 +103,8 @@ class CudaFlashKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         dim = q.shape[-1]
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
-        if lse_grad and round_up(dim + 1, HEAD_DIM_MULTIPLE) > MAX_HEAD_DIM:
+        # The delta column must fit the kernel's head dims too (at 192 on sm86/89/120 it does not).
+        if lse_grad and _refused_width(round_up(dim + 1, HEAD_DIM_MULTIPLE), _capability(q.device), "delta column"):
             return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale)
         do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad, multiple=HEAD_DIM_MULTIPLE)
         no_rng = torch.empty((), device=q.device, dtype=torch.int64)  # read only with dropout

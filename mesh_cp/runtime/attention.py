@@ -22,8 +22,9 @@ class MeshAttnFunc(torch.autograd.Function):
     the mesh by its call check) says whether the lse may receive a gradient: the fused block kernels
     then take the exact path for any ``dlse``, otherwise their cheaper one (Note [Gradient of the lse]
     in :mod:`mesh_cp.kernels.base`). Every block of a row is computed with the same choice whichever
-    rank computes it, and nothing is decided from data (no host sync). Backward always runs its
-    collectives, even when no gradient reaches this rank's outputs, so the other ranks never wait.
+    rank computes it, and nothing is decided from data (no host sync). Backward is collective: every
+    rank must back-propagate through every call (a gradient that reaches only one of the two outputs
+    is enough; the other is taken as zeros), or the ranks that do wait for those that do not.
     """
 
     @staticmethod
@@ -144,6 +145,13 @@ def mesh_attn_func(
         layout = "zigzag" if causal else "contiguous"
     if softmax_scale is None and q.dim() > 0:
         softmax_scale = q.shape[-1] ** -0.5
+    # The block kernel is resolved before the call check, so a kernel that cannot run on one rank only
+    # (a flash-attn that fails to import on one node, GPUs of two kinds) raises on every rank.
+    try:
+        block_kernel = resolve_kernel(kernel, q.device, q.dtype, head_dim=q.shape[-1] if q.dim() else None)
+        kernel_error = None
+    except (ValueError, NotImplementedError, RuntimeError) as err:
+        block_kernel, kernel_error = None, err
     mesh.check_same_call(
         {
             "q shape": tuple(q.shape),
@@ -159,9 +167,12 @@ def mesh_attn_func(
             "schedule": schedule,
             "backward": backward,
             "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__qualname__),
+            "block kernel": getattr(block_kernel, "name", None) if kernel_error is None else "cannot run",
             "buffer_budget": buffer_budget,
         }
     )
+    if kernel_error is not None:
+        raise kernel_error
     check_layout(layout)
     if backward not in BACKWARD_MODES:
         raise ValueError(f"backward {backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
@@ -177,7 +188,6 @@ def mesh_attn_func(
         buffer_budget=buffer_budget,
     )
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    block_kernel = resolve_kernel(kernel, q.device, q.dtype, head_dim=q.shape[-1])
     lse_grad = bool(return_lse)
     if cast_to is None:
         out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale, lse_grad)

@@ -363,6 +363,8 @@ class EmulatedCudaAttention(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ran: list[str] = []
+        self.backward_widths: list[torch.Size] = []
+        """Shapes of the ``query`` of every backward op that ran (its head dim, padding included)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         impl = self.IMPLS.get(func)
@@ -373,6 +375,8 @@ class EmulatedCudaAttention(TorchDispatchMode):
         bound.update(zip((a.name for a in schema), args, strict=False))  # trailing defaults omitted
         bound.update(kwargs or {})
         self.ran.append(func.__name__)
+        if func.__name__.endswith("_backward.default"):
+            self.backward_widths.append(bound["query"].shape)
         return impl(**bound)
 
 
@@ -390,6 +394,21 @@ def test_cuda_kernels_are_exact_on_emulated_ops(name: str, head_dim: int) -> Non
             check_block_kernel(kernel, dtype, causal, case, lse_grad=False)
     op = "_scaled_dot_product_flash_attention" if name == "cuda_flash" else "_scaled_dot_product_efficient_attention"
     assert {f"{op}.default", f"{op}_backward.default"} <= set(mode.ran)
+
+
+def test_cuda_flash_lse_gradient_at_head_dim_192_goes_by_parts_where_200_has_no_backward(monkeypatch) -> None:
+    """At head_dim 192 the delta column would make 200, which sm86/89/120 cannot train: backward by parts."""
+    from mesh_cp.kernels import cuda_flash
+
+    kernel = CudaFlashKernel.without_device_check()
+    for capability, by_parts in (((8, 6), True), ((9, 0), False)):
+        monkeypatch.setattr(cuda_flash, "_capability", lambda device, c=capability: c)
+        with EmulatedCudaAttention() as mode:
+            check_block_kernel(
+                kernel, torch.bfloat16, True, lse_grad_case(4, 2, 192, seed=3, lse_only=False), lse_grad=True
+            )
+        widths = {shape[-1] for shape in mode.backward_widths}
+        assert widths == ({192} if by_parts else {200}), (capability, widths)
 
 
 # --- kernel="auto" on emulated machines ---------------------------------------------------------
@@ -422,7 +441,14 @@ AUTO_MATRIX = [
     ("2.8.3", (7, 5), torch.float16, 64, "cuda_sdpa", r"cuda_flash: FlashAttention needs compute capability >= 8\.0"),
     ("2.8.3", (7, 5), torch.bfloat16, 64, "reference", r"cuda_sdpa: bfloat16 needs compute capability >= 8\.0"),
     ("2.8.3", (8, 0), torch.bfloat16, 320, "cuda_sdpa", r"flash_attn: head_dim 320 > 256; cuda_flash: head_dim 320"),
-    ("broken", (8, 6), torch.bfloat16, 200, "cuda_sdpa", r"cuda_flash: head_dim 200 in \(192, 224\] has no backward"),
+    (
+        "broken",
+        (8, 6),
+        torch.bfloat16,
+        200,
+        "cuda_sdpa",
+        r"cuda_flash: head_dim 200 \(padded to 200\) in \(192, 224\] has no backward",
+    ),
     ("2.8.3", (8, 0), torch.float32, 64, "cuda_sdpa", r"chose 'cuda_sdpa' for torch\.float32"),
     ("2.8.3", (9, 0), torch.float64, 64, "reference", r"chose 'reference' for torch\.float64 head_dim 64 on cuda:0$"),
 ]

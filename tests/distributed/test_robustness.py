@@ -3,6 +3,7 @@ group), timeouts, ranks that disagree, autocast, copies of a mesh."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import re
 
@@ -406,6 +407,24 @@ def disagreement_checks(rank: int) -> dict:
         }
         or sent
     )
+
+    # A kernel that resolves on some ranks and cannot run on one (a flash-attn that fails to import on one
+    # node): every rank raises the named mismatch instead of three ranks waiting for the fourth.
+    from unittest import mock
+
+    from mesh_cp.runtime import attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("flash-attn cannot be imported here")
+
+    with mock.patch.object(attention, "resolve_kernel", broken) if odd else contextlib.nullcontext():
+        expect_error(
+            res,
+            "a kernel that cannot run on one rank",
+            ValueError,
+            r"block kernel \(rank 0: 'cpu_flash', rank 1: 'cannot run', rank 2: 'cpu_flash'",
+            lambda: mesh_cp.mesh_attn_func(*same, mesh=plain, kernel="auto", **base),
+        )
     return res
 
 
