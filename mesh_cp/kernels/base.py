@@ -92,6 +92,23 @@ class BlockKernel(Protocol):
         ...
 
 
+class CudaOnlyKernel:
+    """Base of the kernels that run ATen's CUDA ops: constructing one without CUDA raises, naming the
+    kernel; :meth:`without_device_check` skips that check for tests that run the kernel on ``meta``
+    tensors (shape and dtype checks against the ops' meta functions) or under an emulation of the ops.
+    The ops themselves still need CUDA (or meta) tensors."""
+
+    name: str
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"kernel {self.name!r} needs CUDA; on CPU use kernel='cpu_flash'")
+
+    @classmethod
+    def without_device_check(cls):
+        return cls.__new__(cls)
+
+
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 

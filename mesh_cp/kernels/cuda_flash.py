@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mesh_cp.kernels.base import backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
+from mesh_cp.kernels.base import CudaOnlyKernel, backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_MULTIPLE = 8
@@ -44,21 +44,10 @@ def _refused_width(padded: int, capability: tuple[int, int], what: str) -> str |
     return None
 
 
-class CudaFlashKernel:
+class CudaFlashKernel(CudaOnlyKernel):
     """``aten._scaled_dot_product_flash_attention`` and its backward, on CUDA tensors."""
 
     name = "cuda_flash"
-
-    def __init__(self) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("kernel 'cuda_flash' needs CUDA; on CPU use kernel='cpu_flash'")
-
-    @classmethod
-    def without_device_check(cls) -> CudaFlashKernel:
-        """The kernel without the CUDA-availability check of ``__init__``, to run it on ``meta`` tensors
-        (shape and dtype checks against the ops' meta functions) or under an emulation of the ops in
-        tests. The ops themselves still need CUDA (or meta) tensors."""
-        return cls.__new__(cls)
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mesh_cp.core.numerics import expand_kv, fold_kv_grad
-from mesh_cp.kernels.base import fused_backward_inputs, pad_head_dim, round_up
+from mesh_cp.kernels.base import CudaOnlyKernel, fused_backward_inputs, pad_head_dim, round_up
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The head dim is padded with zeros to a multiple of this (exact: zero columns change no score), so
@@ -22,24 +22,13 @@ def _lse_len(rows: int) -> int:
     return rows if torch.version.hip else math.ceil(rows / 32) * 32
 
 
-class CudaSdpaKernel:
+class CudaSdpaKernel(CudaOnlyKernel):
     """``aten._scaled_dot_product_efficient_attention`` and its backward, on CUDA tensors.
 
     Any head dim (padded to a multiple of 8); GQA heads are expanded before the call.
     """
 
     name = "cuda_sdpa"
-
-    def __init__(self) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("kernel 'cuda_sdpa' needs CUDA; on CPU use kernel='cpu_flash'")
-
-    @classmethod
-    def without_device_check(cls) -> CudaSdpaKernel:
-        """The kernel without the CUDA-availability check of ``__init__``, to run it on ``meta`` tensors
-        (shape and dtype checks against the ops' meta functions) or under an emulation of the ops in
-        tests. The ops themselves still need CUDA (or meta) tensors."""
-        return cls.__new__(cls)
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
