@@ -69,12 +69,7 @@ def subgroups_checks(rank: int) -> dict:
     # parent's group ranks and timeout (split_group needs NCCL: mocked, it records and builds the group).
     calls = []
 
-    def fake_split(*, parent_pg, split_ranks, timeout):
-        calls.append((parent_pg, split_ranks, timeout))
-        mine = next(g for g in split_ranks if dist.get_group_rank(parent_pg, rank) in g)
-        members = [dist.get_global_rank(parent_pg, r) for r in mine]
-        return dist.new_group(members, timeout=timeout, use_local_synchronization=True)
-
+    fake_split = _recording_split_group(rank, calls)
     real_backend, real_split = dist.get_backend, getattr(dist, "split_group", None)
     world_group = dist.group.WORLD
     try:
@@ -103,9 +98,32 @@ def subgroups_checks(rank: int) -> dict:
     finally:
         world_group.bound_device_id = None
         dist.get_backend = real_backend
-        if real_split is not None:
-            dist.split_group = real_split
+        _restore_split_group(real_split)
     return res
+
+
+def _recording_split_group(rank: int, calls: list):
+    """A stand-in for ``dist.split_group`` (which needs NCCL): it records its arguments in ``calls`` and
+    builds this rank's subgroup of the partition with ``new_group``."""
+    import torch.distributed as dist
+
+    def split(*, parent_pg, split_ranks, timeout):
+        calls.append((parent_pg, split_ranks, timeout))
+        mine = next(g for g in split_ranks if dist.get_group_rank(parent_pg, rank) in g)
+        members = [dist.get_global_rank(parent_pg, r) for r in mine]
+        return dist.new_group(members, timeout=timeout, use_local_synchronization=True)
+
+    return split
+
+
+def _restore_split_group(real_split) -> None:
+    """Put back ``dist.split_group`` as it was before a test replaced (or deleted) it."""
+    import torch.distributed as dist
+
+    if real_split is not None:
+        dist.split_group = real_split
+    elif hasattr(dist, "split_group"):
+        del dist.split_group
 
 
 def _inputs(seed: int, batch: int = 1, seq: int = 32, heads: int = 4, kv_heads: int = 2, dim: int = 16):
@@ -202,12 +220,7 @@ def mesh_checks(rank: int) -> dict:
     cp = new_subgroups(world, [[0, 1], [2, 3]])
     calls = []
 
-    def fake_split(*, parent_pg, split_ranks, timeout):
-        calls.append((parent_pg, split_ranks, timeout))
-        mine = next(g for g in split_ranks if dist.get_group_rank(parent_pg, rank) in g)
-        members = [dist.get_global_rank(parent_pg, r) for r in mine]
-        return dist.new_group(members, timeout=timeout, use_local_synchronization=True)
-
+    fake_split = _recording_split_group(rank, calls)
     real_backend, real_split = dist.get_backend, getattr(dist, "split_group", None)
     try:
         world.bound_device_id = torch.device("cuda", 0)
@@ -217,10 +230,7 @@ def mesh_checks(rank: int) -> dict:
     finally:
         world.bound_device_id = None
         dist.get_backend = real_backend
-        if real_split is None:
-            del dist.split_group
-        else:
-            dist.split_group = real_split
+        _restore_split_group(real_split)
     res["split from the CP group"] = [c[0] is cp for c in calls] == [True] * 3 or calls
     res["split partitions"] = [c[1] for c in calls] == [[[0, 1]], [[0], [1]], [[0, 1]]] or [c[1] for c in calls]
     res["split timeout"] = all(c[2] == datetime.timedelta(seconds=300) for c in calls) or calls
