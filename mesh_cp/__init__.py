@@ -2,12 +2,14 @@
 
 Public API::
 
-    mesh = mesh_cp.CPMesh.create(cp_group, tile=(2, 2))
+    mesh = mesh_cp.CPMesh.create(cp_group, tile=(2, 2))        # or mesh_cp.auto_mesh(cp_group, topology=..., shape=...)
     q_local = mesh_cp.shard_sequence(q, mesh=mesh, dim=1, layout="zigzag")
     out = mesh_cp.mesh_attn_func(q_local, k_local, v_local, mesh=mesh, causal=True)
 
-``mesh_cp.core`` (plan and numerics) imports no torch.distributed; the runtime names below are
-loaded on first use, so importing ``mesh_cp.core`` alone stays light.
+The package reads top-down: ``core`` (plan, as data) -> ``kernels`` (block attention) -> ``runtime``
+(executors over process groups) -> ``integrations`` (framework adapters); ``sim`` times plans. ``mesh_cp.core``
+and ``mesh_cp.sim`` import no torch.distributed; the names below are loaded on first use, so importing
+``mesh_cp.core`` alone stays light.
 """
 
 from __future__ import annotations
@@ -16,25 +18,34 @@ import importlib
 
 __version__ = "0.1.0"
 
-_RUNTIME = {
-    "CPMesh",
-    "CommCounter",
-    "MeshAttnFunc",
-    "mesh_attn_func",
-    "position_ids",
-    "shard_sequence",
-    "unshard_sequence",
+_PUBLIC = {
+    "mesh_cp.runtime": {
+        "CPMesh",
+        "DataContextParallel",
+        "MeshAttnFunc",
+        "ShardedBatch",
+        "ShardingCollator",
+        "causal_lm_loss",
+        "mesh_attn_func",
+        "position_ids",
+        "reduce_gradients",
+        "shard_batch",
+        "shard_sequence",
+        "unshard_sequence",
+    },
+    "mesh_cp.core": {"AttentionPlan", "AttentionShape", "MaskKind", "Tiling", "make_plan"},
+    "mesh_cp.auto": {"auto_mesh"},
+    "mesh_cp.config": {"MeshConfig"},
+    "mesh_cp.debug": {"CommCounter"},
 }
-_CORE = {"AttentionPlan", "AttentionShape", "MaskKind", "Tiling", "make_plan"}
+_HOME = {name: module for module, names in _PUBLIC.items() for name in names}
 
-__all__ = sorted(_RUNTIME | _CORE)
+__all__ = sorted(_HOME)
 
 
 def __getattr__(name: str):
-    if name in _RUNTIME:
-        return getattr(importlib.import_module("mesh_cp.runtime"), name)
-    if name in _CORE:
-        return getattr(importlib.import_module("mesh_cp.core"), name)
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
     raise AttributeError(f"module 'mesh_cp' has no attribute {name!r}")
 
 

@@ -42,7 +42,7 @@ import mesh_cp
 from mesh_cp.core import AttentionPlan, AttentionShape, Tiling, check_seq_len, make_plan, most_square_tile
 from mesh_cp.core.numerics import attention_delta
 from mesh_cp.kernels import KERNEL_NAMES, get_kernel
-from mesh_cp.runtime.launch import spawn_gloo
+from mesh_cp.testing import spawn_gloo
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PHASES: tuple[str, ...] = ("forward", "backward")

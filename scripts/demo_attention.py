@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import mesh_cp
 from mesh_cp.core import AttentionShape, Tiling, make_plan, most_square_tile
-from mesh_cp.runtime.launch import spawn_gloo
+from mesh_cp.testing import spawn_gloo
 
 MiB = 2**20
 

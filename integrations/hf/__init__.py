@@ -29,26 +29,22 @@ through transformers' ``AttentionInterface`` raise with the reason.
 from __future__ import annotations
 
 import inspect
-import math
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import DataLoader
 
 import mesh_cp
-from mesh_cp.core.plan import BACKWARD_MODES, check_layout
+from mesh_cp.core.options import check_layout, check_option
+from mesh_cp.runtime.batch import IGNORE_INDEX, ShardedBatch, ShardingCollator, causal_lm_loss, shard_batch
 from mesh_cp.runtime.device_checks import check_on_device
-from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
-from mesh_cp.runtime.schedules import SCHEDULES
+from mesh_cp.runtime.parallel import DataContextParallel, reduce_gradients
 
 NAME = "mesh_cp"
-IGNORE_INDEX = -100
 
 ATTENTION_KEYWORDS: dict[str, str] = {
     "scaling": "softmax scale of q k^T; None means head_dim ** -0.5",
@@ -372,10 +368,8 @@ def attach(
     """
     if not isinstance(mesh, CPMesh):
         raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is not supported; choose one of {sorted(SCHEDULES)}")
-    if backward not in BACKWARD_MODES:
-        raise ValueError(f"backward {backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
+    check_option("schedule", schedule)
+    check_option("backward", backward)
     check_layout(layout)
     if not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
@@ -554,195 +548,6 @@ def _preview(values: list[int], n: int = 6) -> str:
     return str(values) if len(values) <= n else f"[{', '.join(map(str, values[:n]))}, ...] ({len(values)} values)"
 
 
-@dataclass(frozen=True)
-class ShardedBatch:
-    """One CP rank's share of a causal-LM batch."""
-
-    input_ids: Tensor
-    """``(batch, seq_local)`` token ids of this rank's shard."""
-    position_ids: Tensor
-    """``(batch, seq_local)`` global positions (pass them to the model: it would number the shard from 0)."""
-    shift_labels: Tensor
-    """``(batch, seq_local)`` next-token labels, shifted on the full sequence; ``-100`` where none."""
-    num_items_in_batch: int
-    """Labels that count in the whole batch (every shard of this CP group together)."""
-
-
-def shard_batch(
-    input_ids: Tensor,
-    *,
-    mesh: CPMesh,
-    labels: Tensor | None = None,
-    attention_mask: Tensor | None = None,
-    layout: str = "zigzag",
-    device: torch.device | str | None = None,
-) -> ShardedBatch:
-    """Shift labels on the full ``(batch, seq)`` sequence, then give this rank its shard (see module doc).
-
-    ``labels`` default to ``input_ids``; ``-100`` marks tokens without a label. A right-padding
-    ``attention_mask`` (ones then zeros per row) is exact under causal attention: the padded tokens
-    get no label and no real token attends to them. Left or inner padding is refused.
-
-    ``device``: where the returned tensors go (the device the training loop runs the model on);
-    ``None`` keeps the input's device. The labels are counted and the shard cut where the inputs
-    are, so inputs on the CPU (a ``DataLoader``'s) cost the accelerator no host synchronisation and
-    only this rank's shard is copied.
-    """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-    labels = input_ids if labels is None else labels
-    if labels.shape != input_ids.shape:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-    labels = labels.clone()
-    if attention_mask is not None:
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
-            )
-        keep = attention_mask.bool()
-        if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
-            raise ValueError(
-                "attention_mask pads on the left or inside a sequence; mesh_cp supports right padding only "
-                "(tokenizer padding_side='right')"
-            )
-        labels[~keep] = IGNORE_INDEX
-    shift = torch.full_like(labels, IGNORE_INDEX)
-    shift[:, :-1] = labels[:, 1:]
-    device = input_ids.device if device is None else torch.device(device)
-    positions = mesh_cp.position_ids(input_ids.shape[1], mesh=mesh, layout=layout, device=device)
-    return ShardedBatch(
-        input_ids=mesh_cp.shard_sequence(input_ids, mesh=mesh, dim=1, layout=layout).to(device),
-        position_ids=positions.unsqueeze(0).expand(input_ids.shape[0], -1),
-        shift_labels=mesh_cp.shard_sequence(shift, mesh=mesh, dim=1, layout=layout).to(device),
-        num_items_in_batch=int((shift != IGNORE_INDEX).sum()),
-    )
-
-
-class ShardingCollator:
-    """``DataLoader`` collate function: right-pad examples to a length the layout accepts, shift labels
-    on the full sequences, and return this CP rank's shard, ready for ``model(**batch)``.
-
-    Every rank of a CP group must see the same examples (same sampler seed, no DP split inside the
-    group). The batch holds ``input_ids``, ``position_ids``, ``labels`` and ``shift_labels`` (both the
-    shifted labels: transformers' causal-LM loss uses ``shift_labels`` when given) and
-    ``num_items_in_batch``, so the model's own ``loss`` is this rank's share of the global mean.
-    ``device``: where the batch's tensors go (``None``: the CPU, where the collator builds them).
-    """
-
-    def __init__(
-        self,
-        mesh: CPMesh,
-        *,
-        pad_token_id: int,
-        layout: str = "zigzag",
-        pad_to_multiple_of: int = 1,
-        device: torch.device | str | None = None,
-    ):
-        if not isinstance(mesh, CPMesh):
-            raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
-        if pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-        self.mesh, self.pad_token_id, self.layout = mesh, pad_token_id, layout
-        self.device = None if device is None else torch.device(device)
-        parts = 2 * mesh.size if layout == "zigzag" else mesh.size
-        self.multiple = math.lcm(parts, pad_to_multiple_of)
-
-    def __call__(self, examples: Sequence[Mapping[str, Sequence[int]] | Sequence[int]]) -> dict[str, Tensor]:
-        ids = [torch.as_tensor(e["input_ids"] if isinstance(e, Mapping) else e, dtype=torch.long) for e in examples]
-        labels = [
-            torch.as_tensor(e["labels"], dtype=torch.long) if isinstance(e, Mapping) and "labels" in e else i
-            for e, i in zip(examples, ids, strict=True)
-        ]
-        length = -(-max(len(i) for i in ids) // self.multiple) * self.multiple
-        input_ids = torch.full((len(ids), length), self.pad_token_id, dtype=torch.long)
-        label_ids = torch.full_like(input_ids, IGNORE_INDEX)
-        mask = torch.zeros_like(input_ids)
-        for row, (i, lab) in enumerate(zip(ids, labels, strict=True)):
-            input_ids[row, : len(i)], label_ids[row, : len(lab)], mask[row, : len(i)] = i, lab, 1
-        batch = shard_batch(
-            input_ids, mesh=self.mesh, labels=label_ids, attention_mask=mask, layout=self.layout, device=self.device
-        )
-        return {
-            "input_ids": batch.input_ids,
-            "position_ids": batch.position_ids,
-            "labels": batch.shift_labels,
-            "shift_labels": batch.shift_labels,
-            "num_items_in_batch": torch.tensor(batch.num_items_in_batch, device=batch.input_ids.device),
-        }
-
-
-def causal_lm_loss(logits: Tensor, shift_labels: Tensor, num_items_in_batch: int) -> Tensor:
-    """This rank's share of the mean next-token loss: its token losses summed, over the global count."""
-    if num_items_in_batch < 1:
-        raise ValueError(f"num_items_in_batch must be >= 1 (labels that count in the batch), got {num_items_in_batch}")
-    summed = torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]),
-        shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    return summed / num_items_in_batch
-
-
-def reduce_gradients(model: torch.nn.Module, mesh: CPMesh) -> None:
-    """Sum every parameter gradient over the CP group (each rank holds the gradient of its loss share)."""
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=mesh.group)
-
-
-@dataclass(frozen=True, eq=False)
-class DataContextParallel:
-    """Data parallel x context parallel over a process group: CP inner, DP outer.
-
-    Rank ``r`` of ``group`` is CP rank ``r % cp_size`` of data-parallel replica ``r // cp_size``; each
-    replica's CP group is tiled as a :class:`CPMesh`. Gradients are summed over the CP group (the loss
-    is split across it) and averaged over the replicas, in one all-reduce over ``group``.
-    """
-
-    mesh: CPMesh
-    """This replica's CP mesh."""
-    group: dist.ProcessGroup
-    """All DP x CP ranks."""
-    dp_group: dist.ProcessGroup
-    """The ranks holding the same CP rank in every replica."""
-    dp_size: int
-    dp_rank: int
-
-    @classmethod
-    def create(cls, group: dist.ProcessGroup, *, cp_size: int, tile, **mesh_options) -> DataContextParallel:
-        """Split ``group`` into ``size / cp_size`` replicas of ``cp_size`` consecutive ranks; ``tile`` and
-        ``mesh_options`` (``topology``, ``shape``, ``memory_budget``) go to :meth:`CPMesh.create`."""
-        if group is None:
-            raise ValueError("group=None is not accepted: pass the process group to split (e.g. dist.group.WORLD)")
-        world = dist.get_world_size(group)
-        if not isinstance(cp_size, int) or cp_size < 1 or world % cp_size:
-            divisors = [d for d in range(1, world + 1) if world % d == 0]
-            raise ValueError(
-                f"cp_size {cp_size!r} must divide the {world} ranks of the group; choose one of {divisors}"
-            )
-        ranks = dist.get_process_group_ranks(group)
-        me = dist.get_rank(group)
-        dp_rank, cp_rank = divmod(me, cp_size)
-        # Every rank creates its CP group, then its DP group (Note [Subgroups of an eagerly initialised
-        # NCCL world] in mesh_cp.runtime.groups); both inherit the timeout of ``group``.
-        dp_size = world // cp_size
-        cp_group = new_subgroups(group, [ranks[d * cp_size : (d + 1) * cp_size] for d in range(dp_size)])
-        dp_group = new_subgroups(group, [ranks[c::cp_size] for c in range(cp_size)])
-        mesh = CPMesh.create(cp_group, tile=tile, **mesh_options)
-        return cls(mesh=mesh, group=group, dp_group=dp_group, dp_size=world // cp_size, dp_rank=dp_rank)
-
-    def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Sum gradients over CP and average them over DP (one all-reduce over all DP x CP ranks)."""
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
-                p.grad.div_(self.dp_size)
-
-    def __str__(self) -> str:
-        return f"DP({self.dp_size}) x {self.mesh}, replica {self.dp_rank}"
-
-
 def mesh_cp_trainer_class():
     """``transformers.Trainer`` subclass that trains with a :class:`DataContextParallel` layout.
 
@@ -837,3 +642,20 @@ def _layout_from_deepspeed_args(training_args, model) -> DataContextParallel:
             '"tile": ...} to it, or pass layout= to MeshCPTrainer'
         )
     return mesh_attention.layout
+
+
+__all__ = [
+    "ATTENTION_KEYWORDS",
+    "IGNORE_INDEX",
+    "DataContextParallel",
+    "ShardedBatch",
+    "ShardingCollator",
+    "attach",
+    "causal_lm_loss",
+    "mesh_cp_attention",
+    "mesh_cp_mask",
+    "mesh_cp_trainer_class",
+    "reduce_gradients",
+    "register",
+    "shard_batch",
+]

@@ -1,29 +1,28 @@
-"""Plan (pure data) and numerics (torch tensors) of Mesh-Attention; no torch.distributed here."""
+"""Plan (pure data) and numerics (torch tensors) of Mesh-Attention; no torch.distributed here.
 
+``tiling`` (who computes which block) -> ``layout`` (which tokens a rank holds) -> ``plan`` (blocks,
+transfers, bytes) -> ``schedule`` (the overlapped schedule as data); ``options`` names the choices and
+``numerics`` holds the one LSE merge.
+"""
+
+from mesh_cp.core.layout import check_seq_len, chunk_ranges, layout_permutation, local_positions
+from mesh_cp.core.options import BACKWARD_MODES, LAYOUTS, SCHEDULES, check_layout, check_option
 from mesh_cp.core.plan import (
-    BACKWARD_MODES,
-    LAYOUTS,
     AttentionPlan,
     AttentionShape,
     BlockWork,
     MaskKind,
-    Tiling,
     Transfer,
     block_work,
-    check_layout,
-    check_seq_len,
-    chunk_ranges,
-    factorizations,
-    layout_permutation,
-    local_positions,
     make_plan,
     mask_kind,
-    most_square_tile,
 )
+from mesh_cp.core.tiling import Tiling, factorizations, most_square_tile
 
 __all__ = [
     "BACKWARD_MODES",
     "LAYOUTS",
+    "SCHEDULES",
     "AttentionPlan",
     "AttentionShape",
     "BlockWork",
@@ -32,6 +31,7 @@ __all__ = [
     "Transfer",
     "block_work",
     "check_layout",
+    "check_option",
     "check_seq_len",
     "chunk_ranges",
     "factorizations",

@@ -1,6 +1,6 @@
 """The overlapped schedule as data: a greedy lattice path of ring moves, cut into lockstep rounds.
 
-Pure Python (no torch): the executor in :mod:`mesh_cp.runtime.schedules` runs these rounds, the
+Pure Python (no torch): the executor in :mod:`mesh_cp.runtime.executors` runs these rounds, the
 plan counts their bytes and buffers, and the simulator times them.
 
 Note [Overlapped schedule]

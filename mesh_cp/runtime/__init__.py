@@ -1,23 +1,30 @@
-"""The only part of mesh_cp that uses torch.distributed: the mesh, schedules, sharding, accounting."""
+"""The only part of mesh_cp that uses torch.distributed.
 
-from mesh_cp.runtime.accounting import CommCounter, CommRecord
+``mesh`` (the CP group tiled ``a x b``) -> ``executors`` (run a plan: the collective and the overlapped
+schedule) -> ``attention`` (``mesh_attn_func``); ``comm`` (flat collectives, ring steps), ``groups``
+(subgroups), ``sharding`` (sequences), ``batch`` (causal-LM batches and loss shares), ``parallel`` (DP x CP).
+"""
+
 from mesh_cp.runtime.attention import MeshAttnFunc, mesh_attn_func
+from mesh_cp.runtime.batch import IGNORE_INDEX, ShardedBatch, ShardingCollator, causal_lm_loss, shard_batch
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
-from mesh_cp.runtime.schedules import SCHEDULES, CollectiveSchedule, get_schedule
+from mesh_cp.runtime.parallel import DataContextParallel, reduce_gradients
 from mesh_cp.runtime.sharding import position_ids, shard_sequence, unshard_sequence
 
 __all__ = [
-    "SCHEDULES",
+    "IGNORE_INDEX",
     "CPMesh",
-    "CollectiveSchedule",
-    "CommCounter",
-    "CommRecord",
+    "DataContextParallel",
     "MeshAttnFunc",
-    "get_schedule",
+    "ShardedBatch",
+    "ShardingCollator",
+    "causal_lm_loss",
     "mesh_attn_func",
     "new_subgroups",
     "position_ids",
+    "reduce_gradients",
+    "shard_batch",
     "shard_sequence",
     "unshard_sequence",
 ]

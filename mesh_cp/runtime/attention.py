@@ -6,10 +6,10 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.numerics import SUPPORTED_DTYPES, autocast_dtype, autocast_inputs
-from mesh_cp.core.plan import BACKWARD_MODES, AttentionPlan, AttentionShape, check_layout, make_plan
+from mesh_cp.core.plan import AttentionPlan, AttentionShape, make_plan
 from mesh_cp.kernels import BlockKernel, resolve_kernel
+from mesh_cp.runtime.executors import Schedule, get_schedule
 from mesh_cp.runtime.mesh import CPMesh
-from mesh_cp.runtime.schedules import Schedule, get_schedule
 
 
 class MeshAttnFunc(torch.autograd.Function):
@@ -173,9 +173,6 @@ def mesh_attn_func(
     )
     if kernel_error is not None:
         raise kernel_error
-    check_layout(layout)
-    if backward not in BACKWARD_MODES:
-        raise ValueError(f"backward {backward!r} is not supported; choose one of {sorted(BACKWARD_MODES)}")
     shape = attention_shape(q, k, v)
     plan = make_plan(
         mesh.tiling,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import logging
 import struct
 import zlib
 from collections.abc import Mapping
@@ -14,14 +13,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mesh_cp.core.plan import AttentionShape, Tiling
+from mesh_cp.core.plan import AttentionShape
+from mesh_cp.core.tiling import Tiling
 from mesh_cp.runtime.comm import all_gather
 from mesh_cp.runtime.groups import group_device, group_timeout, new_subgroups
 
 if TYPE_CHECKING:
     from mesh_cp.sim import Topology
-
-logger = logging.getLogger("mesh_cp")
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,12 +82,13 @@ class CPMesh:
     ) -> CPMesh:
         """Tile the CP process group ``group`` as ``tile = (a, b)`` (or ``"axb"``), ``a * b = group size``.
 
-        ``tile="auto"`` picks the tile the cost model predicts fastest for ``topology`` (a
-        :class:`mesh_cp.sim.Topology` or a preset name such as ``"h100"``) and ``shape`` (the per-rank
-        :class:`mesh_cp.core.AttentionShape` of the attention calls), within ``memory_budget`` bytes per
-        rank, and logs why (logger ``mesh_cp``; also in :attr:`reason`). With a topology the
-        overlapped schedule orders its moves by the two rings' link speeds (Q-groups of
-        consecutive ranks sit inside a node when ``a`` divides the ranks per node).
+        ``tile="auto"`` (or any tile with a ``topology``) is :func:`mesh_cp.auto_mesh`: the tile the cost model
+        predicts fastest for ``topology`` (a :class:`mesh_cp.sim.Topology` or a preset name such as ``"h100"``)
+        and ``shape`` (the per-rank :class:`mesh_cp.core.AttentionShape` of the attention calls), within
+        ``memory_budget`` bytes per rank, logged with why (logger ``mesh_cp``; also in :attr:`reason`). With a
+        topology the overlapped schedule orders its moves by the two rings' link speeds (Q-groups of
+        consecutive ranks sit inside a node when ``a`` divides the ranks per node). The cost model is
+        imported only then.
 
         Collective: every rank of ``group`` must call it with the same tile and ``debug`` (checked). It
         creates this rank's Q-group and KV-group as subgroups of ``group``
@@ -133,30 +132,43 @@ class CPMesh:
             raise ValueError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
         if not isinstance(debug, bool):
             raise ValueError(f"debug must be True or False, got {debug!r}")
-        if isinstance(topology, str):
-            from mesh_cp.sim import Topology
+        if tile == "auto" or topology is not None:
+            from mesh_cp.auto import auto_mesh  # the cost model is loaded only for a topology
 
-            topology = Topology.preset(topology, head_dim=shape.head_dim if shape else 128)
-        reason = ""
-        if tile == "auto":
-            if topology is None or shape is None:
-                raise ValueError(
-                    "tile='auto' needs topology= (a mesh_cp.sim.Topology or a preset name such as 'h100') and "
-                    "shape= (mesh_cp.core.AttentionShape of the per-rank attention inputs) to choose from"
-                )
-            from mesh_cp.sim import choose_tile
+            return auto_mesh(
+                group,
+                topology=topology,
+                shape=shape,
+                tile=tile,
+                memory_budget=memory_budget,
+                timeout=timeout,
+                debug=debug,
+            )
+        if shape is not None or memory_budget is not None:
+            raise ValueError(
+                "shape= and memory_budget= are what tile='auto' chooses from; give them with tile='auto' and topology="
+            )
+        return cls.from_tiling(group, Tiling.parse(tile, world), timeout=timeout, debug=debug)
 
-            tiling, reason = choose_tile(world, shape, topology, memory_budget=memory_budget)
-            if cp_rank == 0:
-                logger.info("mesh_cp: %s", reason)
-        else:
-            tiling = Tiling.parse(tile, world)
+    @classmethod
+    def from_tiling(
+        cls,
+        group: ProcessGroup,
+        tiling: Tiling,
+        *,
+        link_cost: tuple[float, float] = (1.0, 1.0),
+        reason: str = "",
+        timeout: datetime.timedelta | None = None,
+        debug: bool = False,
+    ) -> CPMesh:
+        """The mesh of a concrete ``tiling`` of ``group`` (:meth:`create` checks the arguments and calls it;
+        :func:`mesh_cp.auto_mesh` calls it with the tile, ``link_cost`` and ``reason`` the cost model gives).
+        Collective over ``group``: checks that every rank asked for the same tiling and ``debug``."""
+        if tiling.world != dist.get_world_size(group):
+            raise ValueError(
+                f"tiling {tiling} is of {tiling.world} ranks, the CP group has {dist.get_world_size(group)}"
+            )
         _check_same_tile(group, tiling, debug)
-        link_cost = (1.0, 1.0)
-        if topology is not None:
-            from mesh_cp.sim import ring_link_cost
-
-            link_cost = ring_link_cost(tiling, topology)
         global_ranks = tuple(dist.get_process_group_ranks(group))
         if timeout is None:
             timeout = group_timeout(group)
@@ -174,7 +186,7 @@ class CPMesh:
             q_group=q_group,
             kv_group=kv_group,
             tiling=tiling,
-            rank=cp_rank,
+            rank=dist.get_rank(group),
             global_ranks=global_ranks,
             link_cost=link_cost,
             reason=reason,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mesh_cp.core.plan import check_layout, chunk_ranges, layout_permutation, local_positions
+from mesh_cp.core.layout import check_layout, chunk_ranges, layout_permutation, local_positions
 from mesh_cp.runtime.comm import all_gather
 from mesh_cp.runtime.mesh import CPMesh
 

@@ -5,15 +5,18 @@
     topology = Topology.h100_infiniband(head_dim=128)
     result = simulate(plan, topology)          # predicted time, traffic per link class, memory
     tile, reason = choose_tile(256, shape, topology, memory_budget=40 * 2**30)
+
+``model`` times a plan, ``memory`` is the peak-memory model, ``ulysses`` the head-parallel comparison,
+``choice`` the automatic tile choice (:func:`mesh_cp.auto_mesh` builds a mesh with it).
 """
 
+from mesh_cp.sim.choice import choose_tile, describe_links, simulate_tiles
+from mesh_cp.sim.memory import peak_bytes
 from mesh_cp.sim.model import (
     PhaseResult,
     SimResult,
     Traffic,
     bottleneck_rank,
-    choose_tile,
-    describe_links,
     group_links,
     next_hops,
     plan_for_topology,
@@ -21,11 +24,9 @@ from mesh_cp.sim.model import (
     ring_link_cost,
     simulate,
     simulate_phase,
-    simulate_tiles,
-    simulate_ulysses,
-    ulysses_unavailable,
 )
 from mesh_cp.sim.topology import LINK_CLASSES, PRESETS, LinkClass, Topology
+from mesh_cp.sim.ulysses import simulate_ulysses, ulysses_unavailable
 
 __all__ = [
     "LINK_CLASSES",
@@ -40,6 +41,7 @@ __all__ = [
     "describe_links",
     "group_links",
     "next_hops",
+    "peak_bytes",
     "plan_for_topology",
     "rank_traffic",
     "ring_link_cost",

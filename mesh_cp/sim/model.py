@@ -29,17 +29,12 @@ alone and the slowest is taken; that ignores how a slow rank delays its ring nei
 its group, ``(n - 1) * (latency + piece / bandwidth)`` on the group's ring class, one after the
 other, then all blocks are computed (nothing overlaps).
 
-*Ulysses* (DeepSpeed-style sequence parallelism, for comparison): all-to-alls re-shard q, k, v from
-sequence to heads and o back; backward sends dO in and dq, dk, dv out. Each is a direct all-to-all:
-a rank sends one piece to every peer, those inside its node over NVLink while those on other nodes
-go over its NIC. Each rank then computes the full-sequence attention of ``heads / P`` heads.
-
 *Traffic* per rank and link class: bytes a rank sends over hops of that class (each ring step sends
 to the next member of the ring). Ranks differ (with the 1 x P ring only the ranks at a node boundary
 send across nodes); results report the rank that sends the most across nodes, which is the one the
 timing above stands for. Every rank sends ``plan.bytes_sent(phase)`` in total.
 
-*Memory* per rank is ``plan.peak_bytes(phase)``: bytes held at the phase's peak beyond the inputs.
+*Memory* per rank is :func:`mesh_cp.sim.memory.peak_bytes`: bytes held at the phase's peak beyond the inputs.
 """
 
 from __future__ import annotations
@@ -49,11 +44,11 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mesh_cp.core import AttentionPlan, AttentionShape, BlockWork, Tiling, check_seq_len, factorizations, make_plan
+from mesh_cp.core import AttentionPlan, AttentionShape, BlockWork, Tiling, make_plan
+from mesh_cp.core.options import Backward, Layout, Schedule, check_option
+from mesh_cp.core.schedule import RINGS
+from mesh_cp.sim.memory import peak_bytes
 from mesh_cp.sim.topology import LINK_CLASSES, LinkClass, Topology
-
-PHASES = ("forward", "backward")
-RINGS = ("q", "kv")
 
 
 @dataclass(frozen=True)
@@ -212,8 +207,7 @@ def _collective_comm_seconds(plan: AttentionPlan, topology: Topology, phase: str
 
 def simulate_phase(plan: AttentionPlan, topology: Topology, phase: str) -> PhaseResult:
     """Predicted time, compute, traffic and memory of one phase; see Note [Simulator cost model]."""
-    if phase not in PHASES:
-        raise ValueError(f"phase {phase!r} must be one of {PHASES}")
+    check_option("phase", phase)
     ranks = timed_ranks(plan)
     compute = max(_compute_seconds(plan, topology, phase, g) for g in ranks)
     if plan.schedule == "overlap":
@@ -221,7 +215,7 @@ def simulate_phase(plan: AttentionPlan, topology: Topology, phase: str) -> Phase
     else:
         time = compute + _collective_comm_seconds(plan, topology, phase)
     by_ring = rank_traffic(plan, topology, phase, bottleneck_rank(plan.tiling, topology))
-    return PhaseResult(time=time, compute=compute, traffic=by_ring["q"] + by_ring["kv"], memory=plan.peak_bytes(phase))
+    return PhaseResult(time=time, compute=compute, traffic=by_ring["q"] + by_ring["kv"], memory=peak_bytes(plan, phase))
 
 
 def simulate(plan: AttentionPlan, topology: Topology) -> SimResult:
@@ -239,9 +233,9 @@ def plan_for_topology(
     topology: Topology,
     *,
     causal: bool = True,
-    layout: str = "zigzag",
-    backward: str = "regather",
-    schedule: str = "overlap",
+    layout: Layout = "zigzag",
+    backward: Backward = "regather",
+    schedule: Schedule = "overlap",
 ) -> AttentionPlan:
     """The plan with the overlapped schedule's greedy path ordered by the topology's link speeds."""
     return make_plan(
@@ -260,146 +254,3 @@ def ring_link_cost(tiling: Tiling, topology: Topology) -> tuple[float, float]:
     links = group_links(tiling, topology)
     cost = [1.0 / topology.bandwidth(links[ring]) for ring in RINGS]
     return (cost[0] / min(cost), cost[1] / min(cost))
-
-
-# ----------------------------------------------------------------------------------------------
-# Ulysses
-
-
-def ulysses_unavailable(world: int, shape: AttentionShape) -> str | None:
-    """Why Ulysses cannot run ``shape`` on ``world`` ranks, or ``None`` when it can.
-
-    Heads are split over the ranks, so ``world`` must divide ``heads``. K/V heads are split the same
-    way when ``world`` divides ``kv_heads``; when ``world > kv_heads`` they are replicated instead
-    (each rank receives the one K/V head its query heads use), which needs ``kv_heads`` to divide
-    ``world``.
-    """
-    if shape.heads % world:
-        return f"Ulysses splits heads over ranks: P={world} does not divide heads={shape.heads}"
-    kv = shape.kv_heads
-    if (kv >= world and kv % world) or (kv < world and world % kv):
-        return f"Ulysses splits or replicates K/V heads: P={world} and kv_heads={kv} must divide one another"
-    return None
-
-
-def _all_to_all_seconds(piece: float, world: int, topology: Topology, rank: int) -> tuple[float, Traffic]:
-    """Time and traffic of a direct all-to-all sending ``piece`` bytes from ``rank`` to each peer."""
-    node = topology.node(rank)
-    intra_peers = sum(1 for g in range(world) if g != rank and topology.node(g) == node)
-    peers = {"intra": intra_peers, "inter": world - 1 - intra_peers}
-    time = max(topology.transfer_time(link, n * piece, messages=n) if n else 0.0 for link, n in peers.items())
-    return time, Traffic(intra=round(peers["intra"] * piece), inter=round(peers["inter"] * piece))
-
-
-def simulate_ulysses(world: int, shape: AttentionShape, topology: Topology, *, causal: bool = True) -> SimResult:
-    """Predict DeepSpeed-Ulysses attention: all-to-all over heads, full-sequence attention per rank.
-
-    ``shape`` holds the per-rank sizes of the sequence-sharded inputs. Forward sends q, k, v in and o
-    out, backward dO in and dq, dk, dv out, all in the input dtype; each q-sized tensor sends
-    ``(P-1)/P`` of itself, a K or V sends one ``1/min(P, kv_heads)`` piece to each peer (K/V heads
-    replicated when ``P > kv_heads``). Memory: the head-sharded copies of the four tensors of each
-    phase and one statistics tensor (lse or delta). Raises ``NotImplementedError`` with the reason
-    when :func:`ulysses_unavailable` says so.
-    """
-    reason = ulysses_unavailable(world, shape)
-    if reason is not None:
-        raise NotImplementedError(reason)
-    q_bytes = shape.chunk_elems * shape.itemsize
-    kv_bytes = q_bytes * shape.kv_heads // shape.heads  # one of K or V
-    # Forward q, k, v in and o out; backward dO, dk, dv and dq have the same sizes.
-    kv_piece = kv_bytes / min(world, shape.kv_heads)
-    pieces = (q_bytes / world, kv_piece, kv_piece, q_bytes / world)
-    rank = world - 1  # on the last node, which is the smallest: the most peers across nodes
-    seq = shape.seq_local * world
-    pairs = seq * (seq + 1) // 2 if causal else seq * seq
-    heads_per_rank = shape.heads // world
-    memory = 2 * q_bytes + 2 * kv_bytes * max(1, world // shape.kv_heads) + shape.stats_elems * shape.acc_itemsize
-    phases = {}
-    for phase in PHASES:
-        compute = pairs * shape.batch * heads_per_rank / topology.pairs_per_second
-        compute *= topology.backward_factor if phase == "backward" else 1.0
-        comm, traffic = 0.0, Traffic()
-        for piece in pieces:
-            seconds, sent = _all_to_all_seconds(piece, world, topology, rank)
-            comm, traffic = comm + seconds, traffic + sent
-        phases[phase] = PhaseResult(time=comm + compute, compute=compute, traffic=traffic, memory=memory)
-    return SimResult(name="ulysses", forward=phases["forward"], backward=phases["backward"])
-
-
-# ----------------------------------------------------------------------------------------------
-# Tile choice
-
-
-def describe_links(tiling: Tiling, topology: Topology) -> str:
-    """``"Q ring inside a node, KV ring across nodes"`` (a ring of one rank is ``"unused"``)."""
-    links = group_links(tiling, topology)
-    where = {"intra": "inside a node", "inter": "across nodes"}
-    parts = [
-        f"{name} ring {where[links[ring]] if size > 1 else 'unused'}"
-        for name, ring, size in (("Q", "q", tiling.a), ("KV", "kv", tiling.b))
-    ]
-    return ", ".join(parts)
-
-
-def simulate_tiles(
-    world: int,
-    shape: AttentionShape,
-    topology: Topology,
-    *,
-    causal: bool = True,
-    layout: str = "zigzag",
-    backward: str = "regather",
-    schedule: str = "overlap",
-) -> dict[Tiling, SimResult]:
-    """:func:`simulate` every factorisation ``a x b`` of ``world`` (``shape`` holds per-rank sizes)."""
-    check_seq_len(shape.seq_local * world, world, layout)
-    return dict(_simulate_tiles(world, shape, topology, causal, layout, backward, schedule))
-
-
-@functools.lru_cache(maxsize=64)
-def _simulate_tiles(
-    world: int, shape: AttentionShape, topology: Topology, causal: bool, layout: str, backward: str, schedule: str
-) -> tuple[tuple[Tiling, SimResult], ...]:
-    tilings = [Tiling(world=world, a=a, b=b) for a, b in factorizations(world)]
-    options = {"causal": causal, "layout": layout, "backward": backward, "schedule": schedule}
-    return tuple((t, simulate(plan_for_topology(t, shape, topology, **options), topology)) for t in tilings)
-
-
-def choose_tile(
-    world: int,
-    shape: AttentionShape,
-    topology: Topology,
-    *,
-    causal: bool = True,
-    layout: str = "zigzag",
-    backward: str = "regather",
-    memory_budget: int | None = None,
-    schedule: str = "overlap",
-) -> tuple[Tiling, str]:
-    """The tile with the fastest predicted forward + backward within ``memory_budget``, and why.
-
-    Simulates every factorisation ``a x b`` of ``world`` with ``schedule``; drops tiles whose peak
-    memory per rank (:meth:`AttentionPlan.peak_bytes`) exceeds ``memory_budget`` bytes (``None``:
-    no limit); ties go to the tile sending fewer bytes. ``shape`` holds per-rank sizes.
-    """
-    if memory_budget is not None and memory_budget < 1:
-        raise ValueError(f"memory_budget must be a positive number of bytes or None, got {memory_budget!r}")
-    results = simulate_tiles(world, shape, topology, causal=causal, layout=layout, backward=backward, schedule=schedule)
-    fits = {t: r for t, r in results.items() if memory_budget is None or r.memory <= memory_budget}
-    if not fits:
-        least = min(results, key=lambda t: results[t].memory)
-        raise ValueError(
-            f"memory_budget {memory_budget} bytes is below the peak of every tile of {world} ranks; the least is "
-            f"{results[least].memory} bytes (tile {least}); raise the budget or shorten the sequence per rank"
-        )
-    best = min(fits, key=lambda t: (fits[t].time, fits[t].traffic.total, t.a))
-    ring, chosen = results[Tiling(world=world, a=1, b=world)], fits[best]
-    units = chosen.forward.traffic.total / (shape.chunk_elems * shape.itemsize)
-    over = len(results) - len(fits)
-    reason = (
-        f"tile {best}: predicted {chosen.time * 1e3:.3g} ms fwd+bwd vs ring 1x{world} {ring.time * 1e3:.3g} ms "
-        f"({ring.time / chosen.time:.2f}x); {describe_links(best, topology)}; {units:.3g} C per rank forward"
-    )
-    if over:
-        reason += f"; {over} tile(s) over the memory budget"
-    return best, reason

@@ -1,4 +1,4 @@
-"""Multi-rank tests spawn their own gloo group with :func:`mesh_cp.runtime.launch.spawn_gloo`.
+"""Multi-rank tests spawn their own gloo group with :func:`mesh_cp.testing.spawn_gloo`.
 
 Each test module spawns a group once per world size and runs many cases inside it (a spawn costs
 seconds on two cores; a case costs milliseconds).
@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from mesh_cp.runtime.launch import spawn_gloo
+from mesh_cp.testing import spawn_gloo
 
 
 def run_distributed(fn: Callable, world: int, *args: Any) -> list[Any]:

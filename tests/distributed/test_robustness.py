@@ -523,7 +523,7 @@ def stalled_rank_worker(rank: int, world: int, marker: str) -> dict:
 
 
 def test_stalled_rank_makes_the_others_raise_within_the_timeout(tmp_path) -> None:
-    from mesh_cp.runtime.launch import spawn_gloo
+    from mesh_cp.testing import spawn_gloo
 
     results = spawn_gloo(
         stalled_rank_worker,

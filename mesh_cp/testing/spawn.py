@@ -1,12 +1,13 @@
 """Run a function on N local processes joined in a gloo process group (demos, benchmarks, tests).
 
 Production jobs are started by torchrun / accelerate / deepspeed; this is for single-machine runs
-that start their own ranks.
+that start their own ranks, and :func:`gloo_exit_workaround` is for any process that joins a gloo group.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import pickle
 import tempfile
@@ -19,6 +20,17 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 
 
+def gloo_exit_workaround() -> None:
+    """Call before ``init_process_group("gloo", ...)`` in every process of a gloo run.
+
+    Without ``torch._dynamo`` imported before the process group is made, gloo processes sometimes abort at
+    exit ("terminate called without an active exception") after ``destroy_process_group``; importing it
+    first orders torch's exit handlers so they do not. End every run with ``barrier()`` and
+    ``destroy_process_group()`` as well.
+    """
+    importlib.import_module("torch._dynamo")
+
+
 def _worker(
     rank: int,
     fn: Callable,
@@ -29,7 +41,8 @@ def _worker(
     final_barrier: bool,
     args: tuple,
 ) -> None:
-    import torch._dynamo  # noqa: F401  (before init_process_group: gloo can abort at exit otherwise)
+    gloo_exit_workaround()
+    import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)

@@ -1,0 +1,87 @@
+"""Data parallel x context parallel: the DP x CP groups, and the one gradient all-reduce."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mesh_cp.core.plan import AttentionShape
+from mesh_cp.runtime.groups import new_subgroups
+from mesh_cp.runtime.mesh import CPMesh
+
+
+def reduce_gradients(model: torch.nn.Module, mesh: CPMesh) -> None:
+    """Sum every parameter gradient over the CP group (each rank holds the gradient of its loss share)."""
+    _all_reduce_gradients(model, mesh.group, divide_by=1)
+
+
+def _all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup, *, divide_by: int) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            if divide_by != 1:
+                p.grad.div_(divide_by)
+
+
+@dataclass(frozen=True, eq=False)
+class DataContextParallel:
+    """Data parallel x context parallel over a process group: CP inner, DP outer.
+
+    Rank ``r`` of ``group`` is CP rank ``r % cp_size`` of data-parallel replica ``r // cp_size``; each
+    replica's CP group is tiled as a :class:`CPMesh`. Gradients are summed over the CP group (the loss
+    is split across it) and averaged over the replicas, in one all-reduce over ``group``.
+    """
+
+    mesh: CPMesh
+    """This replica's CP mesh."""
+    group: dist.ProcessGroup
+    """All DP x CP ranks."""
+    dp_group: dist.ProcessGroup
+    """The ranks holding the same CP rank in every replica."""
+    dp_size: int
+    dp_rank: int
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup, *, cp_size: int, tile, **mesh_options) -> DataContextParallel:
+        """Split ``group`` into ``size / cp_size`` replicas of ``cp_size`` consecutive ranks; ``tile`` and
+        ``mesh_options`` (``topology``, ``shape``, ``memory_budget``, ``timeout``, ``debug``) go to
+        :meth:`CPMesh.create`."""
+        if group is None:
+            raise ValueError("group=None is not accepted: pass the process group to split (e.g. dist.group.WORLD)")
+        world = dist.get_world_size(group)
+        if not isinstance(cp_size, int) or cp_size < 1 or world % cp_size:
+            divisors = [d for d in range(1, world + 1) if world % d == 0]
+            raise ValueError(
+                f"cp_size {cp_size!r} must divide the {world} ranks of the group; choose one of {divisors}"
+            )
+        ranks = dist.get_process_group_ranks(group)
+        dp_rank = dist.get_rank(group) // cp_size
+        # Every rank creates its CP group, then its DP group (Note [Subgroups of an eagerly initialised
+        # NCCL world] in mesh_cp.runtime.groups); both inherit the timeout of ``group``.
+        dp_size = world // cp_size
+        cp_group = new_subgroups(group, [ranks[d * cp_size : (d + 1) * cp_size] for d in range(dp_size)])
+        dp_group = new_subgroups(group, [ranks[c::cp_size] for c in range(cp_size)])
+        mesh = CPMesh.create(cp_group, tile=tile, **mesh_options)
+        return cls(mesh=mesh, group=group, dp_group=dp_group, dp_size=dp_size, dp_rank=dp_rank)
+
+    @classmethod
+    def from_config(
+        cls, config, group: dist.ProcessGroup | None = None, *, shape: AttentionShape | None = None
+    ) -> DataContextParallel:
+        """The layout an enabled :class:`mesh_cp.config.MeshConfig` asks for, over ``group`` (default: the
+        world); ``shape`` (per-rank :class:`~mesh_cp.core.AttentionShape`) is needed by ``tile="auto"``."""
+        if not config.enabled:
+            raise ValueError(f"the mesh config is not enabled ({config}); set enabled=True to build a layout")
+        group = dist.group.WORLD if group is None else group
+        tile = config.tile_for(dist.get_world_size(group))
+        options = {"topology": config.topology, "shape": shape} if tile == "auto" or config.topology else {}
+        return cls.create(group, cp_size=config.cp_size, tile=tile, **options)
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum gradients over CP and average them over DP (one all-reduce over all DP x CP ranks)."""
+        _all_reduce_gradients(model, self.group, divide_by=self.dp_size)
+
+    def __str__(self) -> str:
+        return f"DP({self.dp_size}) x {self.mesh}, replica {self.dp_rank}"

@@ -1,0 +1,122 @@
+"""The peak-memory model of an attention plan: bytes one rank holds at the peak of a phase.
+
+Pure Python (no torch), over the same :class:`~mesh_cp.core.AttentionPlan` the executors run. The
+kernel's share is calibrated on the CPU flash kernel; ``backend`` says how the process group stages
+collectives (gloo copies an all-gather through a flat buffer of its output, NCCL gathers in place).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from mesh_cp.core.options import Phase, check_option
+from mesh_cp.core.plan import AttentionPlan, BlockWork
+
+Backend = Literal["gloo", "nccl"]
+BACKENDS: tuple[str, ...] = ("gloo", "nccl")
+
+
+def peak_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Backend = "gloo") -> int:
+    """Bytes ``rank`` allocates at the peak of ``phase`` of ``plan``, beyond its inputs and saved tensors.
+
+    Counts what the schedule holds — gathered Q/KV chunks (all of them for ``backward="reuse"``,
+    which keeps them from forward to backward), fp32 accumulators of partial outputs and
+    gradients, transfer buffers — plus one block's kernel outputs and temporaries. The
+    overlapped schedule frees a chunk after its last use, so its peak follows its path; the
+    collective schedule holds every gathered chunk and the reduce buffers together, and on
+    ``backend="gloo"`` a flat copy of each all-gather's output while it runs.
+    """
+    check_option("phase", phase)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not modelled; choose one of {list(BACKENDS)}")
+    if plan.schedule == "collective":
+        return _collective_peak(plan, phase, rank, staged=backend == "gloo")
+    return _overlap_peak(plan, phase, rank)
+
+
+def _kernel_bytes(plan: AttentionPlan, w: BlockWork | None, phase: Phase) -> int:
+    """Outputs and temporaries of one block's kernel call (calibrated on the CPU flash kernel):
+    forward its output and the merge's weighted copy; backward dq, dk, dv and the kernel's own
+    out; GQA adds the K, V repeated to every head."""
+    if w is None:
+        return 0
+    s = plan.shape
+    q_bytes = s.chunk_elems * s.itemsize
+    rq = (w.q_rows[1] - w.q_rows[0]) / s.seq_local
+    rk = (w.kv_rows[1] - w.kv_rows[0]) / s.seq_local
+    gqa = rk if s.kv_heads != s.heads else 0.0
+    if phase == "forward":
+        return int(rq * (q_bytes + s.chunk_elems * s.acc_itemsize) + gqa * q_bytes // 2)
+    return int((2 * rq + 2 * rk + 1.5 * gqa) * q_bytes)
+
+
+def _units(plan: AttentionPlan) -> dict[str, int]:
+    s = plan.shape
+    q_bytes, kv_bytes = plan.chunk_bytes()
+    acc = s.chunk_elems * s.acc_itemsize
+    return {
+        "q": q_bytes,
+        "kv": kv_bytes,
+        "acc": acc,
+        "kv_acc": kv_bytes // s.itemsize * s.acc_itemsize,
+        "stats": s.stats_elems * s.acc_itemsize,
+    }
+
+
+def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool) -> int:
+    u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
+    kernel = max(_kernel_bytes(plan, w, phase) for w in plan.blocks(rank))
+    if phase == "forward":
+        rows = a * (u["acc"] + u["stats"])
+        gathered = a * u["q"] + b * u["kv"]
+        # gloo stages an all-gather through a flat copy of its output (NCCL gathers in place)
+        stages = [
+            a * u["q"] * (2 if a > 1 else 1),  # the all-gather of Q
+            gathered + u["kv"] + (b * u["kv"] if b > 1 else 0),  # the all-gather of the stacked K, V
+            gathered + rows + kernel,  # block compute
+            gathered + 3 * rows + u["acc"] + u["stats"] if a > 1 else 0,  # packed, received, merged row
+        ]
+        return max(stages)
+    regather = plan.backward == "regather"
+    gathered = (a * 2 * u["q"] + b * u["kv"]) if regather else a * u["q"]
+    stats = (2 * a + 3) * u["stats"]
+    grads = 2 * (a * u["acc"] + b * u["kv_acc"]) + u["acc"] + u["kv_acc"]
+    return gathered + stats + max(grads, a * u["acc"] + b * u["kv_acc"] + kernel)
+
+
+def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int) -> int:
+    u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
+    sched = plan.overlap(phase)
+    keep = plan.backward == "reuse"
+    if phase == "forward":
+        # Partial rows are packed into a copy when sent: the copy and the receive buffer are in flight.
+        partial = {"q": u["acc"] + u["stats"]}
+        alive = {"q": sched.partials_alive("q", sent_at="launch")}
+        inflight_bytes = {"q": 2 * (u["acc"] + u["stats"])}
+        fixed = 0
+        q_unit, kv_unit, q0_input = u["q"], u["kv"], not keep
+        if keep:  # the chunk stores are allocated whole
+            fixed += a * u["q"] + b * u["kv"]
+            q_unit = kv_unit = 0
+    else:
+        # Partial gradients are sent as they are: only the receive buffer is extra while in flight.
+        partial = {"q": u["acc"], "kv": u["kv_acc"]}
+        alive = {ring: sched.partials_alive(ring, sent_at="wait") for ring in partial}
+        inflight_bytes = dict(partial)
+        fixed = u["stats"]  # delta
+        q_unit = (u["q"] if keep else 2 * u["q"]) + 2 * u["stats"]  # (dO) or (q, dO), with lse and delta
+        kv_unit, q0_input = (0, True) if keep else (u["kv"], False)  # reuse: offset 0's dO is the input
+    last_q = sched.last_use("q")
+    inflight: dict[str, int] = {}
+    peak = 0
+    for t, (act, (nq, nkv)) in enumerate(zip(sched.actions, sched.chunks_alive(), strict=True)):
+        if act.op == "launch" and act.step.kind == "reduce":
+            inflight[act.step.ring] = inflight_bytes[act.step.ring]
+        held = nq * q_unit + nkv * kv_unit - (u["q"] if q0_input and last_q.get(0, -1) >= t else 0)
+        partials = sum(alive[ring][t] * partial[ring] for ring in partial)
+        kernel = _kernel_bytes(plan, plan.block_at(rank, *act.block), phase) if act.op == "compute" else 0
+        now = fixed + held + partials + sum(inflight.values()) + kernel
+        peak = max(peak, now)
+        if act.op == "wait" and act.step.kind == "reduce":
+            inflight.pop(act.step.ring, None)
+    return peak
