@@ -15,9 +15,9 @@ import torch
 
 import mesh_cp
 from mesh_cp.core import factorizations, make_plan
+from mesh_cp.runtime.attention import attention_shape
 from mesh_cp.sim.memory import peak_bytes
 from mesh_cp.testing import MemoryPeak
-from mesh_cp.runtime.attention import attention_shape
 from tests.distributed.harness import run_distributed
 
 WORLD = 4
