@@ -155,73 +155,84 @@ class OverlapSchedule:
         return max(nq * q_bytes + nkv * kv_bytes for nq, nkv in self.chunks_alive())
 
 
-def _actions(a: int, b: int, path: tuple[Ring, ...], reduce: tuple[Ring, ...], kv_present: bool) -> tuple[Action, ...]:
-    size = {"q": a, "kv": b}
-    held = {"q": 1, "kv": b if kv_present else 1}
-    # Blocks each offset still needs before its partial is complete on this rank.
-    remaining = {"q": dict.fromkeys(range(a), b), "kv": dict.fromkeys(range(b), a)}
-    next_step = dict.fromkeys(reduce, 0)
-    pending: set[Ring] = set()
-    actions: list[Action] = []
+class _ActionList:
+    """Builds the actions of a lattice path (Note [Overlapped schedule]): launches, waits and computes."""
 
-    def launch_reduces() -> None:
+    def __init__(self, a: int, b: int, path: tuple[Ring, ...], reduce: tuple[Ring, ...], kv_present: bool) -> None:
+        self.size = {"q": a, "kv": b}
+        self.held = {"q": 1, "kv": b if kv_present else 1}
+        self.reduce = reduce
+        # Blocks each offset still needs before its partial is complete on this rank.
+        self.remaining = {"q": dict.fromkeys(range(a), b), "kv": dict.fromkeys(range(b), a)}
+        self.next_step = dict.fromkeys(reduce, 0)
+        self.pending: set[Ring] = set()
+        self.actions: list[Action] = []
+        # Each ring's moves in order, numbered by the offset they bring. A ring's next move is launched as
+        # soon as its previous one has been waited for, so the two rings (different links) run side by
+        # side; the path orders the waits, and so the compute.
+        self.queued = {
+            ring: [RingStep(ring, "move", k) for k in range(1, self.size[ring]) if path.count(ring) >= k]
+            for ring in RINGS
+        }
+        self.busy = dict.fromkeys(RINGS, False)
+
+    def launch_reduces(self) -> None:
         """Launch each ring's next reduce step once its offset is complete, waiting for the previous
         step first (its partial is part of what this step sends)."""
-        for ring in reduce:
-            s = next_step[ring]
-            if s < size[ring] - 1 and remaining[ring][s + 1] == 0:
-                if ring in pending:
-                    actions.append(Action("wait", RingStep(ring, "reduce", s - 1)))
-                actions.append(Action("launch", RingStep(ring, "reduce", s)))
-                pending.add(ring)
-                next_step[ring] += 1
+        for ring in self.reduce:
+            s = self.next_step[ring]
+            if s < self.size[ring] - 1 and self.remaining[ring][s + 1] == 0:
+                if ring in self.pending:
+                    self.actions.append(Action("wait", RingStep(ring, "reduce", s - 1)))
+                self.actions.append(Action("launch", RingStep(ring, "reduce", s)))
+                self.pending.add(ring)
+                self.next_step[ring] += 1
 
-    def wait_reduces() -> None:
-        for ring in reduce:
-            if ring in pending:
-                actions.append(Action("wait", RingStep(ring, "reduce", next_step[ring] - 1)))
-                pending.discard(ring)
+    def wait_reduces(self) -> None:
+        for ring in self.reduce:
+            if ring in self.pending:
+                self.actions.append(Action("wait", RingStep(ring, "reduce", self.next_step[ring] - 1)))
+                self.pending.discard(ring)
 
-    def compute(blocks: list[tuple[int, int]]) -> None:
+    def compute(self, blocks: list[tuple[int, int]]) -> None:
         for i, j in blocks:
-            actions.append(Action("compute", block=(i, j)))
-            remaining["q"][i] -= 1
-            remaining["kv"][j] -= 1
-            launch_reduces()
+            self.actions.append(Action("compute", block=(i, j)))
+            self.remaining["q"][i] -= 1
+            self.remaining["kv"][j] -= 1
+            self.launch_reduces()
 
-    # Each ring's moves in order, numbered by the offset they bring. A ring's next move is launched as
-    # soon as its previous one has been waited for, so the two rings (different links) run side by
-    # side; the path orders the waits, and so the compute.
-    queued = {
-        ring: [RingStep(ring, "move", k) for k in range(1, size[ring]) if path.count(ring) >= k] for ring in RINGS
-    }
-    busy = dict.fromkeys(RINGS, False)
-
-    def launch_moves() -> None:
+    def launch_moves(self) -> None:
         for ring in RINGS:
-            if not busy[ring] and queued[ring]:
-                actions.append(Action("launch", queued[ring].pop(0)))
-                busy[ring] = True
+            if not self.busy[ring] and self.queued[ring]:
+                self.actions.append(Action("launch", self.queued[ring].pop(0)))
+                self.busy[ring] = True
 
-    launch_moves()
-    compute([(0, j) for j in range(held["kv"])])
-    for ring in path:
-        move = RingStep(ring, "move", held[ring])
-        actions.append(Action("wait", move))
-        busy[ring] = False
-        launch_reduces()
-        launch_moves()
+    def wait_move(self, ring: Ring) -> None:
+        """Wait for ``ring``'s move, launch what became ready, compute the blocks it unlocked (KV columns in
+        the order the reduce-scatter needs rows: offsets 1, 2, ..., 0)."""
+        held = self.held
+        self.actions.append(Action("wait", RingStep(ring, "move", held[ring])))
+        self.busy[ring] = False
+        self.launch_reduces()
+        self.launch_moves()
         new = held[ring]
         held[ring] += 1
         if ring == "q":
-            compute([(new, j) for j in range(held["kv"])])
+            self.compute([(new, j) for j in range(held["kv"])])
         else:
-            rows = sorted(range(held["q"]), key=lambda i: (i == 0, i))
-            compute([(i, new) for i in rows])
-    while pending:
-        wait_reduces()
-        launch_reduces()
-    return tuple(actions)
+            self.compute([(i, new) for i in sorted(range(held["q"]), key=lambda i: (i == 0, i))])
+
+
+def _actions(a: int, b: int, path: tuple[Ring, ...], reduce: tuple[Ring, ...], kv_present: bool) -> tuple[Action, ...]:
+    build = _ActionList(a, b, path, reduce, kv_present)
+    build.launch_moves()
+    build.compute([(0, j) for j in range(build.held["kv"])])
+    for ring in path:
+        build.wait_move(ring)
+    while build.pending:
+        build.wait_reduces()
+        build.launch_reduces()
+    return tuple(build.actions)
 
 
 @functools.lru_cache(maxsize=512)

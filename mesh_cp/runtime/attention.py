@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 from mesh_cp.core.numerics import SUPPORTED_DTYPES, autocast_dtype, autocast_inputs
-from mesh_cp.core.plan import AttentionPlan, AttentionShape, make_plan
+from mesh_cp.core.plan import AttentionShape, make_plan
 from mesh_cp.kernels import BlockKernel, resolve_kernel
-from mesh_cp.runtime.executors import Schedule, get_schedule
+from mesh_cp.runtime.executors import AttentionCall, Saved
 from mesh_cp.runtime.mesh import CPMesh
 
 
 class MeshAttnFunc(torch.autograd.Function):
     """Autograd function of Mesh-Attention; use :func:`mesh_attn_func` rather than calling it directly.
 
-    ``forward(q, k, v, mesh, plan, kernel, schedule, scale, lse_grad) -> (out, lse)``.
+    ``forward(q, k, v, call) -> (out, lse)`` with ``call`` the :class:`AttentionCall` (mesh, plan, kernel,
+    scale, ``lse_grad``), kept on ``ctx`` for backward; its plan's ``schedule`` picks the executor.
 
     Gradients are not materialised: an output that no loss reads arrives in ``backward`` as ``None``
-    (and is taken as zeros). ``lse_grad`` (``mesh_attn_func``'s ``return_lse``, equal on every rank of
+    (and is taken as zeros). ``call.lse_grad`` (``mesh_attn_func``'s ``return_lse``, equal on every rank of
     the mesh by its call check) says whether the lse may receive a gradient: the fused block kernels
     then take the exact path for any ``dlse``, otherwise their cheaper one (Note [Gradient of the lse]
     in :mod:`mesh_cp.kernels.base`). Every block of a row is computed with the same choice whichever
@@ -28,50 +31,27 @@ class MeshAttnFunc(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        q,
-        k,
-        v,
-        mesh: CPMesh,
-        plan: AttentionPlan,
-        kernel: BlockKernel,
-        schedule: Schedule,
-        scale: float,
-        lse_grad: bool = False,
-    ):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):
         ctx.set_materialize_grads(False)
-        ctx.lse_grad = lse_grad
-        out, lse, saved = schedule.forward(q, k, v, mesh=mesh, plan=plan, kernel=kernel, scale=scale)
+        out, lse, gathered = call.executor.forward(call, q, k, v)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *saved)
-        ctx.mesh, ctx.plan, ctx.kernel, ctx.schedule, ctx.scale = mesh, plan, kernel, schedule, scale
+        ctx.save_for_backward(q, k, v, out, lse, *gathered)
+        ctx.call = call
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *saved = ctx.saved_tensors
+        q, k, v, out, lse, *gathered = ctx.saved_tensors
+        call: AttentionCall = ctx.call
         if dout is None:  # only the lse is used (or neither, on this rank)
             dout = torch.zeros_like(out)
-        if not ctx.lse_grad:
+        if not call.lse_grad:
             dlse = None
         elif dlse is None:
             dlse = torch.zeros_like(lse)
-        dq, dk, dv = ctx.schedule.backward(
-            dout,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            dlse,
-            tuple(saved),
-            mesh=ctx.mesh,
-            plan=ctx.plan,
-            kernel=ctx.kernel,
-            scale=ctx.scale,
-        )
-        return dq, dk, dv, None, None, None, None, None, None
+        saved = Saved(q=q, k=k, v=v, out=out, lse=lse, gathered=tuple(gathered))
+        dq, dk, dv = call.executor.backward(call, dout, dlse, saved)
+        return dq, dk, dv, None
 
 
 def mesh_attn_func(
@@ -110,7 +90,7 @@ def mesh_attn_func(
             compute, reduce). Both send the same bytes.
         backward: ``"regather"`` gathers Q, dO and K,V again in backward (less memory);
             ``"reuse"`` keeps the chunks gathered in forward (less traffic, more memory).
-            ``AttentionPlan.peak_bytes`` reports what each holds.
+            :func:`mesh_cp.sim.memory.peak_bytes` reports what each holds.
         buffer_budget: most bytes of Q/KV chunks the overlapped schedule may hold at once
             (``None``: no limit); a budget below what any path needs raises with that minimum.
 
@@ -130,6 +110,31 @@ def mesh_attn_func(
     a call with new ones, and on every call when ``mesh.debug`` is set; a difference raises
     ``ValueError`` on every rank, naming each rank's value.
     """
+    _check_arguments(mesh, q, k, v)
+    cast_to = autocast_dtype(q.device.type)
+    if cast_to is not None:
+        q, k, v = autocast_inputs((q, k, v), cast_to)
+    call = _prepare_call(
+        q,
+        k,
+        v,
+        mesh,
+        causal=bool(causal),
+        return_lse=bool(return_lse),
+        layout=("zigzag" if causal else "contiguous") if layout is None else layout,
+        softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None and q.dim() > 0 else softmax_scale,
+        kernel=kernel,
+        schedule=schedule,
+        backward=backward,
+        buffer_budget=buffer_budget,
+    )
+    # Under autocast the inputs are cast; autocast must not recast what the kernels compute in fp32.
+    with torch.autocast(q.device.type, enabled=False) if cast_to is not None else contextlib.nullcontext():
+        out, lse = MeshAttnFunc.apply(q, k, v, call)
+    return (out, lse) if return_lse else out
+
+
+def _check_arguments(mesh: CPMesh, q: Tensor, k: Tensor, v: Tensor) -> None:
     if not isinstance(mesh, CPMesh):
         raise ValueError(
             f"mesh must be a mesh_cp.CPMesh (build one with CPMesh.create(group, tile=(a, b))), "
@@ -138,15 +143,15 @@ def mesh_attn_func(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    cast_to = autocast_dtype(q.device.type)
-    if cast_to is not None:
-        q, k, v = autocast_inputs((q, k, v), cast_to)
-    if layout is None:
-        layout = "zigzag" if causal else "contiguous"
-    if softmax_scale is None and q.dim() > 0:
-        softmax_scale = q.shape[-1] ** -0.5
-    # The block kernel is resolved before the call check, so a kernel that cannot run on one rank only
-    # (a flash-attn that fails to import on one node, GPUs of two kinds) raises on every rank.
+
+
+def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, **options) -> AttentionCall:
+    """Resolve the kernel, check the call across the CP group, and plan it.
+
+    The block kernel is resolved before the call check, so a kernel that cannot run on one rank only
+    (a flash-attn that fails to import on one node, GPUs of two kinds) raises on every rank.
+    """
+    kernel = options["kernel"]
     try:
         block_kernel = resolve_kernel(kernel, q.device, q.dtype, head_dim=q.shape[-1] if q.dim() else None)
         kernel_error = None
@@ -160,40 +165,27 @@ def mesh_attn_func(
             "dtypes": f"{q.dtype}, {k.dtype}, {v.dtype}",
             "device type": q.device.type,
             "requires grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-            "causal": bool(causal),
-            "return_lse": bool(return_lse),
-            "layout": layout,
-            "softmax_scale": softmax_scale,
-            "schedule": schedule,
-            "backward": backward,
+            **{name: options[name] for name in ("causal", "return_lse", "layout", "softmax_scale")},
+            **{name: options[name] for name in ("schedule", "backward")},
             "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__qualname__),
             "block kernel": getattr(block_kernel, "name", None) if kernel_error is None else "cannot run",
-            "buffer_budget": buffer_budget,
+            "buffer_budget": options["buffer_budget"],
         }
     )
     if kernel_error is not None:
         raise kernel_error
-    shape = attention_shape(q, k, v)
     plan = make_plan(
         mesh.tiling,
-        shape,
-        causal=bool(causal),
-        layout=layout,
-        backward=backward,
-        schedule=schedule,
+        attention_shape(q, k, v),
+        causal=options["causal"],
+        layout=options["layout"],
+        backward=options["backward"],
+        schedule=options["schedule"],
         link_cost=mesh.link_cost,
-        buffer_budget=buffer_budget,
+        buffer_budget=options["buffer_budget"],
     )
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    lse_grad = bool(return_lse)
-    if cast_to is None:
-        out, lse = MeshAttnFunc.apply(q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale, lse_grad)
-    else:  # the inputs are cast; autocast must not recast what the kernels compute in fp32
-        with torch.autocast(q.device.type, enabled=False):
-            out, lse = MeshAttnFunc.apply(
-                q, k, v, mesh, plan, block_kernel, get_schedule(plan.schedule), scale, lse_grad
-            )
-    return (out, lse) if return_lse else out
+    scale = float(options["softmax_scale"])
+    return AttentionCall(mesh=mesh, plan=plan, kernel=block_kernel, scale=scale, lse_grad=options["return_lse"])
 
 
 def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:

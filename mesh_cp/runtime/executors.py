@@ -1,12 +1,14 @@
-"""Executors of an :class:`~mesh_cp.core.plan.AttentionPlan`.
+"""Executors of an :class:`~mesh_cp.core.plan.AttentionPlan`: the collective and the overlapped schedule.
 
-A schedule turns the plan into communication and kernel calls. Every schedule has the same two
-methods, so :class:`~mesh_cp.runtime.attention.MeshAttnFunc` does not care which one runs.
+An executor turns the plan into communication and kernel calls. Both take one frozen
+:class:`AttentionCall` (mesh, plan, kernel, scale), which :class:`~mesh_cp.runtime.attention.MeshAttnFunc`
+keeps on its ``ctx`` from forward to backward, and the tensors of the phase; neither cares how the
+other runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -14,48 +16,97 @@ from torch import Tensor
 
 from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
 from mesh_cp.core.plan import AttentionPlan, BlockWork
-from mesh_cp.core.schedule import OverlapSchedule, RingStep
+from mesh_cp.core.schedule import RingStep
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.runtime.comm import all_gather, all_to_all, ring_step
 from mesh_cp.runtime.mesh import CPMesh
 
 
-class Schedule(Protocol):
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """What one attention call runs with, the same in forward and backward."""
+
+    mesh: CPMesh
+    plan: AttentionPlan
+    kernel: BlockKernel
+    scale: float
+    lse_grad: bool = False
+    """The lse may receive a gradient (``return_lse``): the block kernels take the exact path for any
+    ``dlse`` (Note [Gradient of the lse] in :mod:`mesh_cp.kernels.base`). Equal on every rank."""
+
+    @property
+    def executor(self) -> Executor:
+        return EXECUTORS[self.plan.schedule]
+
+    def forward_block(self, w: BlockWork, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """The kernel's ``(o, lse)`` of block ``w`` from the whole Q chunk ``q (B, L, H, D)`` and the stacked
+        K, V chunk ``kv (2, B, L, Hkv, D)``."""
+        (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+        return self.kernel.forward(q[:, q0:q1], kv[0, :, k0:k1], kv[1, :, k0:k1], causal=w.causal, scale=self.scale)
+
+    def backward_block(
+        self, w: BlockWork, q: Tensor, do: Tensor, stats: Tensor, kv: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The kernel's ``dq, dk, dv`` of block ``w`` from whole chunks; ``stats (2, B, H, L)`` holds the rows'
+        lse and delta."""
+        (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+        return self.kernel.backward(
+            do[:, q0:q1],
+            q[:, q0:q1],
+            kv[0, :, k0:k1],
+            kv[1, :, k0:k1],
+            stats[0, :, :, q0:q1],
+            stats[1, :, :, q0:q1],
+            causal=w.causal,
+            scale=self.scale,
+            lse_grad=self.lse_grad,
+        )
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What forward keeps for backward."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    """This rank's output in the input dtype."""
+    lse: Tensor
+    """This rank's lse in the accumulator dtype."""
+    gathered: tuple[Tensor, ...] = ()
+    """``backward="reuse"``: the Q chunks ``(a, ...)`` and stacked K, V chunks ``(b, 2, ...)`` gathered in forward."""
+
+
+class Executor(Protocol):
     name: str
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, mesh: CPMesh, plan: AttentionPlan, kernel: BlockKernel, scale: float
+        self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-        """Return this rank's final ``out (B, L, Hq, D)`` and ``lse (B, Hq, L)`` in the accumulator
-        dtype, and the tensors its backward needs beyond q, k, v, out and lse."""
+        """Return this rank's final ``out (B, L, Hq, D)`` and ``lse (B, Hq, L)`` in the accumulator dtype, and
+        :attr:`Saved.gathered`."""
         ...
 
     def backward(
-        self,
-        do: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        dlse: Tensor | None,
-        saved: tuple[Tensor, ...],
-        *,
-        mesh: CPMesh,
-        plan: AttentionPlan,
-        kernel: BlockKernel,
-        scale: float,
+        self, call: AttentionCall, do: Tensor, dlse: Tensor | None, saved: Saved
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Return ``dq, dk, dv`` for this rank's chunk, in the dtypes of ``q, k, v``.
-
-        ``dlse (B, Hq, L)`` is the gradient of this rank's lse; ``None`` means none reaches it (the
-        block kernels then take the cheaper exact path, Note [Gradient of the lse] in
-        :mod:`mesh_cp.kernels.base`; every rank of the mesh must agree on ``None``).
-        """
+        """Return ``dq, dk, dv`` for this rank's chunk, in the dtypes of ``q, k, v``. ``dlse (B, Hq, L)`` is
+        the gradient of this rank's lse, ``None`` when none can reach it (``call.lse_grad`` is false)."""
         ...
 
 
-class CollectiveSchedule:
+def _row_delta(do: Tensor, out: Tensor, dlse: Tensor | None) -> Tensor:
+    """``delta = rowsum(dO * O) - dlse`` of this rank's rows, ``(B, Hq, L)`` in the accumulator dtype.
+
+    A gradient on the lse enters every block as ``delta - dlse`` (``d lse_i / d s_ij = p_ij``; Note
+    [Gradient of the lse] in :mod:`mesh_cp.kernels.base`).
+    """
+    delta = attention_delta(do, out)
+    return delta if dlse is None else delta - dlse.to(delta.dtype)
+
+
+class CollectiveExecutor:
     """All-gather within the groups, compute every owned block, reduce to the owners.
 
     Forward: all-gather Q in the Q-group and K,V in the KV-group; run the rank's blocks, merging
@@ -69,91 +120,52 @@ class CollectiveSchedule:
     name = "collective"
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, mesh: CPMesh, plan: AttentionPlan, kernel: BlockKernel, scale: float
+        self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+        mesh, plan = call.mesh, call.plan
         rows, cols = _row_col_index(plan, mesh.rank)
         batch, seq, heads, dim = q.shape
         acc = acc_dtype(q.dtype)
         q_all = all_gather(q, mesh.q_group)  # (a, B, L, Hq, D)
         kv_all = all_gather(torch.stack((k, v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
-
         a = plan.tiling.a
         o_acc = torch.zeros((a, batch, seq, heads, dim), dtype=acc, device=q.device)
         lse_acc = torch.full((a, batch, heads, seq), float("-inf"), dtype=acc, device=q.device)
         for w in plan.blocks(mesh.rank):
-            i, j = rows[w.x], cols[w.y]
-            (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-            o, lse = kernel.forward(
-                q_all[i, :, q0:q1], kv_all[j, 0, :, k0:k1], kv_all[j, 1, :, k0:k1], causal=w.causal, scale=scale
-            )
+            i, (q0, q1) = rows[w.x], w.q_rows
+            o, lse = call.forward_block(w, q_all[i], kv_all[cols[w.y]])
             merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
-
         out, lse = _reduce_rows_to_owners(o_acc, lse_acc, mesh)
-        saved = (q_all, kv_all) if plan.backward == "reuse" else ()
-        return out, lse, saved
+        return out, lse, (q_all, kv_all) if plan.backward == "reuse" else ()
 
     def backward(
-        self,
-        do: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        dlse: Tensor | None,
-        saved: tuple[Tensor, ...],
-        *,
-        mesh: CPMesh,
-        plan: AttentionPlan,
-        kernel: BlockKernel,
-        scale: float,
+        self, call: AttentionCall, do: Tensor, dlse: Tensor | None, saved: Saved
     ) -> tuple[Tensor, Tensor, Tensor]:
+        mesh, plan, q, k = call.mesh, call.plan, saved.q, saved.k
         rows, cols = _row_col_index(plan, mesh.rank)
         acc = acc_dtype(q.dtype)
-        delta = _row_delta(do, out, dlse)
+        delta = _row_delta(do, saved.out, dlse)
         if plan.backward == "regather":
             q_do = all_gather(torch.stack((q, do.to(q.dtype))), mesh.q_group)  # (a, 2, B, L, Hq, D)
             q_all, do_all = q_do[:, 0], q_do[:, 1]
         else:
-            q_all, kv_all = saved
+            q_all, kv_all = saved.gathered
             do_all = all_gather(do.to(q.dtype), mesh.q_group)
-        stats = all_gather(torch.stack((lse.to(acc), delta)), mesh.q_group)  # (a, 2, B, Hq, L)
+        stats = all_gather(torch.stack((saved.lse.to(acc), delta)), mesh.q_group)  # (a, 2, B, Hq, L)
         if plan.backward == "regather":
-            kv_all = all_gather(torch.stack((k, v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
-
+            kv_all = all_gather(torch.stack((k, saved.v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
         dq_acc = torch.zeros((plan.tiling.a, *q.shape), dtype=acc, device=q.device)
         dkv_acc = torch.zeros((plan.tiling.b, 2, *k.shape), dtype=acc, device=q.device)
         for w in plan.blocks(mesh.rank):
             i, j = rows[w.x], cols[w.y]
             (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-            dq, dk, dv = kernel.backward(
-                do_all[i, :, q0:q1],
-                q_all[i, :, q0:q1],
-                kv_all[j, 0, :, k0:k1],
-                kv_all[j, 1, :, k0:k1],
-                stats[i, 0, :, :, q0:q1],
-                stats[i, 1, :, :, q0:q1],
-                causal=w.causal,
-                scale=scale,
-                lse_grad=dlse is not None,
-            )
+            dq, dk, dv = call.backward_block(w, q_all[i], do_all[i], stats[i], kv_all[j])
             dq_acc[i, :, q0:q1] += dq
             dkv_acc[j, 0, :, k0:k1] += dk
             dkv_acc[j, 1, :, k0:k1] += dv
-
         dq = all_to_all(dq_acc, mesh.q_group).sum(0)
         dkv = all_to_all(dkv_acc, mesh.kv_group).sum(0)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
-def _row_delta(do: Tensor, out: Tensor, dlse: Tensor | None) -> Tensor:
-    """``delta = rowsum(dO * O) - dlse`` of this rank's rows, ``(B, Hq, L)`` in the accumulator dtype.
-
-    A gradient on the lse enters every block as ``delta - dlse`` (``d lse_i / d s_ij = p_ij``; Note
-    [Gradient of the lse] in :mod:`mesh_cp.kernels.base`).
-    """
-    delta = attention_delta(do, out)
-    return delta if dlse is None else delta - dlse.to(delta.dtype)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(saved.v.dtype)
 
 
 def _row_col_index(plan: AttentionPlan, rank: int) -> tuple[dict[int, int], dict[int, int]]:
@@ -177,22 +189,6 @@ def _reduce_rows_to_owners(o_acc: Tensor, lse_acc: Tensor, mesh: CPMesh) -> tupl
     for j in range(1, a):
         merge_(out, lse, o_parts[j], lse_parts[j])
     return out, lse
-
-
-class _Rings:
-    """This rank's Q ring and KV ring, and its blocks by ring offsets."""
-
-    def __init__(self, mesh: CPMesh, plan: AttentionPlan) -> None:
-        self.groups = {"q": mesh.q_group, "kv": mesh.kv_group}
-        t = plan.tiling
-        self.blocks = {(i, j): plan.block_at(mesh.rank, i, j) for i in range(t.a) for j in range(t.b)}
-
-    def block(self, i: int, j: int) -> BlockWork | None:
-        """The kernel call of block ``(q offset i, kv offset j)``; ``None`` when the mask skips it."""
-        return self.blocks[(i, j)]
-
-    def post(self, step: RingStep, sends: list[Tensor], recvs: list[Tensor]) -> list:
-        return ring_step(sends, recvs, self.groups[step.ring], tag=0 if step.kind == "move" else 4)
 
 
 class _Chunks:
@@ -231,7 +227,166 @@ class _Chunks:
                 del self.held[offset]
 
 
-class OverlappedSchedule:
+class _OverlapPhase:
+    """One phase of the overlapped schedule on this rank: the chunks it holds per ring offset, the partial
+    results it reduces, and the loop over the schedule's actions.
+
+    A subclass says what a reduce step sends (:meth:`reduce`), where a received partial lands
+    (:meth:`land`) and what a block computes (:meth:`compute`); moves pass the held chunks of a ring on.
+    """
+
+    def __init__(self, call: AttentionCall, phase: str) -> None:
+        self.call = call
+        self.sched = call.plan.overlap(phase)
+        self.sizes = {"q": call.plan.tiling.a, "kv": call.plan.tiling.b}
+        self.groups = {"q": call.mesh.q_group, "kv": call.mesh.kv_group}
+        self.chunks: dict[str, list[_Chunks]] = {"q": [], "kv": []}
+
+    def post(self, step: RingStep, sends: list[Tensor], recvs: list[Tensor]) -> tuple[list, list[Tensor]]:
+        """Post a ring step; return its works and the tensors to keep alive until its wait."""
+        works = ring_step(sends, recvs, self.groups[step.ring], tag=0 if step.kind == "move" else 4)
+        return works, sends + recvs
+
+    def move(self, step: RingStep) -> tuple[list, list[Tensor]]:
+        """Pass the chunks of offset ``index - 1`` on and receive those of offset ``index``."""
+        held = self.chunks[step.ring]
+        return self.post(step, [c[step.index - 1] for c in held], [c.put(step.index) for c in held])
+
+    def reduce(self, step: RingStep) -> tuple[list, list[Tensor]]:
+        raise NotImplementedError
+
+    def land(self, step: RingStep, recv: Tensor) -> None:
+        raise NotImplementedError
+
+    def compute(self, i: int, j: int, w: BlockWork) -> None:
+        raise NotImplementedError
+
+    def run(self) -> None:
+        """Run the actions: post moves and reduce steps, wait for them (landing received partials), compute
+        the blocks the mask keeps, and free every chunk after its last use."""
+        rank, plan = self.call.mesh.rank, self.call.plan
+        inflight: dict[RingStep, tuple[list, list[Tensor]]] = {}
+        held = self.chunks["q"] + self.chunks["kv"]
+        for t, act in enumerate(self.sched.actions):
+            if act.op == "launch":
+                inflight[act.step] = (self.move if act.step.kind == "move" else self.reduce)(act.step)
+            elif act.op == "wait":
+                works, tensors = inflight.pop(act.step)
+                for work in works:
+                    work.wait()
+                if act.step.kind == "reduce":
+                    self.land(act.step, tensors[-1])
+                del works, tensors
+            else:
+                w = plan.block_at(rank, *act.block)
+                if w is not None:
+                    self.compute(*act.block, w)
+            for chunks in held:
+                chunks.release(t)
+
+
+class _ForwardPhase(_OverlapPhase):
+    """Forward: Q and stacked K, V chunks move; partial ``(o, lse)`` of rows travel along the Q ring and are
+    merged on the way."""
+
+    def __init__(self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor) -> None:
+        super().__init__(call, "forward")
+        keep = call.plan.backward == "reuse"
+        self.chunks["q"] = [_Chunks(q, self.sizes["q"], keep, self.sched.last_use("q"))]
+        self.chunks["kv"] = [_Chunks(torch.stack((k, v)), self.sizes["kv"], keep, self.sched.last_use("kv"))]
+        self.shape, self.acc, self.device = q.shape, acc_dtype(q.dtype), q.device
+        self.rows: dict[int, tuple[Tensor, Tensor]] = {}
+        """Partial (o, lse) per row offset, created on first use and dropped once sent on."""
+
+    def row(self, i: int) -> tuple[Tensor, Tensor]:
+        if i not in self.rows:
+            batch, seq, heads, dim = self.shape
+            self.rows[i] = (
+                torch.zeros((batch, seq, heads, dim), dtype=self.acc, device=self.device),
+                torch.full((batch, heads, seq), float("-inf"), dtype=self.acc, device=self.device),
+            )
+        return self.rows[i]
+
+    def reduce(self, step: RingStep) -> tuple[list, list[Tensor]]:
+        """Send row offset ``s + 1`` (packed), receive offset ``s + 2``."""
+        o, lse = self.row(step.index + 1)
+        del self.rows[step.index + 1]
+        packed = torch.cat((o.reshape(-1), lse.reshape(-1)))
+        return self.post(step, [packed], [torch.empty_like(packed)])
+
+    def land(self, step: RingStep, recv: Tensor) -> None:
+        batch, seq, heads, dim = self.shape
+        target, n_o = (step.index + 2) % self.sizes["q"], batch * seq * heads * dim
+        o, lse = recv[:n_o].view(batch, seq, heads, dim), recv[n_o:].view(batch, heads, seq)
+        if target in self.rows:
+            merge_(*self.rows[target], o, lse)
+        else:
+            self.rows[target] = (o, lse)
+
+    def compute(self, i: int, j: int, w: BlockWork) -> None:
+        o, lse = self.call.forward_block(w, self.chunks["q"][0][i], self.chunks["kv"][0][j])
+        o_acc, lse_acc = self.row(i)
+        (q0, q1) = w.q_rows
+        merge_(o_acc[:, q0:q1], lse_acc[:, :, q0:q1], o, lse)
+
+    def gathered(self) -> tuple[Tensor, ...]:
+        keep = self.call.plan.backward == "reuse"
+        return (self.chunks["q"][0].store, self.chunks["kv"][0].store) if keep else ()
+
+
+class _BackwardPhase(_OverlapPhase):
+    """Backward: a Q move carries q and dO (or only dO when q is kept from forward) with the rows' lse and
+    delta, a KV move K and V (regather only); ``dq`` travels along the Q ring and ``dk, dv`` along the KV
+    ring, summed in fp32 on the way."""
+
+    def __init__(self, call: AttentionCall, do: Tensor, dlse: Tensor | None, saved: Saved) -> None:
+        super().__init__(call, "backward")
+        q, k = saved.q, saved.k
+        acc = acc_dtype(q.dtype)
+        stats = torch.stack((saved.lse.to(acc), _row_delta(do, saved.out, dlse)))  # (2, B, Hq, L)
+        self.regather = call.plan.backward == "regather"
+        q_side = torch.stack((q, do.to(q.dtype))) if self.regather else do.to(q.dtype).contiguous()
+        last_q, last_kv = self.sched.last_use("q"), self.sched.last_use("kv")
+        self.chunks["q"] = [_Chunks(t, self.sizes["q"], False, last_q) for t in (q_side, stats)]
+        if self.regather:
+            self.chunks["kv"] = [_Chunks(torch.stack((k, saved.v)), self.sizes["kv"], False, last_kv)]
+        self.gathered = saved.gathered
+        self.shapes, self.acc, self.device = {"q": q.shape, "kv": (2, *k.shape)}, acc, q.device
+        self.grads: dict[str, dict[int, Tensor]] = {"q": {}, "kv": {}}
+        """Partial dq per row offset and dk, dv per column offset, created on first use, dropped once sent on."""
+
+    def grad(self, ring: str, offset: int) -> Tensor:
+        if offset not in self.grads[ring]:
+            self.grads[ring][offset] = torch.zeros(self.shapes[ring], dtype=self.acc, device=self.device)
+        return self.grads[ring][offset]
+
+    def reduce(self, step: RingStep) -> tuple[list, list[Tensor]]:
+        """Send offset ``s + 1``'s partial, receive ``s + 2``'s."""
+        send = self.grad(step.ring, step.index + 1)
+        del self.grads[step.ring][step.index + 1]
+        return self.post(step, [send], [torch.empty_like(send)])
+
+    def land(self, step: RingStep, recv: Tensor) -> None:
+        target = (step.index + 2) % self.sizes[step.ring]
+        grads = self.grads[step.ring]
+        if target in grads:
+            grads[target] += recv
+        else:
+            grads[target] = recv
+
+    def compute(self, i: int, j: int, w: BlockWork) -> None:
+        main, stats = self.chunks["q"][0][i], self.chunks["q"][1][i]
+        q_i, do_i = (main[0], main[1]) if self.regather else (self.gathered[0][i], main)
+        kv = self.chunks["kv"][0][j] if self.regather else self.gathered[1][j]
+        dq, dk, dv = self.call.backward_block(w, q_i, do_i, stats, kv)
+        (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+        self.grad("q", i)[:, q0:q1] += dq
+        dkv = self.grad("kv", j)
+        dkv[0, :, k0:k1] += dk
+        dkv[1, :, k0:k1] += dv
+
+
+class OverlapExecutor:
     """p2p rings inside the Q-group and the KV-group, transfers overlapped with block compute.
 
     Runs the actions of :meth:`AttentionPlan.overlap` (Note [Overlapped schedule] in
@@ -244,190 +399,20 @@ class OverlappedSchedule:
     name = "overlap"
 
     def forward(
-        self, q: Tensor, k: Tensor, v: Tensor, *, mesh: CPMesh, plan: AttentionPlan, kernel: BlockKernel, scale: float
+        self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-        sched = plan.overlap("forward")
-        rings, acc, a = _Rings(mesh, plan), acc_dtype(q.dtype), plan.tiling.a
-        keep = plan.backward == "reuse"
-        chunks = {
-            "q": _Chunks(q, a, keep, sched.last_use("q")),
-            "kv": _Chunks(torch.stack((k, v)), plan.tiling.b, keep, sched.last_use("kv")),
-        }
-        batch, seq, heads, dim = q.shape
-        # Partial (o, lse) per row offset, created on first use and dropped once sent on.
-        rows: dict[int, tuple[Tensor, Tensor]] = {}
-
-        def row(i: int) -> tuple[Tensor, Tensor]:
-            if i not in rows:
-                rows[i] = (
-                    torch.zeros((batch, seq, heads, dim), dtype=acc, device=q.device),
-                    torch.full((batch, heads, seq), float("-inf"), dtype=acc, device=q.device),
-                )
-            return rows[i]
-
-        def move(step: RingStep) -> tuple[list, list[Tensor]]:
-            held = chunks[step.ring]
-            sends, recvs = [held[step.index - 1]], [held.put(step.index)]
-            return rings.post(step, sends, recvs), sends + recvs
-
-        def reduce(step: RingStep) -> tuple[list, list[Tensor]]:  # send row offset s+1, receive s+2
-            o, lse = row(step.index + 1)
-            del rows[step.index + 1]
-            packed = torch.cat((o.reshape(-1), lse.reshape(-1)))
-            recv = torch.empty_like(packed)
-            return rings.post(step, [packed], [recv]), [packed, recv]
-
-        def land(step: RingStep, recv: Tensor) -> None:
-            target, n_o = (step.index + 2) % a, batch * seq * heads * dim
-            o, lse = recv[:n_o].view(batch, seq, heads, dim), recv[n_o:].view(batch, heads, seq)
-            if target in rows:
-                merge_(*rows[target], o, lse)
-            else:
-                rows[target] = (o, lse)
-
-        def compute(i: int, j: int) -> None:
-            w = rings.block(i, j)
-            if w is None:
-                return
-            (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-            kv = chunks["kv"][j]
-            o, lse = kernel.forward(
-                chunks["q"][i][:, q0:q1], kv[0, :, k0:k1], kv[1, :, k0:k1], causal=w.causal, scale=scale
-            )
-            o_acc, lse_acc = row(i)
-            merge_(o_acc[:, q0:q1], lse_acc[:, :, q0:q1], o, lse)
-
-        _run(sched, move=move, reduce=reduce, land=land, compute=compute, held=list(chunks.values()))
-        saved = (chunks["q"].store, chunks["kv"].store) if keep else ()
-        return (*row(0), saved)
+        phase = _ForwardPhase(call, q, k, v)
+        phase.run()
+        return (*phase.row(0), phase.gathered())
 
     def backward(
-        self,
-        do: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        dlse: Tensor | None,
-        saved: tuple[Tensor, ...],
-        *,
-        mesh: CPMesh,
-        plan: AttentionPlan,
-        kernel: BlockKernel,
-        scale: float,
+        self, call: AttentionCall, do: Tensor, dlse: Tensor | None, saved: Saved
     ) -> tuple[Tensor, Tensor, Tensor]:
-        sched = plan.overlap("backward")
-        rings, acc = _Rings(mesh, plan), acc_dtype(q.dtype)
-        a, b = plan.tiling.a, plan.tiling.b
-        delta = _row_delta(do, out, dlse)
-        stats = torch.stack((lse.to(acc), delta))  # (2, B, Hq, L)
-        regather = plan.backward == "regather"
-        # What a Q move carries: q and dO with the rows' lse and delta (regather), or dO and the stats
-        # when q is kept from forward. A KV move carries K and V (regather only).
-        q_side = [torch.stack((q, do.to(q.dtype))) if regather else do.to(q.dtype).contiguous(), stats]
-        last_q, last_kv = sched.last_use("q"), sched.last_use("kv")
-        held = {"q": [_Chunks(t, a, False, last_q) for t in q_side]}
-        if regather:
-            held["kv"] = [_Chunks(torch.stack((k, v)), b, False, last_kv)]
-        q_all, kv_all = (None, None) if regather else saved
-
-        def q_chunk(i: int) -> tuple[Tensor, Tensor, Tensor]:
-            main, st = held["q"][0][i], held["q"][1][i]
-            return (main[0], main[1], st) if regather else (q_all[i], main, st)
-
-        def kv_chunk(j: int) -> Tensor:
-            return held["kv"][0][j] if regather else kv_all[j]
-
-        # Partial dq per row offset and dk, dv per column offset, created on first use, dropped once sent on.
-        grads: dict[str, dict[int, Tensor]] = {"q": {}, "kv": {}}
-        shapes = {"q": q.shape, "kv": (2, *k.shape)}
-        sizes = {"q": a, "kv": b}
-
-        def grad(ring: str, offset: int) -> Tensor:
-            if offset not in grads[ring]:
-                grads[ring][offset] = torch.zeros(shapes[ring], dtype=acc, device=q.device)
-            return grads[ring][offset]
-
-        def move(step: RingStep) -> tuple[list, list[Tensor]]:
-            sends = [c[step.index - 1] for c in held[step.ring]]
-            recvs = [c.put(step.index) for c in held[step.ring]]
-            return rings.post(step, sends, recvs), sends + recvs
-
-        def reduce(step: RingStep) -> tuple[list, list[Tensor]]:  # send offset s+1's partial, receive s+2's
-            send = grad(step.ring, step.index + 1)
-            del grads[step.ring][step.index + 1]
-            recv = torch.empty_like(send)
-            return rings.post(step, [send], [recv]), [send, recv]
-
-        def land(step: RingStep, recv: Tensor) -> None:
-            target = (step.index + 2) % sizes[step.ring]
-            if target in grads[step.ring]:
-                grads[step.ring][target] += recv
-            else:
-                grads[step.ring][target] = recv
-
-        def compute(i: int, j: int) -> None:
-            w = rings.block(i, j)
-            if w is None:
-                return
-            (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-            q_i, do_i, st = q_chunk(i)
-            kv = kv_chunk(j)
-            dq, dk, dv = kernel.backward(
-                do_i[:, q0:q1],
-                q_i[:, q0:q1],
-                kv[0, :, k0:k1],
-                kv[1, :, k0:k1],
-                st[0, :, :, q0:q1],
-                st[1, :, :, q0:q1],
-                causal=w.causal,
-                scale=scale,
-                lse_grad=dlse is not None,
-            )
-            grad("q", i)[:, q0:q1] += dq
-            dkv = grad("kv", j)
-            dkv[0, :, k0:k1] += dk
-            dkv[1, :, k0:k1] += dv
-
-        _run(sched, move=move, reduce=reduce, land=land, compute=compute, held=[c for cs in held.values() for c in cs])
-        dq, dkv = grad("q", 0), grad("kv", 0)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        phase = _BackwardPhase(call, do, dlse, saved)
+        phase.run()
+        dq, dkv = phase.grad("q", 0), phase.grad("kv", 0)
+        return dq.to(saved.q.dtype), dkv[0].to(saved.k.dtype), dkv[1].to(saved.v.dtype)
 
 
-def _run(
-    sched: OverlapSchedule,
-    *,
-    move: Callable[[RingStep], tuple[list, list[Tensor]]],
-    reduce: Callable[[RingStep], tuple[list, list[Tensor]]],
-    land: Callable[[RingStep, Tensor], None],
-    compute: Callable[[int, int], None],
-    held: list[_Chunks],
-) -> None:
-    """Run the actions of ``sched``: post moves and reduce steps (which return their works and the
-    tensors to keep alive until the wait), wait and ``land`` received partials, compute blocks, and
-    free every chunk after its last use."""
-    inflight: dict[RingStep, tuple[list, list[Tensor]]] = {}
-    for t, act in enumerate(sched.actions):
-        if act.op == "launch":
-            inflight[act.step] = (move if act.step.kind == "move" else reduce)(act.step)
-        elif act.op == "wait":
-            works, tensors = inflight.pop(act.step)
-            for work in works:
-                work.wait()
-            if act.step.kind == "reduce":
-                land(act.step, tensors[-1])
-            del works, tensors
-        else:
-            compute(*act.block)
-        for chunks in held:
-            chunks.release(t)
-
-
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (OverlappedSchedule(), CollectiveSchedule())}
-
-
-def get_schedule(name: str) -> Schedule:
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    return SCHEDULES[name]
+EXECUTORS: dict[str, Executor] = {e.name: e for e in (OverlapExecutor(), CollectiveExecutor())}
+"""Executor per ``schedule`` name (:data:`mesh_cp.core.options.SCHEDULES`)."""

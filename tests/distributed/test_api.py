@@ -112,7 +112,7 @@ def errors_worker(rank: int, world: int) -> dict:
         res,
         "schedule",
         ValueError,
-        r"unknown schedule 'ring'; choose one of \['collective', 'overlap'\]",
+        r"schedule .ring. is not supported; choose one of \['collective', 'overlap'\]",
         lambda: call(q, k, k, schedule="ring"),
     )
     expect_error(
