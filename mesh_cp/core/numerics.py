@@ -82,10 +82,15 @@ def fold_kv_grad(dx: Tensor, kv_heads: int) -> Tensor:
     return dx.reshape(b, s, kv_heads, heads // kv_heads, d).sum(3)
 
 
-def attention_delta(do: Tensor, out: Tensor) -> Tensor:
-    """``delta = rowsum(dO * O)`` in the accumulator dtype, shaped ``(batch, heads, seq)``."""
+def attention_delta(do: Tensor, out: Tensor, dlse: Tensor | None = None) -> Tensor:
+    """``delta = rowsum(dO * O) - dlse`` in the accumulator dtype, shaped ``(batch, heads, seq)``.
+
+    A gradient ``dlse`` on the lse (``None``: none) enters every block as ``delta - dlse``
+    (``d lse_i / d s_ij = p_ij``; Note [Gradient of the lse] in :mod:`mesh_cp.kernels.base`).
+    """
     acc = acc_dtype(do.dtype)
-    return (do.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+    delta = (do.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+    return delta if dlse is None else delta - dlse.to(acc)
 
 
 def mask_causal(scores: Tensor) -> Tensor:
