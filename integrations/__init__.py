@@ -1,5 +1,74 @@
 """Framework adapters, installed as ``mesh_cp.integrations.<framework>``.
 
 Each adapter uses only the public API of :mod:`mesh_cp` and its own framework; adapters never
-import each other.
+import each other. What two adapters share lives here: :func:`switch_attention` (a model's attention
+run over a mesh, whichever adapter built the model) and :func:`ds_attention_shape` (the shape that a
+DeepSpeed config's ``"tile": "auto"`` predicts for, read by the DeepSpeed adapter and by the Hugging
+Face ``Trainer`` given a DeepSpeed config).
 """
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mesh_cp.config import BLOCK, MeshConfig
+from mesh_cp.core import AttentionShape, most_square_tile
+
+
+def _is_hf_model(model: Any) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (``False`` when transformers is not installed)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def switch_attention(model: Any, mesh: Any, **options: Any) -> None:
+    """Run ``model``'s attention over ``mesh`` with ``options`` (``schedule``, ``backward``) of
+    :func:`mesh_cp.mesh_attn_func`: a Hugging Face model through ``attn_implementation="mesh_cp"``
+    (:func:`mesh_cp.integrations.hf.attach`), any other through its modules that have a ``use_mesh``
+    method (such as :class:`mesh_cp.integrations.deepspeed.MeshDistributedAttention`)."""
+    if _is_hf_model(model):
+        from mesh_cp.integrations.hf import attach
+
+        attach(model, mesh, **options)
+        return
+    modules = [m for m in model.modules() if callable(getattr(m, "use_mesh", None))]
+    if not modules:
+        raise ValueError(
+            f"{type(model).__name__} is neither a Hugging Face model nor has MeshDistributedAttention modules: "
+            f"compute its attention with mesh_cp.integrations.deepspeed.MeshDistributedAttention"
+        )
+    for m in modules:
+        m.use_mesh(mesh, **options)
+
+
+def ds_attention_shape(model: Any, config: MeshConfig, ds_config: Mapping[str, Any]) -> AttentionShape:
+    """The per-rank :class:`~mesh_cp.core.AttentionShape` that ``"tile": "auto"`` of ``config`` (a
+    :class:`mesh_cp.config.MeshConfig` with ``seq_len``) predicts for: heads and head size from the Hugging
+    Face model config of ``model``, the micro batch (``train_micro_batch_size_per_gpu``, else 1) and the
+    element size (2 bytes when ``bf16`` or ``fp16`` is enabled, else 4) from the DeepSpeed config
+    ``ds_config``."""
+    if not _is_hf_model(model):
+        raise ValueError(
+            f'"{BLOCK}": "tile": "auto" reads heads and head size from a Hugging Face model config; '
+            f"{type(model).__name__} has none: give a tile such as "
+            f'"{"x".join(map(str, most_square_tile(config.cp_size)))}"'
+        )
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    half = any(ds_config.get(k, {}).get("enabled") is True for k in ("bf16", "fp16"))
+    c = model.config
+    heads = c.num_attention_heads
+    return AttentionShape(
+        batch=micro if isinstance(micro, int) else 1,
+        seq_local=config.seq_len // config.cp_size,
+        heads=heads,
+        kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        itemsize=2 if half else 4,
+    )
+
+
+__all__ = ["ds_attention_shape", "switch_attention"]

@@ -1,4 +1,5 @@
-"""Helpers for tests, demos and benchmarks of mesh_cp: local gloo groups, peak memory, expected errors.
+"""Helpers for tests, demos and benchmarks of mesh_cp: local gloo groups, peak memory, expected errors, and
+the tiny model shapes they share (:mod:`mesh_cp.testing.models`).
 
 Not needed to train; nothing in :mod:`mesh_cp.runtime` imports it.
 """

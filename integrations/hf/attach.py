@@ -1,0 +1,261 @@
+"""Switching a transformers model to ``attn_implementation="mesh_cp"`` over a CP mesh, and the checks every
+forward of the switched model runs (global ``position_ids``, every attention layer reached, RoPE that reads
+the sequence length)."""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import mesh_cp
+from mesh_cp.core.options import check_layout, check_option
+from mesh_cp.integrations.hf.attention import NAME, register
+from mesh_cp.runtime.device_checks import check_on_device
+from mesh_cp.runtime.mesh import CPMesh
+
+LENGTH_DEPENDENT_ROPE: tuple[str, ...] = ("dynamic", "longrope")
+"""RoPE types whose frequencies depend on the sequence length (``max(position_ids) + 1``); :func:`attach`
+gives them the global length (Note [Length-dependent RoPE])."""
+
+# Note [Length-dependent RoPE]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# transformers' "dynamic" and "longrope" RoPE (modeling_rope_utils.dynamic_rope_update) pick their
+# frequencies from seq_len = max(position_ids) + 1 of the call. On a CP rank that is the maximum of its
+# own shard, which differs between ranks and from the whole sequence's. attach() gives such a rotary
+# module one more position, S - 1 (S = P * seq_local, the whole sequence's last position), so it picks
+# the frequencies of the whole sequence; cos and sin are computed position by position, and the extra
+# row is cut from its output. Exact whenever position_ids are the layout's global positions (checked).
+
+
+def attach(
+    model: torch.nn.Module,
+    mesh: CPMesh,
+    *,
+    schedule: str = "overlap",
+    backward: str = "regather",
+    layout: str = "zigzag",
+) -> torch.nn.Module:
+    """Switch ``model`` to ``attn_implementation="mesh_cp"`` and give every attention layer ``mesh`` (and the
+    ``schedule`` and ``backward`` of :func:`mesh_cp.mesh_attn_func`; ``layout`` is how :func:`shard_batch`
+    sharded the sequence). Returns ``model``; attaching again replaces the earlier attachment.
+
+    Checked, so that a model is exact or refused by name:
+
+    - the switch happened: ``_attn_implementation`` is ``"mesh_cp"`` on the model and every sub-model (a model
+      that does not compute attention through transformers' ``AttentionInterface``, such as Falcon, GPT-J,
+      Bloom or MPT, keeps its own attention and is refused here), and on the first forward every attention
+      layer (module with ``is_causal`` and ``config``) called :func:`mesh_cp_attention` (raised otherwise);
+    - every forward of ``model`` gets ``position_ids`` equal to this rank's global positions in ``layout``
+      (one check per ``position_ids`` tensor; the model would number a shard from 0, and packed batches
+      restart positions per document);
+    - RoPE types in :data:`LENGTH_DEPENDENT_ROPE` are given the whole sequence's length (Note
+      [Length-dependent RoPE]); ``attn_temperature_tuning`` (Llama 4), which scales queries by positions
+      counted from 0 on each shard, is refused.
+    """
+    _check_attach_arguments(model, mesh, schedule, backward, layout)
+    from transformers import PreTrainedModel
+
+    models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    _refuse_temperature_tuning(models)
+    register()
+    _detach(model)
+    model.set_attn_implementation(NAME)
+    _check_switched(models)
+    layers = [(name, m) for name, m in model.named_modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no attention layers (modules with is_causal) to attach to")
+    attached = _Attachment(mesh, layout, {"schedule": schedule, "backward": backward}, layers)
+    for _, layer in layers:
+        layer.mesh_cp_attached = attached
+    _hook_length_dependent_rope(model, attached)
+    model.register_forward_pre_hook(attached.before_forward, with_kwargs=True)
+    model.register_forward_hook(attached.after_forward, with_kwargs=True)
+    return model
+
+
+def _check_attach_arguments(model: torch.nn.Module, mesh: CPMesh, schedule: str, backward: str, layout: str) -> None:
+    """The arguments of :func:`attach`, each named with its accepted values when refused."""
+    if not isinstance(mesh, CPMesh):
+        raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
+    check_option("schedule", schedule)
+    check_option("backward", backward)
+    check_layout(layout)
+    if not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+
+
+def _refuse_temperature_tuning(models: list[torch.nn.Module]) -> None:
+    """Llama 4's ``attn_temperature_tuning`` scales queries by positions counted from 0 on each shard."""
+    for m in models:
+        if getattr(m.config, "attn_temperature_tuning", False):
+            raise NotImplementedError(
+                f"{type(m).__name__}: attn_temperature_tuning scales the queries of layers without RoPE by positions "
+                f"counted from 0 on each rank's shard, which mesh_cp cannot make exact; set "
+                f"config.attn_temperature_tuning=False"
+            )
+
+
+def _check_switched(models: list[torch.nn.Module]) -> None:
+    """The model and every sub-model took ``attn_implementation="mesh_cp"``: one that keeps its own attention
+    would attend over this rank's shard only."""
+    kept = sorted(
+        {
+            f"{type(m).__name__} ({m.config._attn_implementation!r})"
+            for m in models
+            if m.config._attn_implementation != NAME
+        }
+    )
+    if kept:
+        raise NotImplementedError(
+            f"{', '.join(kept)} kept its attention implementation after set_attn_implementation('mesh_cp'): it does "
+            f"not compute attention through transformers' AttentionInterface, so every rank would attend over its "
+            f"own shard only; mesh_cp cannot run this model"
+        )
+
+
+def _hook_length_dependent_rope(model: torch.nn.Module, attached: _Attachment) -> None:
+    """Give every rotary module of a type in :data:`LENGTH_DEPENDENT_ROPE` the whole sequence's length (Note
+    [Length-dependent RoPE])."""
+    for module in model.modules():
+        rope_types = getattr(module, "rope_type", None)
+        rope_types = rope_types.values() if isinstance(rope_types, Mapping) else [rope_types]
+        if any(isinstance(t, str) and any(d in t for d in LENGTH_DEPENDENT_ROPE) for t in rope_types):
+            module.register_forward_pre_hook(attached.rope_before, with_kwargs=True)
+            module.register_forward_hook(attached.rope_after, with_kwargs=True)
+
+
+def _detach(model: torch.nn.Module) -> None:
+    """Remove what an earlier :func:`attach` added to ``model`` (its hooks and the layers' attachment)."""
+    for module in model.modules():
+        module.__dict__.pop("mesh_cp_attached", None)
+        for hooks, extras in (
+            (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
+            (module._forward_hooks, (module._forward_hooks_with_kwargs,)),
+        ):
+            for hook_id in [i for i, h in hooks.items() if isinstance(getattr(h, "__self__", None), _Attachment)]:
+                del hooks[hook_id]
+                for extra in extras:
+                    extra.pop(hook_id, None)
+
+
+_POSITIONS_MESSAGE = (
+    "position_ids are not this rank's global positions of one sequence (in every row): a packed batch (positions "
+    "restarting per document) is not supported by mesh_cp yet, and a shard numbered from 0 would be silently wrong; "
+    "pass the position_ids of shard_batch / ShardingCollator"
+)
+
+
+class _Attachment:
+    """What :func:`attach` gives a model: its mesh, layout and options (read by every attention layer), and
+    the checks that run once per forward. Deep-copied with the model (the mesh copies as itself)."""
+
+    def __init__(self, mesh: CPMesh, layout: str, options: dict[str, str], layers: list[tuple[str, torch.nn.Module]]):
+        self.mesh, self.layout, self.options, self.layers = mesh, layout, options, layers
+        self.verified = False
+        """Every attention layer called :func:`mesh_cp_attention` in one forward (checked until true)."""
+        self.called: set[int] = set()
+        """``id`` of the layers that called :func:`mesh_cp_attention` in this forward."""
+        self._checked: tuple[weakref.ref, int] | None = None
+        self._expected: dict[tuple[int, torch.device], Tensor] = {}
+        self._position_kinds: set[tuple] = set()
+
+    def check_positions(self, position_ids: Tensor) -> None:
+        """``position_ids`` must be this rank's global positions (:func:`mesh_cp.position_ids`) of one sequence
+        of ``P * seq_local`` tokens, for every row. Checked once per tensor (identity and version), so once per
+        forward however many layers pass it on. The first tensor of each (shape, device, dtype) is compared on
+        the host (a clear error naming the positions); later ones, a new tensor every step, are compared where
+        they are with ``torch._assert_async`` (on a GPU a wrong tensor stops the run with a device-side assertion
+        at the next synchronisation, with no host read per step; on the CPU the same ``ValueError`` at once)."""
+        if (
+            self._checked is not None
+            and self._checked[0]() is position_ids
+            and self._checked[1] == position_ids._version
+        ):
+            return
+        seq_local = position_ids.shape[-1]
+        seq = seq_local * self.mesh.size
+        parts = 2 * self.mesh.size if self.layout == "zigzag" else self.mesh.size
+        expected = None
+        if seq % parts == 0:
+            key = (seq_local, position_ids.device)
+            if key not in self._expected:
+                self._expected[key] = mesh_cp.position_ids(seq, mesh=self.mesh, layout=self.layout, device=key[1])
+            expected = self._expected[key]
+        kind = (tuple(position_ids.shape), position_ids.device, position_ids.dtype)
+        if expected is not None and position_ids.dim() <= 2 and kind in self._position_kinds:
+            check_on_device((position_ids == expected).all(), ValueError(_POSITIONS_MESSAGE))
+        elif expected is None or position_ids.dim() > 2 or not bool((position_ids == expected).all()):
+            shown = position_ids.reshape(-1, seq_local)[0].tolist()
+            raise ValueError(
+                f"position_ids {_preview(shown)} are not this rank's global positions of one sequence of {seq} tokens "
+                f"in the {self.layout} layout ({'none' if expected is None else _preview(expected.tolist())}, in every "
+                f"row): a packed batch (positions restarting per document) is not supported by mesh_cp yet, and a "
+                f"shard numbered from 0 would be silently wrong; pass the position_ids of shard_batch / ShardingCollator"
+            )
+        self._position_kinds.add(kind)
+        self._checked = (weakref.ref(position_ids), position_ids._version)
+
+    def before_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the attached model: check ``position_ids``, start the layer count."""
+        positions = kwargs.get("position_ids")
+        if positions is None and args:
+            positions = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.get("position_ids")
+        if positions is None:
+            raise ValueError(
+                f"{type(model).__name__} was called without position_ids: it would number this rank's shard from 0; "
+                f"pass the global positions of shard_batch / ShardingCollator (batch.position_ids)"
+            )
+        self.check_positions(positions)
+        self.called.clear()
+
+    def after_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Forward hook of the attached model: on the first forward, check that every attention layer called
+        :func:`mesh_cp_attention`."""
+        if self.verified:
+            return
+        missing = [f"{name} ({type(m).__name__})" for name, m in self.layers if id(m) not in self.called]
+        if missing:
+            raise NotImplementedError(
+                f"{type(model).__name__}: attention layer(s) {', '.join(missing)} did not call mesh_cp attention in "
+                f"the forward: they compute attention outside transformers' AttentionInterface, over this rank's "
+                f"shard only; mesh_cp cannot run this model"
+            )
+        self.verified = True
+
+    def rope_before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward pre-hook of a length-dependent RoPE: one more position, the sequence's last (Note
+        [Length-dependent RoPE])."""
+        in_kwargs = "position_ids" in kwargs
+        if not in_kwargs and len(args) < 2:
+            raise NotImplementedError(
+                f"{type(module).__name__} (rope_type {module.rope_type!r}) was called without position_ids; mesh_cp "
+                f"gives length-dependent RoPE the whole sequence's length through them"
+            )
+        positions = kwargs["position_ids"] if in_kwargs else args[1]
+        last = positions.new_full((*positions.shape[:-1], 1), positions.shape[-1] * self.mesh.size - 1)
+        positions = torch.cat([positions, last], dim=-1)
+        if in_kwargs:
+            return args, {**kwargs, "position_ids": positions}
+        return (args[0], positions, *args[2:]), kwargs
+
+    def rope_after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Forward hook of a length-dependent RoPE: cut the extra position's row from every output."""
+        positions = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        if not all(isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] == positions.shape[-1] for t in outputs):
+            raise NotImplementedError(
+                f"{type(module).__name__} (rope_type {module.rope_type!r}) returned "
+                f"{[tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in outputs]}, not per-position "
+                f"tensors of {positions.shape[-1]} rows; mesh_cp cannot give it the whole sequence's length"
+            )
+        cut = [t[..., :-1, :] for t in outputs]
+        return type(output)(cut) if isinstance(output, (tuple, list)) else cut[0]
+
+
+def _preview(values: list[int], n: int = 6) -> str:
+    return str(values) if len(values) <= n else f"[{', '.join(map(str, values[:n]))}, ...] ({len(values)} values)"

@@ -1,0 +1,118 @@
+"""transformers' ``Trainer`` with a DP x CP layout: every rank of a CP group fed the same examples, sharded,
+and the layout built from a DeepSpeed config's ``"mesh_attention"`` block when none is given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from mesh_cp.config import MeshConfig
+from mesh_cp.integrations import ds_attention_shape
+from mesh_cp.integrations.hf.attach import attach
+from mesh_cp.runtime.batch import ShardingCollator
+from mesh_cp.runtime.parallel import DataContextParallel
+
+
+def mesh_cp_trainer_class():
+    """``transformers.Trainer`` subclass that trains with a :class:`DataContextParallel` layout.
+
+    ``MeshCPTrainer(model=..., args=..., train_dataset=..., layout=layout, pad_token_id=...)``: attaches
+    the layout's mesh to the model, feeds every rank of a CP group the same examples (a
+    ``DistributedSampler`` over the DP replicas, reshuffled every epoch: Trainer calls the dataloader's
+    ``set_epoch``) through :class:`ShardingCollator`, and lets Trainer's
+    own token counting do the rest: with ``average_tokens_across_devices`` (required) the loss is the
+    model's sum over this rank's tokens over the label count of all ranks, times the world size, so
+    the DDP gradient mean over all DP x CP ranks is the gradient of the global mean loss. Evaluation
+    and prediction raise (Trainer gathers them as if every rank held different examples).
+
+    With DeepSpeed (``TrainingArguments(deepspeed="ds_config.json")``, or ``--deepspeed`` on the command
+    line) leave ``layout`` out: the trainer builds it from the config's ``"mesh_attention"`` block
+    (:class:`mesh_cp.config.MeshConfig`), and DeepSpeed's gradient mean over all ranks is exact at
+    every ZeRO stage for the same reason.
+    """
+    from transformers import Trainer
+
+    class MeshCPTrainer(_MeshCPTraining, Trainer):
+        pass
+
+    return MeshCPTrainer
+
+
+class _MeshCPTraining:
+    """What :func:`mesh_cp_trainer_class` adds to ``transformers.Trainer`` (placed before it in the bases)."""
+
+    def __init__(self, *args, layout: DataContextParallel | None = None, pad_token_id: int, **kwargs):
+        if args:
+            raise ValueError("MeshCPTrainer takes keyword arguments only (model=..., args=..., ...)")
+        if layout is None:
+            layout = _layout_from_deepspeed_args(kwargs.get("args"), kwargs.get("model"))
+        elif isinstance(layout, DataContextParallel):
+            attach(kwargs["model"], layout.mesh)
+        else:
+            raise ValueError(f"layout must be a DataContextParallel, got {type(layout).__name__}")
+        kwargs.setdefault("data_collator", ShardingCollator(layout.mesh, pad_token_id=pad_token_id))
+        super().__init__(**kwargs)
+        if not self.args.average_tokens_across_devices:
+            raise ValueError(
+                "MeshCPTrainer needs TrainingArguments(average_tokens_across_devices=True): the loss of a CP "
+                "rank is its share of the global token mean"
+            )
+        self.layout = layout
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        sampler = DistributedSampler(
+            self.train_dataset,
+            num_replicas=self.layout.dp_size,
+            rank=self.layout.dp_rank,
+            shuffle=True,
+            seed=self.args.seed,
+        )
+        return _EpochDataLoader(
+            self.train_dataset,
+            batch_size=self._train_batch_size,
+            sampler=sampler,
+            collate_fn=self.data_collator,
+            drop_last=self.args.dataloader_drop_last,
+        )
+
+    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
+        raise NotImplementedError(
+            "MeshCPTrainer trains only: Trainer's evaluation loop gathers predictions as if every rank held "
+            "different examples, which CP ranks do not; evaluate the trained model without CP"
+        )
+
+    def get_test_dataloader(self, test_dataset) -> DataLoader:
+        return self.get_eval_dataloader(test_dataset)
+
+
+class _EpochDataLoader(DataLoader):
+    """A ``DataLoader`` whose ``set_epoch`` reshuffles its sampler: Trainer calls ``set_epoch(epoch)`` on a
+    training dataloader that has one, before every epoch (a plain ``DataLoader`` would repeat the order)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+def _layout_from_deepspeed_args(training_args: Any, model: torch.nn.Module) -> DataContextParallel:
+    """The layout of an enabled ``"mesh_attention"`` block in ``training_args.deepspeed`` (collective over the
+    world), with ``model`` attached to its mesh."""
+    ds_config = getattr(training_args, "hf_deepspeed_config", None)
+    if ds_config is None:
+        raise ValueError(
+            "MeshCPTrainer needs layout=DataContextParallel.create(...), or TrainingArguments(deepspeed=...) whose "
+            'config has an enabled "mesh_attention" block'
+        )
+    cfg = MeshConfig.from_ds_config(ds_config.config)
+    if cfg is None or not cfg.enabled:
+        raise ValueError(
+            'the DeepSpeed config has no enabled "mesh_attention" block: add {"enabled": true, "cp_size": ..., '
+            '"tile": ...} to it, or pass layout= to MeshCPTrainer'
+        )
+    shape = ds_attention_shape(model, cfg, ds_config.config) if cfg.tile == "auto" else None
+    layout = DataContextParallel.from_config(cfg, shape=shape)
+    attach(model, layout.mesh, **cfg.attention_options)
+    return layout

@@ -1,0 +1,259 @@
+"""Mesh-Attention as Megatron-core's ``core_attention``: the layer, the mesh provider its layer spec gives
+it, and the check of the ``attention_mask`` it is handed."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+import mesh_cp
+from mesh_cp.core import AttentionShape
+from mesh_cp.integrations.megatron.mesh import build_mesh
+from mesh_cp.runtime.device_checks import check_on_device
+from mesh_cp.runtime.mesh import CPMesh
+
+SUPPORTED_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
+"""Mask types the mesh computes itself: causal over global positions, or none (full attention)."""
+SUPPORTED_CP_COMM_TYPES = (None, "p2p")
+"""``cp_comm_type`` values accepted (Megatron-LM's default is ``"p2p"``); the mesh tile decides the traffic."""
+
+
+def _cp_group(pg_collection) -> dist.ProcessGroup:
+    """The CP group: ``pg_collection.cp`` when given, else Megatron's ``parallel_state``."""
+    if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+        return pg_collection.cp
+    if not parallel_state.model_parallel_is_initialized():
+        raise ValueError(
+            "no context-parallel group: pass pg_collection with a cp group, or call "
+            "megatron.core.parallel_state.initialize_model_parallel(...) before building the model"
+        )
+    return parallel_state.get_context_parallel_group()
+
+
+class MaskCheck:
+    """Checks that Megatron's ``attention_mask`` is the causal mask of the zig-zag chunks, without a host
+    synchronisation per layer or per step.
+
+    The first mask of each (shape, device, dtype) is compared on the host (a clear error, one
+    synchronisation). A later mask of that kind, a new tensor every step from the data loader, is compared
+    where it is with ``torch._assert_async`` (on a GPU a wrong mask stops the run with a device-side
+    assertion at the next synchronisation; on the CPU the same ``NotImplementedError`` at once). The layers of a model share one check, and a mask already
+    checked (the same tensor, not modified since) is not compared again, so a step costs at most one
+    comparison and no synchronisation.
+    """
+
+    MESSAGE = (
+        "attention_mask is not the causal mask of the zig-zag chunks: padding and arbitrary masks are not "
+        "supported by mesh_cp; pass no mask (Megatron-LM --no-create-attention-mask-in-dataloader)"
+    )
+
+    def __init__(self) -> None:
+        self._kinds: set[tuple] = set()
+        self._last: tuple[weakref.ref, int] | None = None
+
+    def __call__(self, mask: Tensor, mesh: CPMesh, causal: bool, seq_local: int, batch: int) -> None:
+        seq = seq_local * mesh.size
+        if mask.dim() != 4 or tuple(mask.shape[-2:]) != (seq_local, seq) or mask.shape[0] not in (1, batch):
+            raise NotImplementedError(
+                f"attention_mask of shape {tuple(mask.shape)} is not supported by mesh_cp: only the causal mask "
+                f"[b, 1, {seq_local}, {seq}] is accepted (or none: Megatron-LM --no-create-attention-mask-in-dataloader)"
+            )
+        if not causal:
+            raise NotImplementedError(self.MESSAGE)
+        if self._last is not None and self._last[0]() is mask and self._last[1] == mask._version:
+            return
+        rows = mesh_cp.position_ids(seq, mesh=mesh, layout="zigzag", device=mask.device)
+        expected = rows[:, None] < torch.arange(seq, device=mask.device)[None, :]
+        same = (mask == expected).all()
+        kind = (tuple(mask.shape), mask.device, mask.dtype)
+        if kind in self._kinds:
+            check_on_device(same, NotImplementedError(self.MESSAGE))
+        elif not bool(same):
+            raise NotImplementedError(self.MESSAGE)
+        self._kinds.add(kind)
+        self._last = (weakref.ref(mask), mask._version)
+
+
+@dataclass(eq=False)
+class MeshProvider:
+    """Builds, once per CP group, the :class:`CPMesh` every core-attention layer of a model shares.
+
+    It travels in the layer spec's ``params`` (no module-level state): the first layer constructed on a
+    CP group creates the mesh (collective over that group), the others reuse it. ``mesh`` pins one
+    already built (it must tile the layers' CP group).
+    """
+
+    tile: tuple[int, int] | str = "square"
+    """``(a, b)``, ``"axb"``, ``"square"`` (the most square; with ``ranks_per_node`` the most square whose
+    Q-groups stay inside a node) or ``"auto"`` (the cost model's choice; needs ``topology`` and ``shape``)."""
+    ranks_per_node: int | None = None
+    """GPUs per node, when known: places Q-groups inside nodes and tells the schedule which ring is slow."""
+    topology: object = None
+    """A :class:`mesh_cp.sim.Topology` or preset name (``"h100"``) of the whole cluster, for ``tile="auto"``
+    and the overlapped schedule's move order; its ``ranks_per_node`` is rescaled to CP ranks per node."""
+    shape: AttentionShape | None = None
+    """Per-rank attention shape, for ``tile="auto"``."""
+    mesh: CPMesh | None = None
+    """A mesh built beforehand (for example by :class:`MeshLayout`); then the fields above are unused."""
+    _meshes: dict = field(default_factory=dict, repr=False)
+    mask_check: MaskCheck = field(default_factory=lambda: MaskCheck(), repr=False)
+    """Checks the ``attention_mask`` the layers get (shared by them: a mask is checked once, not per layer)."""
+
+    def mesh_for(self, cp_group: dist.ProcessGroup) -> CPMesh:
+        """The mesh over ``cp_group`` (created on first use, collective over the group)."""
+        ranks = tuple(dist.get_process_group_ranks(cp_group))
+        if self.mesh is not None:
+            if self.mesh.global_ranks != ranks:
+                raise ValueError(
+                    f"the mesh tiles global ranks {list(self.mesh.global_ranks)} but this layer's CP group is "
+                    f"{list(ranks)}; build the mesh over the model's CP group (MeshLayout.from_parallel_state)"
+                )
+            return self.mesh
+        # Keyed by the group object (kept alive by the key): a re-initialized parallel_state makes new
+        # groups over the same ranks, which need a new mesh.
+        if cp_group not in self._meshes:
+            self._meshes[cp_group] = build_mesh(
+                cp_group,
+                tile=self.tile,
+                ranks_per_node=self.ranks_per_node,
+                topology=self.topology,
+                shape=self.shape,
+            )
+        return self._meshes[cp_group]
+
+
+class MeshCoreAttention(MegatronModule):
+    """Megatron core attention over the CP group's ``a x b`` mesh (exact, forward and backward).
+
+    Constructed by Megatron's attention with ``config, layer_number, attn_mask_type, attention_type,
+    cp_comm_type, softmax_scale, pg_collection``; ``mesh_provider`` comes from the spec's params. The
+    CP group is ``pg_collection.cp`` when given, else ``parallel_state``'s. Inputs are this CP rank's
+    zig-zag chunks ``r`` and ``2CP-1-r`` (``get_batch_on_this_cp_rank``), RoPE already applied.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        *,
+        mesh_provider: MeshProvider,
+        **mesh_options,
+    ):
+        super().__init__(config=config)
+        if mesh_options:
+            raise ValueError(f"unknown MeshCoreAttention options {sorted(mesh_options)}; the options are mesh_provider")
+        _refuse_unsupported(config, attention_dropout, attn_mask_type, cp_comm_type)
+        if not isinstance(mesh_provider, MeshProvider):
+            raise ValueError(
+                f"mesh_provider must be a MeshProvider, got {type(mesh_provider).__name__}; "
+                f"build the spec with get_gpt_layer_mesh_spec()"
+            )
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        cp_group = _cp_group(pg_collection)
+        if cp_group.size() != config.context_parallel_size:
+            raise ValueError(
+                f"config.context_parallel_size {config.context_parallel_size} differs from the CP group's size "
+                f"{cp_group.size()}; build the TransformerConfig with the CP size of parallel_state"
+            )
+        self.mesh = mesh_provider.mesh_for(cp_group)
+        self.mask_check = mesh_provider.mask_check
+        self.head_dim = config.kv_channels
+        # Megatron's apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
+        # scores back inside its softmax (an fp16 range trick); the product is the plain scale.
+        self.softmax_scale = self.head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        """``query [sq, b, heads, d]``, ``key/value [sk, b, kv_heads, d]`` (this CP rank's zig-zag chunks)
+        -> ``[sq, b, heads * d]``: attention over the whole sequence of the CP group."""
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "packed sequences (packed_seq_params, THD format) are not supported by mesh_cp; "
+                "pass unpacked [s, b, ...] batches"
+            )
+        if attention_bias is not None:
+            raise NotImplementedError(
+                f"attention_bias of shape {tuple(attention_bias.shape)} is not supported by mesh_cp; "
+                f"use a position embedding that does not bias scores (RoPE or learned absolute)"
+            )
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if mask_type not in SUPPORTED_MASK_TYPES:
+            raise NotImplementedError(
+                f"attn_mask_type {mask_type.name} is not supported by mesh_cp; only "
+                f"{[t.name for t in SUPPORTED_MASK_TYPES]} (padding and arbitrary masks are not supported)"
+            )
+        causal = mask_type == AttnMaskType.causal
+        if attention_mask is not None:
+            self._check_mask(attention_mask, causal, query.shape[0], query.shape[1])
+        q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+        out = mesh_cp.mesh_attn_func(
+            q, k, v, mesh=self.mesh, causal=causal, softmax_scale=self.softmax_scale, layout="zigzag"
+        )
+        return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    def _check_mask(self, mask: Tensor, causal: bool, seq_local: int, batch: int) -> None:
+        """Accept only the mask the mesh applies anyway: Megatron's causal mask (``True`` = masked) for
+        this rank's zig-zag queries over the global keys, as ``get_batch_on_this_cp_rank`` shards it
+        (:class:`MaskCheck`: no host synchronisation per layer or step)."""
+        self.mask_check(mask, self.mesh, causal, seq_local, batch)
+
+
+def _refuse_unsupported(
+    config: TransformerConfig, attention_dropout: float | None, attn_mask_type: AttnMaskType, cp_comm_type: str | None
+) -> None:
+    """Refuse, by name and with the setting to change, what :class:`MeshCoreAttention` cannot compute
+    exactly: dropout, a sliding window, a softmax other than vanilla, a mask other than causal or none,
+    and TransformerEngine's CP communication settings."""
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout:
+        raise NotImplementedError(
+            f"attention dropout {dropout} is not supported by mesh_cp; set attention_dropout=0.0 "
+            f"(Megatron-LM: --attention-dropout 0.0)"
+        )
+    if config.window_size is not None:
+        raise NotImplementedError(
+            f"sliding window {config.window_size} is not supported by mesh_cp yet; set window_size=None"
+        )
+    if config.softmax_type != "vanilla":
+        raise NotImplementedError(
+            f"softmax_type {config.softmax_type!r} is not supported by mesh_cp; use softmax_type='vanilla'"
+        )
+    if attn_mask_type not in SUPPORTED_MASK_TYPES:
+        raise NotImplementedError(
+            f"attn_mask_type {attn_mask_type.name} is not supported by mesh_cp; it computes "
+            f"{[t.name for t in SUPPORTED_MASK_TYPES]} itself (padding and arbitrary masks are not supported)"
+        )
+    if cp_comm_type not in SUPPORTED_CP_COMM_TYPES:
+        raise NotImplementedError(
+            f"cp_comm_type {cp_comm_type!r} selects TransformerEngine's CP communication; with mesh_cp the "
+            f"mesh tile decides it: leave cp_comm_type at {SUPPORTED_CP_COMM_TYPES[1]!r} (or None)"
+        )
+    if getattr(config, "hierarchical_context_parallel_sizes", None):
+        raise NotImplementedError(
+            f"hierarchical_context_parallel_sizes {config.hierarchical_context_parallel_sizes} is for "
+            f"TransformerEngine's a2a+p2p CP; with mesh_cp leave it unset and choose the mesh tile"
+        )

@@ -1,0 +1,93 @@
+"""Megatron's CP group tiled ``a x b`` as a :class:`~mesh_cp.CPMesh`, with Q-groups placed inside nodes when
+the ranks per node are known."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from mesh_cp.core import AttentionShape, factorizations, most_square_tile
+from mesh_cp.runtime.mesh import CPMesh
+
+logger = logging.getLogger("mesh_cp")
+
+
+def cp_ranks_per_node(cp_ranks: tuple[int, ...], ranks_per_node: int) -> int | None:
+    """How many consecutive CP ranks share a node of ``ranks_per_node`` GPUs (global rank // R is the
+    node), when every node holds the same number of consecutive CP ranks; ``None`` otherwise."""
+    nodes = [r // ranks_per_node for r in cp_ranks]
+    runs: list[int] = []
+    for i, node in enumerate(nodes):
+        if i and node == nodes[i - 1]:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs[0] if len(set(runs)) == 1 else None
+
+
+def node_local_tile(cp_size: int, per_node: int) -> tuple[int, int]:
+    """The most square ``a x b`` of ``cp_size`` whose Q-groups (``a`` consecutive CP ranks) fit in a node
+    of ``per_node`` CP ranks: ``a`` divides ``per_node`` (the whole CP group when it fits in a node)."""
+    if per_node >= cp_size:
+        return most_square_tile(cp_size)
+    fits = [t for t in factorizations(cp_size) if per_node % t[0] == 0]
+    return min(fits, key=lambda t: (abs(math.log(t[0] / t[1])), -t[0]))
+
+
+def build_mesh(
+    cp_group: dist.ProcessGroup,
+    *,
+    tile: tuple[int, int] | str = "square",
+    ranks_per_node: int | None = None,
+    topology=None,
+    shape: AttentionShape | None = None,
+) -> CPMesh:
+    """Tile Megatron's CP group ``a x b`` (collective over ``cp_group``); see :class:`MeshProvider`.
+
+    With ``ranks_per_node`` (or a topology) the CP ranks per node are counted from the global ranks, a
+    ``"square"`` tile keeps Q-groups inside a node, and an explicit tile whose Q-groups cross nodes is
+    logged as a warning (the Q ring then runs over the inter-node network).
+    """
+    if cp_group is None:
+        raise ValueError("cp_group=None is not accepted: pass Megatron's context-parallel group")
+    cp_size = dist.get_world_size(cp_group)
+    ranks = tuple(dist.get_process_group_ranks(cp_group))
+    if topology is not None:
+        from mesh_cp.sim import Topology
+
+        if isinstance(topology, str):
+            topology = Topology.preset(topology, ranks_per_node=ranks_per_node or 8)
+        ranks_per_node = ranks_per_node or topology.ranks_per_node
+    per_node = cp_ranks_per_node(ranks, ranks_per_node) if ranks_per_node else None
+    if ranks_per_node and per_node is None:
+        logger.warning(
+            "mesh_cp: CP group %s does not hold the same number of consecutive ranks on every node of %d GPUs; "
+            "Q-groups are not placed by node",
+            list(ranks),
+            ranks_per_node,
+        )
+    if tile == "square":
+        tile = node_local_tile(cp_size, per_node) if per_node else most_square_tile(cp_size)
+    cp_topology = replace(topology, ranks_per_node=per_node) if topology is not None and per_node else None
+    if tile == "auto" and cp_topology is None:
+        raise ValueError(
+            "tile='auto' needs topology= (a mesh_cp.sim.Topology or preset name such as 'h100') whose "
+            "ranks_per_node places every CP rank on a node, and shape= (per-rank AttentionShape)"
+        )
+    # shape= is read by tile='auto' only (CPMesh.create refuses it with another tile and no topology).
+    mesh = CPMesh.create(cp_group, tile=tile, topology=cp_topology, **({"shape": shape} if tile == "auto" else {}))
+    if per_node:
+        a = mesh.tile[0]
+        if per_node < cp_size and per_node % a:
+            logger.warning(
+                "mesh_cp: tile %dx%d puts Q-groups of %d CP ranks across nodes of %d CP ranks; tile %s keeps them "
+                "inside a node",
+                *mesh.tile,
+                a,
+                per_node,
+                "x".join(map(str, node_local_tile(cp_size, per_node))),
+            )
+    return mesh
