@@ -8,7 +8,7 @@ import torch
 import mesh_cp
 from mesh_cp.core import Tiling, layout_permutation
 from mesh_cp.core.numerics import reference_attention
-from tests.distributed.harness import expect_error, run_distributed
+from mesh_cp.testing import expect_error, spawn_gloo
 
 
 def errors_worker(rank: int, world: int) -> dict:
@@ -166,7 +166,7 @@ def counter_checks(rank: int, mesh) -> dict:
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
-    for rank, res in enumerate(run_distributed(errors_worker, 2)):
+    for rank, res in enumerate(spawn_gloo(errors_worker, 2)):
         assert len(res) == 25, sorted(res)
         failures = {name: outcome for name, outcome in res.items() if outcome is not True}
         assert not failures, f"rank {rank}: {failures}"
@@ -207,7 +207,7 @@ def sharding_worker(rank: int, world: int) -> dict:
 
 
 def test_device_mesh_dp_by_cp_and_sharding_round_trips() -> None:
-    results = run_distributed(sharding_worker, 4)
+    results = spawn_gloo(sharding_worker, 4)
     assert [r["cp members"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     for rank, res in enumerate(results):
         failures = {k: v for k, v in res.items() if k not in ("cp members", "dp rank") and v is not True}
@@ -257,7 +257,7 @@ def low_precision_worker(rank: int, world: int) -> dict:
 
 
 def test_low_precision_error_at_most_twice_plain_attention() -> None:
-    for rank, res in enumerate(run_distributed(low_precision_worker, 4)):
+    for rank, res in enumerate(spawn_gloo(low_precision_worker, 4)):
         assert len(res) == 16
         for name, (dist_err, plain_err, dtype_kept) in res.items():
             assert dtype_kept, name
@@ -333,6 +333,6 @@ def auto_tile_worker(rank: int, world: int) -> dict:
 
 
 def test_auto_tile_uses_the_cost_model_choice() -> None:
-    for rank, res in enumerate(run_distributed(auto_tile_worker, 4)):
+    for rank, res in enumerate(spawn_gloo(auto_tile_worker, 4)):
         failures = {k: v for k, v in res.items() if v is not True}
         assert not failures, f"rank {rank}: {failures}"

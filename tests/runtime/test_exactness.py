@@ -17,7 +17,7 @@ import mesh_cp
 from mesh_cp.core import factorizations, make_plan
 from mesh_cp.core.numerics import reference_attention
 from mesh_cp.runtime.attention import attention_shape
-from tests.distributed.harness import run_distributed
+from mesh_cp.testing import spawn_gloo
 
 TOL = 1e-5
 
@@ -149,7 +149,7 @@ def exactness_worker(rank: int, world: int) -> dict[str, dict]:
 @pytest.fixture(scope="module", params=[1, 2, 3, 4, 6, 8], ids=lambda world: f"P{world}")
 def world_results(request) -> tuple[int, list[dict[str, dict]]]:
     """One spawned group per P, shared by the tests below."""
-    return request.param, run_distributed(exactness_worker, request.param)
+    return request.param, spawn_gloo(exactness_worker, request.param)
 
 
 def test_exact_against_fp64_for_every_tile(world_results) -> None:

@@ -13,7 +13,7 @@ import torch
 
 import mesh_cp
 from mesh_cp.core.numerics import reference_attention
-from tests.distributed.harness import run_distributed
+from mesh_cp.testing import spawn_gloo
 
 TOL = 1e-5
 TILES = ((2, 2), (1, 4))
@@ -75,7 +75,7 @@ def lse_grad_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict[str, dict[str, float]]]:
-    return run_distributed(lse_grad_worker, 4)
+    return spawn_gloo(lse_grad_worker, 4)
 
 
 def test_lse_gradient_matches_single_process_reference(per_rank) -> None:

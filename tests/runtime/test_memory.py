@@ -17,8 +17,7 @@ import mesh_cp
 from mesh_cp.core import factorizations, make_plan
 from mesh_cp.runtime.attention import attention_shape
 from mesh_cp.sim.memory import peak_bytes
-from mesh_cp.testing import MemoryPeak
-from tests.distributed.harness import run_distributed
+from mesh_cp.testing import MemoryPeak, spawn_gloo
 
 WORLD = 4
 CONFIGS = [
@@ -60,7 +59,7 @@ def memory_worker(rank: int, world: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def measured() -> list[list[dict]]:
-    return run_distributed(memory_worker, WORLD)
+    return spawn_gloo(memory_worker, WORLD)
 
 
 TOLERANCE = {"overlap": 0.2, "collective": 0.3}

@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from tests.distributed.harness import expect_error, run_distributed
+from mesh_cp.testing import expect_error, spawn_gloo
 
 
 def subgroups_checks(rank: int) -> dict:
@@ -478,7 +478,7 @@ def robustness_worker(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     """One spawned group of 4 ranks for every multi-rank case of this module but the stalled rank."""
-    return run_distributed(robustness_worker, 4)
+    return spawn_gloo(robustness_worker, 4)
 
 
 @pytest.mark.parametrize("part", ["subgroups", "mesh", "autocast", "disagree", "p2p"])
