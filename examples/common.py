@@ -1,13 +1,19 @@
-"""What the fine-tuning examples share (accelerate and DeepSpeed): text, tokenizer, model and options.
+"""What the examples share: the fine-tuning examples' text, tokenizer, model and options (accelerate and
+DeepSpeed), the device every example binds before its process group, and the result line every example
+prints last.
 
 Nothing is downloaded: the text is the Python standard library's source, read from this machine, and
 the tokenizer is a byte-level BPE trained on it with the ``tokenizers`` library. The model is a small
 Llama (transformers) built from the command-line options.
+
+The examples are scripts, not part of the installed package: each puts the repository root on
+``sys.path`` and imports this module as ``examples.common``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sysconfig
 from pathlib import Path
@@ -140,3 +146,19 @@ def example_data(args: argparse.Namespace):
     text = local_corpus(int(args.corpus_mb * 1e6))
     tokenizer = train_tokenizer(text, args.vocab)
     return tokenizer, token_sequences(text, tokenizer, args.seq_len)
+
+
+def print_result(example: str, **fields) -> None:
+    """Print the run's result as one JSON object, ``{"example": example, **fields}``, on one line (rank 0
+    calls it last, so the run's output ends with it; :func:`read_result` reads it back)."""
+    print(json.dumps({"example": example, **fields}), flush=True)
+
+
+def read_result(output: str) -> dict:
+    """The last result line (:func:`print_result`) in an example's ``output``, as a dict; ``ValueError`` if
+    there is none. Lines a launcher prints after it, and a prefix a launcher puts before it, are skipped."""
+    for line in reversed(output.splitlines()):
+        start = line.find('{"example"')
+        if start >= 0:
+            return json.loads(line[start:])
+    raise ValueError(f'no result line (a JSON object starting with {{"example") in: ...{output[-2000:]}')

@@ -5,6 +5,10 @@ import each other. What two adapters share lives here: :func:`switch_attention` 
 run over a mesh, whichever adapter built the model) and :func:`ds_attention_shape` (the shape that a
 DeepSpeed config's ``"tile": "auto"`` predicts for, read by the DeepSpeed adapter and by the Hugging
 Face ``Trainer`` given a DeepSpeed config).
+
+There is no accelerate adapter: ``accelerate launch`` starts the processes and the process group and
+does mixed precision, and the public API of :mod:`mesh_cp` with the Hugging Face adapter does the rest
+(``examples/accelerate/finetune.py``). The example programs live in ``examples/``, not in this package.
 """
 
 from __future__ import annotations

@@ -35,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401  (before init_process_group: gloo can abort at exit otherwise)
 import torch.distributed as dist
 
 import mesh_cp
 from mesh_cp.core.numerics import attention_delta
 from mesh_cp.kernels import get_kernel
 from mesh_cp.sim import Topology
+from mesh_cp.testing import gloo_exit_workaround
 
 PING_PONG_ROUNDS = 20
 
@@ -367,6 +367,7 @@ def run_benchmark(cfg: dict[str, Any], rank: Rank, rates: dict[str, float]) -> l
 def main(config_path: str) -> None:
     cfg = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)
+    gloo_exit_workaround()
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["gloo_timeout_s"]))
     rank = Rank(dist.get_rank(), dist.get_world_size(), cfg["ranks_per_node"], os.environ["GLOO_SOCKET_IFNAME"])
 

@@ -384,7 +384,9 @@ def rank_entry(rank: int, job: Job, tmp: str) -> None:
     dies in a case leaves the first line without the second)."""
     import torch.distributed as dist
 
-    importlib.import_module("torch._dynamo")  # before init_process_group: gloo can abort at exit otherwise
+    from mesh_cp.testing import gloo_exit_workaround
+
+    gloo_exit_workaround()  # before init_process_group
     torch.set_num_threads(1 if job.device == "cpu" else 4)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

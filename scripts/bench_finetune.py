@@ -1,8 +1,9 @@
 """Tokens/s and attention bytes per rank per step of the accelerate fine-tuning example: mesh 2x2 vs ring 1x4.
 
-Launches ``integrations/accelerate/finetune.py`` under ``accelerate launch`` (4 gloo processes on this
+Launches ``examples/accelerate/finetune.py`` under ``accelerate launch`` (4 gloo processes on this
 machine, ``ACCELERATE_USE_CPU=true``) once per tile with the same model, data and steps, and prints
-the median tokens/s and the bytes rank 0 sends per step in the attention's Q- and KV-groups.
+the median tokens/s and the bytes rank 0 sends per step in the attention's Q- and KV-groups (read from
+the example's final JSON line).
 
 Example::
 
@@ -13,24 +14,29 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DONE = re.compile(r"median ([0-9,]+) tokens/s; attention traffic ([0-9,]+) bytes per rank per step")
+sys.path.append(str(ROOT))  # for examples.common
+
+from examples.common import read_result  # noqa: E402
 
 
 def run(tile: str, steps: int, extra: list[str]) -> tuple[float, int]:
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate_mesh_cp.yaml")]
-    cmd += [str(ROOT / "integrations" / "accelerate" / "finetune.py"), "--tile", tile, "--steps", str(steps), *extra]
+    cmd += [str(ROOT / "examples" / "accelerate" / "finetune.py"), "--tile", tile, "--steps", str(steps), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "ACCELERATE_USE_CPU": "true"})
-    match = DONE.search(proc.stdout)
-    if proc.returncode or match is None:
+    try:
+        result = read_result(proc.stdout) if proc.returncode == 0 else None
+    except ValueError:
+        result = None
+    if result is None or result["tokens_per_s"] is None:
         raise RuntimeError(f"tile {tile} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return float(match[1].replace(",", "")), int(match[2].replace(",", ""))
+    sent = result["attention_bytes_per_step"]
+    return result["tokens_per_s"], sent["q"] + sent["kv"]
 
 
 def main(argv: list[str] | None = None) -> int:

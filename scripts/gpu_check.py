@@ -67,6 +67,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # the repository root, for examples.common
 
 from _gpu_check_worker import (  # noqa: E402
     DTYPE_NAMES,
@@ -96,8 +97,6 @@ CPU_KERNELS = ("cpu_flash",)
 # (label, heads, kv_heads, head_dim) of the kernel cases.
 KERNEL_SHAPES = (("4:4 d64", 4, 4, 64), ("8:2 d64", 8, 2, 64), ("4:4 d128", 4, 4, 128), ("8:2 d72", 8, 2, 72))
 EXAMPLE_LOSS_TOL = 1e-3
-STEP_WITH_REFERENCE = re.compile(r"step\s+(\d+)\s+mesh_cp loss ([-0-9.eE+naif]+)\s+reference loss ([-0-9.eE+naif]+)")
-MEGATRON_STEP = re.compile(r"step\s+(\d+)\s+loss ([-0-9.eE+naif]+)")
 
 
 @dataclasses.dataclass
@@ -473,7 +472,7 @@ def example_rows(opts: Options) -> list[Row]:
     tiny = ["--seq-len", str(64 * n), "--hidden", "32", "--corpus-mb", "0.2", "--vocab", "512", "--steps", "3"]
 
     def accelerate_case() -> Verdict:
-        script = ["integrations/accelerate/finetune.py", *tiny, "--reference"]
+        script = ["examples/accelerate/finetune.py", *tiny, "--reference"]
         return reference_example(script, n, ["accelerate", "transformers"], opts)
 
     def deepspeed_case() -> Verdict:
@@ -482,19 +481,20 @@ def example_rows(opts: Options) -> list[Row]:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(config, f)
         try:
-            script = ["integrations/deepspeed/finetune.py", "--deepspeed_config", f.name, *tiny, "--reference"]
+            script = ["examples/deepspeed/finetune.py", "--deepspeed_config", f.name, *tiny, "--reference"]
             return reference_example(script, n, ["deepspeed", "transformers"], opts)
         finally:
             os.unlink(f.name)
 
     def megatron_case() -> Verdict:
         with tempfile.TemporaryDirectory(prefix="gpu_check_megatron_") as data:
-            script = ["integrations/megatron/pretrain_gpt.py", "--config", "configs/megatron_cpu_test.yaml"]
+            script = ["examples/megatron/pretrain_gpt.py", "--config", "configs/megatron_cpu_test.yaml"]
             script += ["--tp", "1", "--cp", str(n), "--tile", f"1x{n}", "--seq-len", str(64 * n), "--steps", "4"]
             out = torchrun(script + ["--data-dir", data], n, ["megatron.core", "transformers"], opts)
-        losses = {int(m[1]): float(m[2]) for m in MEGATRON_STEP.finditer(out)}
+        result = example_result(out)
+        losses = {result["first_step"] + i: loss for i, loss in enumerate(result["losses"])}
         if sorted(losses) != [1, 2, 3, 4]:
-            return Verdict(False, f"expected steps 1-4 in its output, found {sorted(losses)}: {tail(out)}", math.inf)
+            return Verdict(False, f"expected steps 1-4 in its result line, found {sorted(losses)}", math.inf)
         ok = all(math.isfinite(v) for v in losses.values()) and losses[4] < losses[1]
         return Verdict(ok, f"loss {losses[1]:.4f} -> {losses[4]:.4f} in 4 steps{'' if ok else ' (did not fall)'}")
 
@@ -535,14 +535,24 @@ def first_error(text: str) -> str | None:
     return None
 
 
+def example_result(out: str) -> dict:
+    """The example's final JSON line (``examples.common.print_result``); a FAIL with the output's tail if none."""
+    from examples.common import read_result
+
+    try:
+        return read_result(out)
+    except ValueError:
+        raise RuntimeError(f"no result line in its output: {tail(out)}") from None
+
+
 def reference_example(script: list[str], n: int, modules: list[str], opts: Options) -> Verdict:
-    out = torchrun(script, n, modules, opts)
-    steps = [(int(m[1]), float(m[2]), float(m[3])) for m in STEP_WITH_REFERENCE.finditer(out)]
+    result = example_result(torchrun(script, n, modules, opts))
+    steps = list(zip(result["losses"], result["reference_losses"] or [], strict=False))
     if len(steps) < 3:
-        return Verdict(False, f"expected 3 step lines with a reference loss, found {len(steps)}: {tail(out)}", math.inf)
-    gap = max(abs(a - b) for _, a, b in steps)
+        return Verdict(False, f"expected 3 steps with a reference loss, found {len(steps)}: {result}", math.inf)
+    gap = max(abs(a - b) for a, b in steps)
     ok = math.isfinite(gap) and gap <= EXAMPLE_LOSS_TOL
-    detail = f"{len(steps)} steps, loss {steps[0][1]:.4f} -> {steps[-1][1]:.4f}, max |loss - reference| {gap:.1e}"
+    detail = f"{len(steps)} steps, loss {steps[0][0]:.4f} -> {steps[-1][0]:.4f}, max |loss - reference| {gap:.1e}"
     return Verdict(ok, f"{detail} (tol {EXAMPLE_LOSS_TOL:g})", gap / EXAMPLE_LOSS_TOL)
 
 

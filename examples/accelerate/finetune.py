@@ -3,22 +3,41 @@
 On CPU (4 gloo processes, 2x2 mesh, 8192-token sequences)::
 
     ACCELERATE_USE_CPU=true .venv/bin/accelerate launch --config_file configs/accelerate_mesh_cp.yaml \\
-        integrations/accelerate/finetune.py --cp 4 --tile 2x2
+        examples/accelerate/finetune.py --cp 4 --tile 2x2
 
 On GPUs (NCCL), the same config without ``ACCELERATE_USE_CPU``, one process per GPU::
 
-    accelerate launch --config_file configs/accelerate_mesh_cp.yaml --num_processes 8 \
-        integrations/accelerate/finetune.py --cp 8 --tile 2x4
+    accelerate launch --config_file configs/accelerate_mesh_cp.yaml --num_processes 8 \\
+        examples/accelerate/finetune.py --cp 8 --tile 2x4
+
+accelerate needs no adapter of its own: ``accelerate launch`` starts the processes and the gloo/NCCL group
+and ``Accelerator.autocast`` does mixed precision; mesh_cp's public API and its Hugging Face adapter do the
+rest: the DP x CP layout (:class:`mesh_cp.DataContextParallel`), the sharded batches
+(:func:`mesh_cp.shard_batch`), the loss (:func:`mesh_cp.causal_lm_loss`) and the model's ``mesh_cp``
+attention (:func:`mesh_cp.integrations.hf.attach`). accelerate's own
+``ParallelismConfig`` only knows its torch context parallelism (``cp_backend="torch"``, CUDA only), so it is
+not used.
 
 Each process binds GPU ``LOCAL_RANK`` before accelerate makes the NCCL group; the model, the reference
 and each step's batch shard live on ``accelerator.device``, the token sequences on the host.
 
 The processes form DP x CP replicas (``--cp`` consecutive ranks per replica, tiled ``--tile``); each
 replica trains on its own sequences, every rank of a replica holds a zig-zag shard of them. The text
-is the Python standard library's source and the tokenizer a BPE trained on it (no downloads).
-``--reference`` also trains, on rank 0, an unsharded copy with stock SDPA attention on the same global
-batches and prints both loss curves side by side. ``--checkpoint-dir`` saves every ``--save-every``
-steps and resumes from the latest checkpoint there.
+is the Python standard library's source and the tokenizer a BPE trained on it (no downloads); data, model
+and options are shared with the DeepSpeed example (``examples/common.py``). ``--reference`` also trains,
+on rank 0, an unsharded copy with stock SDPA attention on the same global batches and prints both loss
+curves side by side. ``--checkpoint-dir`` saves every ``--save-every`` steps and resumes from the latest
+checkpoint there.
+
+Rank 0 ends its output with one JSON line::
+
+    {"example": "accelerate", "world": 4, "device": "cpu", "layout": "DP(1) x CP(2x2) ...", "steps": 30,
+     "first_step": 1, "losses": [...], "reference_losses": [...] | null, "resumed_from": null | step,
+     "checkpoint": null | path, "tokens_per_step": 8192, "tokens_per_s": median,
+     "attention_bytes_per_step": {"q": bytes, "kv": bytes} | null}
+
+``losses[i]`` is the loss of step ``first_step + i`` (steps count from 1; a resumed run starts after
+``resumed_from``); ``attention_bytes_per_step`` is what rank 0 sends in one step in its Q- and KV-groups.
 """
 
 from __future__ import annotations
@@ -27,24 +46,28 @@ import argparse
 import contextlib
 import copy
 import statistics
+import sys
 import time
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository root: examples/ is not installed
+
 import torch
-import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at exit otherwise)
 import torch.distributed as dist
 
 import mesh_cp
-from mesh_cp.core import most_square_tile
-from mesh_cp.integrations import hf
-from mesh_cp.integrations.examples import (
+from examples.common import (
     add_example_arguments,
     bind_local_device,
     build_model,
     example_data,
+    print_result,
     reference_step,
     replica_batch,
 )
+from mesh_cp.core import most_square_tile
+from mesh_cp.integrations import hf
+from mesh_cp.testing import gloo_exit_workaround
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,27 +91,31 @@ def main(argv: list[str] | None = None) -> None:
     from accelerate import Accelerator
 
     args = parse_args(argv)
+    gloo_exit_workaround()  # before accelerate makes the process group
     bind_local_device()  # on GPUs: this rank's GPU before accelerate makes the NCCL group
     accelerator = Accelerator()
     if not dist.is_initialized():
         raise RuntimeError("run under `accelerate launch` with several processes (see the module docstring)")
-    train(args, accelerator)
+    result = train(args, accelerator)
     dist.barrier()
     dist.destroy_process_group()
+    if result is not None:
+        print_result("accelerate", **result)
 
 
-def train(args: argparse.Namespace, accelerator) -> None:
+def train(args: argparse.Namespace, accelerator) -> dict | None:
     """Build the layout, data and model, then fine-tune on ``accelerator.device`` (see the module docstring).
 
     The model (and the reference) live on ``accelerator.device``; the token sequences stay on the host and
-    each step copies only this rank's shard there (``hf.shard_batch(..., device=...)``)."""
+    each step copies only this rank's shard there (``mesh_cp.shard_batch(..., device=...)``). Returns, on rank 0,
+    the fields of the result line (the module docstring), else ``None``."""
     from tqdm import tqdm
 
     device = accelerator.device
     world = accelerator.num_processes
     cp = args.cp or world
     tile = args.tile or "x".join(map(str, most_square_tile(cp)))
-    layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=cp, tile=tile)
+    layout = mesh_cp.DataContextParallel.create(dist.group.WORLD, cp_size=cp, tile=tile)
     main_rank = accelerator.is_main_process
     if main_rank:
         print(f"{world} processes on {device.type}: {layout}")
@@ -100,7 +127,7 @@ def train(args: argparse.Namespace, accelerator) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if reference is not None else None
 
-    start = 0
+    start, ckpt = 0, None
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt_dir is not None and (ckpt := latest_checkpoint(ckpt_dir)) is not None:
         # On the host: load_state_dict copies into the parameters on the device, the optimizers move their state.
@@ -116,17 +143,18 @@ def train(args: argparse.Namespace, accelerator) -> None:
 
     tokens_per_step = args.batch * layout.dp_size * args.seq_len
     rates: list[float] = []
+    losses: list[float] = []
+    ref_losses: list[float] = []
     sent = None  # bytes this rank sends in one step, counted on the first step
-    loss_value = float("nan")
     bar = tqdm(range(start, args.steps), disable=not main_rank, desc="fine-tuning", unit="step")
     for step in bar:
         t0 = time.perf_counter()
         sequences_of_replica = replica_batch(sequences, step, layout.dp_rank, layout.dp_size, args.batch)
-        batch = hf.shard_batch(sequences_of_replica, mesh=layout.mesh, device=device)
+        batch = mesh_cp.shard_batch(sequences_of_replica, mesh=layout.mesh, device=device)
         counter = mesh_cp.CommCounter() if sent is None else contextlib.nullcontext()
         with counter, accelerator.autocast():
             logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
-            loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
+            loss = mesh_cp.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
             loss.backward()
         if sent is None:
             sent = counter.bytes_by_role(layout.mesh)
@@ -139,21 +167,39 @@ def train(args: argparse.Namespace, accelerator) -> None:
         loss_value = total.item()  # host sync: printed
         seconds = time.perf_counter() - t0
         rates.append(tokens_per_step / seconds)
+        losses.append(loss_value)
         postfix = {"loss": f"{loss_value:.4f}", "tok/s": f"{tokens_per_step / seconds:,.0f}", "seq": args.seq_len}
         if reference is not None:
             ref_loss = reference_step(reference, ref_optimizer, sequences, step, layout.dp_size, args.batch)
+            ref_losses.append(ref_loss)
             postfix["reference"] = f"{ref_loss:.4f}"
             bar.write(f"step {step + 1:3d}  mesh_cp loss {loss_value:.6f}  reference loss {ref_loss:.6f}")
         bar.set_postfix(postfix)
         if ckpt_dir is not None and (step + 1) % args.save_every == 0:
             save(ckpt_dir, step + 1, model, optimizer, reference, ref_optimizer, main_rank)
-    if main_rank and rates:
+    if not main_rank:
+        return None
+    if rates:
         attention_bytes = sent.get("q", 0) + sent.get("kv", 0)
         print(
-            f"done: {args.steps} steps, final loss {loss_value:.4f}; median {statistics.median(rates):,.0f} tokens/s; "
+            f"done: {args.steps} steps, final loss {losses[-1]:.4f}; median {statistics.median(rates):,.0f} tokens/s; "
             f"attention traffic {attention_bytes:,d} bytes per rank per step (rank 0; Q-group {sent.get('q', 0):,d}, "
             f"KV-group {sent.get('kv', 0):,d})"
         )
+    return {
+        "world": world,
+        "device": device.type,
+        "layout": str(layout),
+        "steps": args.steps,
+        "first_step": start + 1,
+        "losses": losses,
+        "reference_losses": ref_losses if reference is not None else None,
+        "resumed_from": start if ckpt is not None else None,
+        "checkpoint": str(ckpt) if ckpt is not None else None,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": statistics.median(rates) if rates else None,
+        "attention_bytes_per_step": {"q": sent.get("q", 0), "kv": sent.get("kv", 0)} if sent is not None else None,
+    }
 
 
 def save(directory: Path, step: int, model, optimizer, reference, ref_optimizer, main_rank: bool) -> None:

@@ -2,9 +2,9 @@
 
 On CPU (4 gloo processes; the config's ``"mesh_attention"`` block asks for one CP group of 4 tiled 2x2)::
 
-    DS_ACCELERATOR=cpu .venv/bin/deepspeed --num_gpus 4 integrations/deepspeed/finetune.py \\
+    DS_ACCELERATOR=cpu .venv/bin/deepspeed --num_gpus 4 examples/deepspeed/finetune.py \\
         --deepspeed_config configs/ds_mesh_cp_zero2.json
-    .venv/bin/torchrun --nproc-per-node 4 integrations/deepspeed/finetune.py \\
+    .venv/bin/torchrun --nproc-per-node 4 examples/deepspeed/finetune.py \\
         --deepspeed_config configs/ds_mesh_cp_zero3.json
 
 On GPUs (NCCL) drop ``DS_ACCELERATOR=cpu`` and start one process per GPU (``--num_gpus 8``, with ``"cp_size"``
@@ -17,7 +17,17 @@ the Python standard library's source and the tokenizer a BPE trained on it (no d
 also trains, on rank 0, an unsharded copy with stock SDPA attention and ``torch.optim.AdamW`` on the same
 global batches and prints both losses side by side (exact with ``"gradient_clipping": 0.0`` and the
 config's ``AdamW`` with ``"torch_adam": true``). ``--checkpoint-dir`` saves through the engine every
-``--save-every`` steps and resumes from the latest checkpoint there.
+``--save-every`` steps and resumes from the latest checkpoint there. Data, model and options are shared
+with the accelerate example (``examples/common.py``).
+
+Rank 0 ends its output with one JSON line::
+
+    {"example": "deepspeed", "world": 4, "device": "cpu", "zero_stage": 2, "layout": "DP(1) x CP(2x2) ...",
+     "steps": 20, "first_step": 1, "losses": [...], "reference_losses": [...] | null,
+     "resumed_from": null | step, "checkpoint": null | path, "tokens_per_step": 8192, "tokens_per_s": median}
+
+``losses[i]`` is the loss of step ``first_step + i`` (steps count from 1; a resumed run starts after
+``resumed_from``).
 """
 
 from __future__ import annotations
@@ -25,20 +35,24 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository root: examples/ is not installed
+
 import torch
-import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at exit otherwise)
 import torch.distributed as dist
 
-from mesh_cp.integrations.examples import (
+from examples.common import (
     add_example_arguments,
     build_model,
     example_data,
+    print_result,
     reference_step,
     replica_batch,
 )
+from mesh_cp.testing import gloo_exit_workaround
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,15 +79,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.deepspeed_config is None:
         raise SystemExit("give --deepspeed_config, for example configs/ds_mesh_cp_zero2.json")
-    train(args)
+    gloo_exit_workaround()  # before the engine makes the process group
+    result = train(args)
     dist.barrier()
     dist.destroy_process_group()
+    if result is not None:
+        print_result("deepspeed", **result)
 
 
-def train(args: argparse.Namespace) -> None:
+def train(args: argparse.Namespace) -> dict | None:
     """Start the engine (and the process group, NCCL on GPUs, bound to ``LOCAL_RANK``'s GPU), then fine-tune
     on ``engine.device``, where DeepSpeed put the model (see the module docstring). The token sequences
-    stay on the host; each step copies only this rank's shard to the engine's device."""
+    stay on the host; each step copies only this rank's shard to the engine's device. Returns, on rank 0,
+    the fields of the result line (the module docstring), else ``None``."""
     import deepspeed
     from tqdm import tqdm
 
@@ -93,14 +111,15 @@ def train(args: argparse.Namespace) -> None:
     main_rank = dist.get_rank() == 0
     reference = reference.to(device) if main_rank and reference is not None else None
     ref_optimizer = reference_optimizer(config, reference) if reference is not None else None
+    stage = engine.zero_optimization_stage()
     if main_rank:
-        stage = engine.zero_optimization_stage()
         print(f"{dist.get_world_size()} processes on {device.type}, ZeRO stage {stage}: {layout}")
 
-    start = 0
+    start, resumed = 0, False
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt_dir is not None and (ckpt_dir / "latest").exists():
         _, client_state = engine.load_checkpoint(str(ckpt_dir))
+        resumed = True
         start = client_state["step"]
         if reference is not None:
             state = torch.load(ckpt_dir / f"reference_{start}.pt", map_location="cpu", weights_only=False)
@@ -112,7 +131,8 @@ def train(args: argparse.Namespace) -> None:
     micro = engine.train_micro_batch_size_per_gpu()
     tokens_per_step = micro * layout.dp_size * args.seq_len
     rates: list[float] = []
-    mean = float("nan")
+    losses: list[float] = []
+    ref_losses: list[float] = []
     bar = tqdm(range(start, args.steps), disable=not main_rank, desc="fine-tuning", unit="step")
     for step in bar:
         t0 = time.perf_counter()
@@ -124,9 +144,11 @@ def train(args: argparse.Namespace) -> None:
         mean = cp.mean_loss(loss)
         seconds = time.perf_counter() - t0
         rates.append(tokens_per_step / seconds)
+        losses.append(mean)
         postfix = {"loss": f"{mean:.4f}", "tok/s": f"{tokens_per_step / seconds:,.0f}", "seq": args.seq_len}
         if reference is not None:
             ref_loss = reference_step(reference, ref_optimizer, sequences, step, layout.dp_size, micro)
+            ref_losses.append(ref_loss)
             postfix["reference"] = f"{ref_loss:.4f}"
             bar.write(f"step {step + 1:3d}  mesh_cp loss {mean:.6f}  reference loss {ref_loss:.6f}")
         bar.set_postfix(postfix)
@@ -135,8 +157,24 @@ def train(args: argparse.Namespace) -> None:
             if reference is not None:
                 state = {"model": reference.state_dict(), "optimizer": ref_optimizer.state_dict()}
                 torch.save(state, ckpt_dir / f"reference_{step + 1}.pt")
-    if main_rank and rates:
-        print(f"done: {args.steps} steps, final loss {mean:.4f}; median {statistics.median(rates):,.0f} tokens/s")
+    if not main_rank:
+        return None
+    if rates:
+        print(f"done: {args.steps} steps, final loss {losses[-1]:.4f}; median {statistics.median(rates):,.0f} tokens/s")
+    return {
+        "world": dist.get_world_size(),
+        "device": device.type,
+        "zero_stage": stage,
+        "layout": str(layout),
+        "steps": args.steps,
+        "first_step": start + 1,
+        "losses": losses,
+        "reference_losses": ref_losses if reference is not None else None,
+        "resumed_from": start if resumed else None,
+        "checkpoint": str(ckpt_dir) if resumed else None,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": statistics.median(rates) if rates else None,
+    }
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 On CPU (8 gloo processes, TP 2 x CP 4 on a 2x2 mesh, 8192-token sequences)::
 
-    .venv/bin/torchrun --nproc-per-node 8 integrations/megatron/pretrain_gpt.py \\
+    .venv/bin/torchrun --nproc-per-node 8 examples/megatron/pretrain_gpt.py \\
         --config configs/megatron_cpu_demo.yaml
 
 Megatron-core only (``GPTModel``, ``parallel_state``, ``GPTDataset``, ``get_batch_on_this_cp_rank``);
@@ -13,8 +13,19 @@ a Megatron indexed dataset (nothing is downloaded). Each step every DP replica t
 every rank's token losses over the token count of the whole global batch, and gradients are summed
 over ``get_data_parallel_group(with_context_parallel=True)``. On CUDA Megatron's
 ``DistributedDataParallel`` and ``get_megatron_optimizer`` do that (bf16); on CPU (fp32) a plain torch
-AdamW steps after :func:`~mesh_cp.integrations.megatron.training.reduce_gradients_cpu`, because both
-assert CUDA. ``--checkpoint-dir`` saves every ``--save-every`` steps and resumes from the latest save.
+AdamW steps after :func:`~examples.megatron.training.reduce_gradients_cpu`, because both assert CUDA
+(the CPU workarounds live beside this script, in ``examples/megatron/training.py``). ``--checkpoint-dir``
+saves every ``--save-every`` steps and resumes from the latest save.
+
+Rank 0 ends its output with one JSON line::
+
+    {"example": "megatron", "world": 8, "device": "cpu", "layouts": ["TP(2)-CP(2x2)-DP(1) rank 0: ...", ...],
+     "steps": 30, "first_step": 1, "losses": [...], "grad_norms": [...], "resumed_from": null | step,
+     "checkpoint": null | path, "tokens_per_step": 8192, "tokens_per_s": median}
+
+``layouts`` holds every rank's line of the layout, in rank order; ``losses[i]`` and ``grad_norms[i]``
+(before clipping) are those of step ``first_step + i`` (steps count from 1; a resumed run starts after
+``resumed_from``).
 """
 
 from __future__ import annotations
@@ -23,14 +34,19 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import sysconfig
 import time
 import warnings
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository root: examples/ is not installed
+
 import torch
-import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at exit otherwise)
 import torch.distributed as dist
+
+from examples.common import bind_local_device, print_result
+from mesh_cp.testing import gloo_exit_workaround
 
 # megatron-core warns at import, once per process, that TransformerEngine/Apex are absent and about CUDA
 # settings; on CPU those are expected.
@@ -169,27 +185,29 @@ def learning_rate(args, step: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     from megatron.core import parallel_state as ps
 
-    from mesh_cp.integrations.examples import bind_local_device
-
     args = parse_args(argv)
     if "RANK" not in os.environ:
         raise RuntimeError("start it with torchrun (see the module docstring)")
     device = bind_local_device()  # on GPUs: torch.cuda.set_device(LOCAL_RANK) before the NCCL group
+    gloo_exit_workaround()  # before init_process_group
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        run(args, device)
+        result = run(args, device)
     finally:
         dist.barrier()
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+    if result is not None:
+        print_result("megatron", **result)
 
 
-def run(args: argparse.Namespace, device: torch.device) -> None:
+def run(args: argparse.Namespace, device: torch.device) -> dict | None:
     """Build the layout, data, model and optimizer, then train on ``device`` (see the module docstring).
 
     ``device`` is this rank's GPU (``cuda:LOCAL_RANK``, the current device) or the CPU. The model is moved
     there; the samples are read and cut into this CP rank's zig-zag chunks on the host, and only those
-    chunks are copied there each step."""
+    chunks are copied there each step. Returns, on rank 0, the fields of the result line (the module
+    docstring), else ``None``."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -198,7 +216,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     from megatron.core.utils import get_batch_on_this_cp_rank
     from tqdm import tqdm
 
-    from mesh_cp.integrations.megatron import MeshLayout, training
+    from examples.megatron import training
+    from mesh_cp.integrations.megatron import MeshLayout
 
     cuda = device.type == "cuda"
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -261,10 +280,10 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     ).to(device)
     step_fn = CudaStep(model, config, args) if cuda else CpuStep(model, args)
 
-    start = 0
+    start, resumed = 0, False
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt_dir is not None and (ckpt_dir / "latest").exists():
-        start = int((ckpt_dir / "latest").read_text())
+        start, resumed = int((ckpt_dir / "latest").read_text()), True
         state = torch.load(ckpt_dir / f"step_{start}" / f"rank_{rank}.pt", map_location="cpu", weights_only=False)
         if state["layout"] != str(layout):
             raise ValueError(f"checkpoint layout {state['layout']!r} differs from this run's {str(layout)!r}")
@@ -273,7 +292,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
             print(f"resumed from {ckpt_dir / f'step_{start}'} at step {start}", flush=True)
 
     tokens_per_step = args.seq_len * args.micro_batch * dp
-    losses, rates = [], []
+    losses, norms, rates = [], [], []
     dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
     bar = tqdm(range(start, args.steps), disable=not main_rank, desc="pretraining", unit="step", dynamic_ncols=True)
     for step in bar:
@@ -291,6 +310,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         loss_value, norm = total.item(), float(norm)  # host sync: printed
         seconds = time.perf_counter() - t0
         losses.append(loss_value)
+        norms.append(norm)
         rates.append(tokens_per_step / seconds)
         bar.set_postfix(loss=f"{loss_value:.4f}", gnorm=f"{norm:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}")
         if main_rank:
@@ -299,12 +319,27 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
             )
         if ckpt_dir is not None and (step + 1) % args.save_every == 0:
             save(ckpt_dir, step + 1, rank, str(layout), step_fn)
-    if main_rank and losses:
+    if not main_rank:
+        return None
+    if losses:
         print(
             f"done: steps {start + 1}-{args.steps}, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
             f"median {statistics.median(rates):,.0f} tokens/s ({tokens_per_step} tokens per step)",
             flush=True,
         )
+    return {
+        "world": world,
+        "device": device.type,
+        "layouts": lines,
+        "steps": args.steps,
+        "first_step": start + 1,
+        "losses": losses,
+        "grad_norms": norms,
+        "resumed_from": start if resumed else None,
+        "checkpoint": str(ckpt_dir / f"step_{start}") if resumed else None,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": statistics.median(rates) if rates else None,
+    }
 
 
 def save(directory: Path, step: int, rank: int, layout: str, step_fn) -> None:
@@ -323,7 +358,7 @@ class CpuStep:
     optimizer assert CUDA)."""
 
     def __init__(self, model, args):
-        from mesh_cp.integrations.megatron import training
+        from examples.megatron import training
 
         training.use_cpu_rotary_embedding(model)
         self.model, self.args, self.training = model, args, training

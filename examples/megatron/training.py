@@ -9,6 +9,9 @@
   where Megatron's ``DistributedDataParallel``, ``get_megatron_optimizer`` and ``get_grad_norm_fp32``
   assert CUDA. On GPU use Megatron's DDP with ``calculate_per_token_loss=True`` (it then sums).
 - :func:`use_cpu_rotary_embedding`: the one CPU workaround for the model itself (RoPE).
+
+The step of ``examples/megatron/pretrain_gpt.py``; import it as ``examples.megatron.training`` (with the
+repository root on ``sys.path``).
 """
 
 from __future__ import annotations

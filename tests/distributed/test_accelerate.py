@@ -1,7 +1,8 @@
 """The accelerate fine-tuning example, launched as users launch it (4 gloo processes, 2x2 mesh).
 
 Its loss equals the unsharded SDPA reference trained beside it at every step, and stopping at a
-checkpoint then resuming gives the same losses as not stopping.
+checkpoint then resuming gives the same losses as not stopping. The example is run by path from another
+working directory, without the repository on ``PYTHONPATH``, and read through its final JSON line.
 """
 
 from __future__ import annotations
@@ -16,43 +17,60 @@ import pytest
 
 pytest.importorskip("accelerate")
 
+from examples.common import read_result  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--seq-len", "512", "--hidden", "32", "--corpus-mb", "0.5", "--vocab", "512", "--reference"]
-STEP = re.compile(r"step\s+(\d+)\s+mesh_cp loss ([0-9.]+)\s+reference loss ([0-9.]+)")
 
 
-def accelerate_launch(script: Path, *args: str, port: int) -> str:
-    """Run ``script`` under ``accelerate launch`` with the project's CPU config; its stdout (must succeed)."""
+def accelerate_launch(script: Path, *args: str, port: int, cwd: Path = ROOT, pythonpath: bool = True) -> str:
+    """Run ``script`` under ``accelerate launch`` with the project's CPU config, from ``cwd`` (with the
+    repository on ``PYTHONPATH`` if ``pythonpath``); its stdout (must succeed)."""
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate_mesh_cp.yaml")]
     cmd += ["--main_process_port", str(port), str(script), *args]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
-def launch(*args: str, port: int) -> dict[int, tuple[float, float]]:
-    """The fine-tuning example's printed (mesh_cp, reference) loss per step."""
-    stdout = accelerate_launch(ROOT / "integrations" / "accelerate" / "finetune.py", *SMALL, *args, port=port)
-    assert "DP(1) x CP(2x2)" in stdout, stdout[-2000:]
-    return {int(m[1]): (float(m[2]), float(m[3])) for m in STEP.finditer(stdout)}
+def launch(*args: str, port: int, cwd: Path) -> dict:
+    """The fine-tuning example's result line, run from ``cwd``; ``"steps"`` becomes ``{step: (mesh_cp loss,
+    reference loss)}``."""
+    stdout = accelerate_launch(
+        ROOT / "examples" / "accelerate" / "finetune.py", *SMALL, *args, port=port, cwd=cwd, pythonpath=False
+    )
+    result = read_result(stdout)
+    assert stdout.rstrip().splitlines()[-1].startswith('{"example"'), stdout[-2000:]  # the very last line
+    assert result["example"] == "accelerate" and result["world"] == 4, result
+    assert result["layout"].startswith("DP(1) x CP(2x2)"), result["layout"]
+    assert len(result["reference_losses"]) == len(result["losses"]), result
+    first = result["first_step"]
+    pairs = zip(result["losses"], result["reference_losses"], strict=True)
+    return result | {"steps": {first + i: pair for i, pair in enumerate(pairs)}}
 
 
 def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) -> None:
-    straight = launch("--steps", "4", port=29601)
-    assert sorted(straight) == [1, 2, 3, 4]
-    for step, (mesh, ref) in straight.items():
-        assert abs(mesh - ref) <= 1e-4, (step, mesh, ref)  # printed with 6 decimals
-    assert straight[4][0] < straight[1][0]  # it learns
+    straight = launch("--steps", "4", port=29601, cwd=tmp_path)
+    assert sorted(straight["steps"]) == [1, 2, 3, 4] and straight["resumed_from"] is None, straight
+    for step, (mesh, ref) in straight["steps"].items():
+        assert abs(mesh - ref) <= 1e-5, (step, mesh, ref)
+    assert straight["steps"][4][0] < straight["steps"][1][0]  # it learns
+    assert straight["tokens_per_s"] > 0 and straight["attention_bytes_per_step"]["kv"] > 0, straight
     ckpt = tmp_path / "ckpt"
-    first = launch("--steps", "2", "--checkpoint-dir", str(ckpt), "--save-every", "2", port=29602)
-    resumed = launch("--steps", "4", "--checkpoint-dir", str(ckpt), "--save-every", "2", port=29603)
-    assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
+    first = launch("--steps", "2", "--checkpoint-dir", str(ckpt), "--save-every", "2", port=29602, cwd=tmp_path)
+    resumed = launch("--steps", "4", "--checkpoint-dir", str(ckpt), "--save-every", "2", port=29603, cwd=tmp_path)
+    assert sorted(first["steps"]) == [1, 2] and sorted(resumed["steps"]) == [3, 4]
+    assert resumed["resumed_from"] == 2 and resumed["checkpoint"] == str(ckpt / "step_2.pt"), resumed
     for step in (1, 2):
-        assert first[step] == straight[step]
+        assert first["steps"][step] == straight["steps"][step]
     for step in (3, 4):
-        assert abs(resumed[step][0] - straight[step][0]) <= 1e-6, (step, resumed, straight)
+        assert abs(resumed["steps"][step][0] - straight["steps"][step][0]) <= 1e-6, (step, resumed, straight)
+        assert abs(resumed["steps"][step][1] - straight["steps"][step][1]) <= 1e-6, (step, resumed, straight)
 
 
 def test_trainer_with_dp_by_cp_equals_single_process(tmp_path: Path) -> None:

@@ -182,23 +182,21 @@ def _mpu_groups() -> dict:
 
     from mesh_cp.integrations import deepspeed as mesh_ds
     from mesh_cp.integrations import hf
+    from mesh_cp.integrations.deepspeed import engine
 
     layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile="1x2")
     calls = []
-    real = getattr(mesh_ds, "new_subgroups", None)
+    real = engine.new_subgroups
 
     def recorder(parent, partition, **kwargs):
         calls.append((dist.get_process_group_ranks(parent), [list(p) for p in partition]))
         return real(parent, partition, **kwargs)
 
-    mesh_ds.new_subgroups = recorder
+    engine.new_subgroups = recorder
     try:
         mpu = mesh_ds.DataContextParallelMPU(layout)
     finally:
-        if real is None:
-            del mesh_ds.new_subgroups
-        else:
-            mesh_ds.new_subgroups = real
+        engine.new_subgroups = real
     return {"calls": calls, "alone": dist.get_process_group_ranks(mpu.get_model_parallel_group())}
 
 
@@ -236,7 +234,7 @@ def _bad_blocks(world: int) -> dict:
                  lambda: start(cp_size=4, tile="3x1"))  # fmt: skip
     expect_error(errors, "unknown key", ValueError, r'unknown key "tiles"', lambda: start(cp_size=4, tiles="2x2"))
     expect_error(errors, "no cp_size", ValueError, r'needs "cp_size"', lambda: start(tile="2x2"))
-    expect_error(errors, "schedule", ValueError, r"\"schedule\": Input should be 'overlap' or 'collective'",
+    expect_error(errors, "schedule", ValueError, r"\"mesh_attention\": schedule 'ring' is not supported; choose one of \['collective', 'overlap'\]",
                  lambda: start(cp_size=4, schedule="ring"))  # fmt: skip
     expect_error(errors, "auto", ValueError, r"needs \['topology', 'seq_len'\]", lambda: start(cp_size=4, tile="auto"))
     expect_error(errors, "seq_len", ValueError, r'"seq_len" 100 must be a multiple of 2 \* cp_size = 8',
@@ -271,31 +269,38 @@ def test_bad_blocks_stop_before_training(deepspeed_results: list[dict]) -> None:
         assert all(v is True for v in result["errors"].values()), result["errors"]
 
 
-STEP = re.compile(r"step\s+(\d+)\s+mesh_cp loss ([0-9.]+)\s+reference loss ([0-9.]+)")
 SMALL = ["--seq-len", "512", "--hidden", "32", "--corpus-mb", "0.5", "--vocab", "512", "--reference"]
 
 
 def launch(launcher: str, stage: int, *args: str, port: int) -> dict[int, tuple[float, float]]:
-    """Run the example under ``deepspeed`` or ``torchrun`` with 4 CPU processes; its losses per step."""
-    script = str(ROOT / "integrations" / "deepspeed" / "finetune.py")
+    """Run the example under ``deepspeed`` or ``torchrun`` with 4 CPU processes (by path, without the
+    repository on ``PYTHONPATH``); its (mesh_cp, reference) loss per step, read from its final JSON line."""
+    from examples.common import read_result
+
+    script = str(ROOT / "examples" / "deepspeed" / "finetune.py")
     bin_dir = Path(sys.executable).parent
     if launcher == "deepspeed":
         cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "4", "--master_port", str(port), script]
     else:
         cmd = [str(bin_dir / "torchrun"), "--nproc-per-node", "4", "--master-port", str(port), script]
     cmd += ["--deepspeed_config", str(ROOT / "configs" / f"ds_mesh_cp_zero{stage}.json"), *SMALL, *args]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"ZeRO stage {stage}: DP(1) x CP(2x2)" in proc.stdout, proc.stdout[-2000:]
-    return {int(m[1]): (float(m[2]), float(m[3])) for m in STEP.finditer(proc.stdout)}
+    result = read_result(proc.stdout)
+    assert result["example"] == "deepspeed" and result["zero_stage"] == stage, result
+    assert result["layout"].startswith("DP(1) x CP(2x2)"), result["layout"]
+    start = result["first_step"] - 1  # the step a resumed run starts after
+    assert result["resumed_from"] == (start or None) and result["steps"] == start + len(result["losses"]), result
+    pairs = zip(result["losses"], result["reference_losses"], strict=True)
+    return {result["first_step"] + i: pair for i, pair in enumerate(pairs)}
 
 
 def test_example_under_both_launchers_and_resume_equals_not_stopping(tmp_path: Path) -> None:
     straight = launch("deepspeed", 2, "--steps", "4", port=29621)
     assert sorted(straight) == [1, 2, 3, 4]
     for step, (mesh, ref) in straight.items():
-        assert abs(mesh - ref) <= 1e-5, (step, mesh, ref)  # printed with 6 decimals
+        assert abs(mesh - ref) <= 1e-5, (step, mesh, ref)
     assert straight[4][0] < straight[1][0]  # it learns
     ckpt = str(tmp_path / "ckpt")
     first = launch("torchrun", 3, "--steps", "2", "--checkpoint-dir", ckpt, "--save-every", "2", port=29622)

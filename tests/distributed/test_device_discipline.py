@@ -26,7 +26,7 @@ CPU), it gets the launcher's device, as it would on NCCL. Recorded as violations
   is);
 - from the first forward on, a host read (``_local_scalar_dense``: ``item``/``int``/``float``/``bool``;
   ``equal``, ``nonzero``, ``tolist``) of a *device* tensor whose nearest caller outside torch is
-  mesh_cp's own code (``mesh_cp/``, ``integrations/``) that happens more than once (a check made on the
+  mesh_cp's own code (``mesh_cp/``, ``integrations/``, ``examples/``) that happens more than once (a check made on the
   first call and cached is fine; one made every step or every layer is not), unless its line is marked
   ``# host sync: printed`` (the one read per step that prints the loss). Host reads inside transformers,
   DeepSpeed or Megatron are theirs, not counted.
@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST = torch.device("cpu")
 DEVICE = torch.device("cpu", 0)
 PRINTED = "# host sync: printed"
-OURS = (str(ROOT / "mesh_cp") + os.sep, str(ROOT / "integrations") + os.sep)
+OURS = tuple(str(ROOT / folder) + os.sep for folder in ("mesh_cp", "integrations", "examples"))
 TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
 THIS_FILE = str(Path(__file__).resolve())
 
@@ -297,7 +297,7 @@ def _accelerate(rank: int, world: int) -> DeviceDiscipline:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    from mesh_cp.integrations.accelerate import finetune
+    from examples.accelerate import finetune
 
     os.environ |= {"ACCELERATE_USE_CPU": "true", "RANK": str(rank), "WORLD_SIZE": str(world),
                    "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
@@ -314,7 +314,7 @@ def _accelerate(rank: int, world: int) -> DeviceDiscipline:
 def _deepspeed(rank: int, world: int) -> DeviceDiscipline:
     from deepspeed.accelerator import get_accelerator
 
-    from mesh_cp.integrations.deepspeed import finetune
+    from examples.deepspeed import finetune
 
     accelerator = get_accelerator()
     config = str(ROOT / "configs" / "ds_mesh_cp_zero2.json")
@@ -330,7 +330,7 @@ def _deepspeed(rank: int, world: int) -> DeviceDiscipline:
 def _megatron(rank: int, world: int, data_dir: str) -> DeviceDiscipline:
     from megatron.core import parallel_state as ps
 
-    from mesh_cp.integrations.megatron import pretrain_gpt
+    from examples.megatron import pretrain_gpt
 
     config = str(ROOT / "configs" / "megatron_cpu_test.yaml")
     args = pretrain_gpt.parse_args(["--config", config, "--steps", "2", "--corpus-mb", "0.05", "--data-dir", data_dir])
@@ -437,7 +437,7 @@ def test_detector_sees_host_reads_in_our_code() -> None:
 def test_megatron_loss_share_reads_no_count_on_the_host() -> None:
     """``training.loss_share`` checks a device count where it is (no ``int()`` per step), and still refuses 0."""
     pytest.importorskip("megatron.core")
-    from mesh_cp.integrations.megatron import training
+    from examples.megatron import training
 
     per_token, mask = torch.ones(2, 3), torch.ones(2, 3)
     with DeviceDiscipline() as tracker:
@@ -489,7 +489,7 @@ def test_accelerate_example_binds_the_gpu_before_the_nccl_group(fake_cuda) -> No
     pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState
 
-    from mesh_cp.integrations.accelerate import finetune
+    from examples.accelerate import finetune
 
     try:
         with pytest.raises(_Stop):
@@ -501,7 +501,7 @@ def test_accelerate_example_binds_the_gpu_before_the_nccl_group(fake_cuda) -> No
 
 def test_megatron_example_binds_the_gpu_before_the_nccl_group(fake_cuda) -> None:
     pytest.importorskip("megatron.core")
-    from mesh_cp.integrations.megatron import pretrain_gpt
+    from examples.megatron import pretrain_gpt
 
     with pytest.raises(_Stop):
         pretrain_gpt.main(["--steps", "1"])

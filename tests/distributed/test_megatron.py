@@ -12,7 +12,6 @@ The pretraining script runs under torchrun and resumes from its checkpoint with 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +64,8 @@ def train(position_embedding: str, tp: int, cp: int, tile) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    from examples.megatron import training
     from mesh_cp.integrations import megatron as mcp
-    from mesh_cp.integrations.megatron import training
 
     layout = mcp.MeshLayout.from_parallel_state(tile=tile)
     torch.manual_seed(0)  # the full weights, split over TP by use_cpu_initialization
@@ -221,8 +220,8 @@ def _checks(rank: int, world: int) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
 
+    from examples.megatron import training
     from mesh_cp.integrations import megatron as mcp
-    from mesh_cp.integrations.megatron import training
 
     out: dict = {}
     layout = mcp.MeshLayout.from_parallel_state(ranks_per_node=4)
@@ -405,36 +404,42 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
     )
 
 
-STEP_LINE = re.compile(r"step\s+(\d+)\s+loss ([0-9.]+)\s+grad norm ([0-9.]+)")
+def torchrun_pretrain(*args: str, port: int) -> dict:
+    """``pretrain_gpt.py`` under torchrun on 4 CPU processes (TP 1 x CP 2 (1x2) x DP 2), by path and without
+    the repository on ``PYTHONPATH``; its final JSON line, with ``"steps"`` made ``{step: (loss, grad norm)}``."""
+    from examples.common import read_result
 
-
-def torchrun_pretrain(*args: str, port: int) -> str:
-    """``pretrain_gpt.py`` under torchrun on 4 CPU processes (TP 1 x CP 2 (1x2) x DP 2); its stdout."""
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--nproc-per-node", "4", "--master-port", str(port)]
     cmd += [
-        str(ROOT / "integrations" / "megatron" / "pretrain_gpt.py"),
+        str(ROOT / "examples" / "megatron" / "pretrain_gpt.py"),
         "--config",
         str(ROOT / "configs" / "megatron_cpu_test.yaml"),
         *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    result = read_result(proc.stdout)
+    assert result["example"] == "megatron" and result["world"] == 4, result
+    pairs = zip(result["losses"], result["grad_norms"], strict=True)
+    return result | {"steps": {result["first_step"] + i: pair for i, pair in enumerate(pairs)}}
 
 
 def test_pretrain_script_learns_and_resumes(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     common = ["--checkpoint-dir", str(ckpt), "--data-dir", str(tmp_path / "data"), "--save-every", "2"]
     straight = torchrun_pretrain("--steps", "4", *common, port=29611)
-    assert "TP(1)-CP(1x2)-DP(2) rank 3: Q-group [3], KV-group [2, 3]" in straight, straight[-2000:]
-    losses = {int(m[1]): (float(m[2]), float(m[3])) for m in STEP_LINE.finditer(straight)}
-    assert sorted(losses) == [1, 2, 3, 4], straight[-2000:]
+    layout_3 = "TP(1)-CP(1x2)-DP(2) rank 3: Q-group [3], KV-group [2, 3], 4 ranks per node"
+    assert straight["layouts"][3] == layout_3, straight["layouts"]
+    losses = straight["steps"]
+    assert sorted(losses) == [1, 2, 3, 4] and straight["resumed_from"] is None, straight
     assert losses[4][0] < losses[1][0]  # it learns
     # Stop after step 2: resuming from that checkpoint gives the losses and norms of not stopping.
     (ckpt / "latest").write_text("2")
     resumed = torchrun_pretrain("--steps", "4", *common, port=29612)
-    assert f"resumed from {ckpt / 'step_2'} at step 2" in resumed, resumed[-2000:]
-    again = {int(m[1]): (float(m[2]), float(m[3])) for m in STEP_LINE.finditer(resumed)}
-    assert sorted(again) == [3, 4] and all(again[s] == losses[s] for s in (3, 4)), (again, losses)
+    assert resumed["resumed_from"] == 2 and resumed["checkpoint"] == str(ckpt / "step_2"), resumed
+    again = resumed["steps"]
+    assert sorted(again) == [3, 4], again
+    for s in (3, 4):
+        assert again[s] == pytest.approx(losses[s], abs=1e-6), (s, again, losses)

@@ -15,13 +15,13 @@ import argparse
 import copy
 
 import torch
-import torch._dynamo  # noqa: F401  (before the process group: gloo can abort at exit otherwise)
 import torch.distributed as dist
 from accelerate import PartialState
 from torch.utils.data import DistributedSampler
 from transformers import AutoModelForCausalLM, TrainingArguments
 
 from mesh_cp.integrations import hf
+from mesh_cp.testing import gloo_exit_workaround
 from tests.distributed.test_hf import VOCAB, configs
 
 STEPS, EPOCHS, BATCH, LR = 3, 2, 2, 0.1
@@ -50,6 +50,7 @@ def reference_batch(data: list[dict], sampler_order: list[list[int]], step: int)
 
 
 def main(output_dir: str, deepspeed: str | None) -> None:
+    gloo_exit_workaround()  # before accelerate or the Trainer makes the process group
     if deepspeed is None:
         PartialState()  # the process group, from accelerate launch
         layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=(1, 2))
