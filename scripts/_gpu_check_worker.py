@@ -602,17 +602,9 @@ def hf_verdict(mesh, device: torch.device, kv_heads: int, mode: str, schedule: s
 
     import mesh_cp
     from mesh_cp.integrations import hf
+    from mesh_cp.testing.models import tiny_config
 
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
-        attention_dropout=0.0,
-    )
+    config = tiny_config(LlamaConfig, hidden_size=64, intermediate_size=128, num_key_value_heads=kv_heads)
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
     if mode == "bf16":

@@ -39,7 +39,7 @@ examples  the accelerate, DeepSpeed and Megatron examples under ``python -m torc
 ``--cpu-selftest`` runs the sections on CPU where they make sense (kernels: cpu_flash, reference and
 auto; the mesh on 4 gloo ranks at P = 4 and 2 and the hf checks at P = 4, in one spawned group; NCCL
 and the examples SKIP), so the checker's own logic is tested without a GPU
-(``tests/distributed/test_gpu_check.py``). ``--inject-fault KERNEL[:MODE[:DTYPE]]`` plants a bug in a
+(``tests/scripts/test_gpu_check.py``). ``--inject-fault KERNEL[:MODE[:DTYPE]]`` plants a bug in a
 kernel to show that the check catches it: ``wrong`` adds 0.1 to the last row of every block's output,
 ``raise`` raises in forward, ``abort`` ends the spawned rank's process in forward.
 """

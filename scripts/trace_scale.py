@@ -7,7 +7,7 @@ dispatcher with their real tensors, so :class:`mesh_cp.CommCounter` counts exact
 rank would send. Each traced rank runs the real ``mesh_attn_func`` forward and backward (on
 meaningless values, since nothing arrives) for every tile of ``P`` with the chosen schedule, and the
 traced bytes are compared with ``AttentionPlan.bytes_sent``. At P <= 16 the same plan is checked
-against real gloo ranks by the test suite (tests/distributed/test_exactness.py) and by
+against real gloo ranks by the test suite (tests/runtime/test_exactness.py) and by
 scripts/bench_attention.py, so plan, trace and runtime agree.
 
 The mesh is built directly from ``new_group`` calls: ``CPMesh.create``'s check that every rank asked

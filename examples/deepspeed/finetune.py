@@ -106,7 +106,7 @@ def train(args: argparse.Namespace) -> dict | None:
     cp = getattr(engine, "mesh_attention", None)
     if cp is None:
         raise SystemExit(f'{args.deepspeed_config} has no enabled "mesh_attention" block')
-    layout = cp.layout
+    layout = cp.parallel
     device = engine.device
     main_rank = dist.get_rank() == 0
     reference = reference.to(device) if main_rank and reference is not None else None

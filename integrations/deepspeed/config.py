@@ -43,7 +43,7 @@ def check_no_conflicts(loaded: dict, *, mpu: Any, mesh_param: Any, training_data
         raise ValueError(
             f'"{BLOCK}" builds the data-parallel x context-parallel layout itself, so {given} cannot be used with '
             f"it: leave out mpu/mesh_param/sequence_parallel_size (no tensor or pipeline model parallelism with "
-            f"it yet), and instead of training_data feed each DP replica's batches (engine.mesh_attention.layout."
+            f"it yet), and instead of training_data feed each DP replica's batches (engine.mesh_attention.parallel."
             f"dp_rank of dp_size; the same batch on every rank of a CP group) through engine.mesh_attention.shard"
         )
 

@@ -35,23 +35,23 @@ class DataContextParallelMPU:
 
     It deliberately exposes no ``get_sequence_parallel_*`` methods (see Note [DeepSpeed gradient
     averaging]); its model-parallel group is this rank alone. Constructing it is collective over
-    ``layout.group``: the singletons are subgroups of it (:func:`mesh_cp.runtime.groups.new_subgroups`, a split
+    ``parallel.group``: the singletons are subgroups of it (:func:`mesh_cp.runtime.groups.new_subgroups`, a split
     of that group when the default group is bound to a GPU, as DeepSpeed binds it on CUDA).
     """
 
-    def __init__(self, layout: DataContextParallel):
-        self.layout = layout
-        ranks = dist.get_process_group_ranks(layout.group)
-        self._alone = new_subgroups(layout.group, [[r] for r in ranks])
+    def __init__(self, parallel: DataContextParallel):
+        self.parallel = parallel
+        ranks = dist.get_process_group_ranks(parallel.group)
+        self._alone = new_subgroups(parallel.group, [[r] for r in ranks])
 
     def get_data_parallel_group(self):
-        return self.layout.group
+        return self.parallel.group
 
     def get_data_parallel_world_size(self) -> int:
-        return dist.get_world_size(self.layout.group)
+        return dist.get_world_size(self.parallel.group)
 
     def get_data_parallel_rank(self) -> int:
-        return dist.get_rank(self.layout.group)
+        return dist.get_rank(self.parallel.group)
 
     def get_model_parallel_group(self):
         return self._alone
@@ -75,11 +75,12 @@ class MeshAttention:
     """The mesh an engine trains with (``engine.mesh_attention``): sharding and the loss to back-propagate."""
 
     config: MeshConfig
-    layout: DataContextParallel
+    parallel: DataContextParallel
+    """The DP x CP groups and this replica's mesh."""
 
     @property
     def mesh(self) -> CPMesh:
-        return self.layout.mesh
+        return self.parallel.mesh
 
     def shard(
         self,
@@ -106,8 +107,8 @@ class MeshAttention:
         """The step's loss, the mean over replicas of their token-mean losses, from every rank's :meth:`loss`
         (collective over all ranks)."""
         total = loss.detach().float().clone()
-        dist.all_reduce(total, group=self.layout.group)
-        return total.item() / dist.get_world_size(self.layout.group)  # host sync: printed
+        dist.all_reduce(total, group=self.parallel.group)
+        return total.item() / dist.get_world_size(self.parallel.group)  # host sync: printed
 
 
 def layout_from_config(config: dict[str, Any], model: torch.nn.Module | None = None) -> MeshAttention | None:
@@ -117,10 +118,10 @@ def layout_from_config(config: dict[str, Any], model: torch.nn.Module | None = N
     if cfg is None or not cfg.enabled:
         return None
     shape = ds_attention_shape(model, cfg, config) if cfg.tile == "auto" else None
-    layout = DataContextParallel.from_config(cfg, shape=shape)
+    parallel = DataContextParallel.from_config(cfg, shape=shape)
     if model is not None:
-        switch_attention(model, layout.mesh, **cfg.attention_options)
-    return MeshAttention(config=cfg, layout=layout)
+        switch_attention(model, parallel.mesh, **cfg.attention_options)
+    return MeshAttention(config=cfg, parallel=parallel)
 
 
 def _bind_local_device(accelerator) -> None:
@@ -187,7 +188,7 @@ def initialize(
         **({"distributed_port": distributed_port} if distributed_port is not None else {}),
     )
     mesh_attention = layout_from_config(loaded, model)
-    forwarded["mpu"] = DataContextParallelMPU(mesh_attention.layout)
+    forwarded["mpu"] = DataContextParallelMPU(mesh_attention.parallel)
     engine, *rest = deepspeed.initialize(**forwarded)
     engine.mesh_attention = mesh_attention
     return (engine, *rest)

@@ -18,8 +18,8 @@ from mesh_cp.runtime.parallel import DataContextParallel
 def mesh_cp_trainer_class():
     """``transformers.Trainer`` subclass that trains with a :class:`DataContextParallel` layout.
 
-    ``MeshCPTrainer(model=..., args=..., train_dataset=..., layout=layout, pad_token_id=...)``: attaches
-    the layout's mesh to the model, feeds every rank of a CP group the same examples (a
+    ``MeshCPTrainer(model=..., args=..., train_dataset=..., parallel=parallel, pad_token_id=...)``: attaches
+    its mesh to the model, feeds every rank of a CP group the same examples (a
     ``DistributedSampler`` over the DP replicas, reshuffled every epoch: Trainer calls the dataloader's
     ``set_epoch``) through :class:`ShardingCollator`, and lets Trainer's
     own token counting do the rest: with ``average_tokens_across_devices`` (required) the loss is the
@@ -28,7 +28,7 @@ def mesh_cp_trainer_class():
     and prediction raise (Trainer gathers them as if every rank held different examples).
 
     With DeepSpeed (``TrainingArguments(deepspeed="ds_config.json")``, or ``--deepspeed`` on the command
-    line) leave ``layout`` out: the trainer builds it from the config's ``"mesh_attention"`` block
+    line) leave ``parallel`` out: the trainer builds it from the config's ``"mesh_attention"`` block
     (:class:`mesh_cp.config.MeshConfig`), and DeepSpeed's gradient mean over all ranks is exact at
     every ZeRO stage for the same reason.
     """
@@ -43,31 +43,42 @@ def mesh_cp_trainer_class():
 class _MeshCPTraining:
     """What :func:`mesh_cp_trainer_class` adds to ``transformers.Trainer`` (placed before it in the bases)."""
 
-    def __init__(self, *args, layout: DataContextParallel | None = None, pad_token_id: int, **kwargs):
+    def __init__(
+        self,
+        *args,
+        parallel: DataContextParallel | None = None,
+        layout: DataContextParallel | None = None,
+        pad_token_id: int,
+        **kwargs,
+    ):
         if args:
             raise ValueError("MeshCPTrainer takes keyword arguments only (model=..., args=..., ...)")
-        if layout is None:
-            layout = _layout_from_deepspeed_args(kwargs.get("args"), kwargs.get("model"))
-        elif isinstance(layout, DataContextParallel):
-            attach(kwargs["model"], layout.mesh)
+        if layout is not None:  # the earlier name of parallel=
+            if parallel is not None:
+                raise ValueError("pass parallel= (layout= is its earlier name), not both")
+            parallel = layout
+        if parallel is None:
+            parallel = _parallel_from_deepspeed_args(kwargs.get("args"), kwargs.get("model"))
+        elif isinstance(parallel, DataContextParallel):
+            attach(kwargs["model"], parallel.mesh)
         else:
-            raise ValueError(f"layout must be a DataContextParallel, got {type(layout).__name__}")
-        kwargs.setdefault("data_collator", ShardingCollator(layout.mesh, pad_token_id=pad_token_id))
+            raise ValueError(f"parallel must be a DataContextParallel, got {type(parallel).__name__}")
+        kwargs.setdefault("data_collator", ShardingCollator(parallel.mesh, pad_token_id=pad_token_id))
         super().__init__(**kwargs)
         if not self.args.average_tokens_across_devices:
             raise ValueError(
                 "MeshCPTrainer needs TrainingArguments(average_tokens_across_devices=True): the loss of a CP "
                 "rank is its share of the global token mean"
             )
-        self.layout = layout
+        self.parallel = parallel
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         sampler = DistributedSampler(
             self.train_dataset,
-            num_replicas=self.layout.dp_size,
-            rank=self.layout.dp_rank,
+            num_replicas=self.parallel.dp_size,
+            rank=self.parallel.dp_rank,
             shuffle=True,
             seed=self.args.seed,
         )
@@ -97,22 +108,22 @@ class _EpochDataLoader(DataLoader):
         self.sampler.set_epoch(epoch)
 
 
-def _layout_from_deepspeed_args(training_args: Any, model: torch.nn.Module) -> DataContextParallel:
+def _parallel_from_deepspeed_args(training_args: Any, model: torch.nn.Module) -> DataContextParallel:
     """The layout of an enabled ``"mesh_attention"`` block in ``training_args.deepspeed`` (collective over the
     world), with ``model`` attached to its mesh."""
     ds_config = getattr(training_args, "hf_deepspeed_config", None)
     if ds_config is None:
         raise ValueError(
-            "MeshCPTrainer needs layout=DataContextParallel.create(...), or TrainingArguments(deepspeed=...) whose "
+            "MeshCPTrainer needs parallel=DataContextParallel.create(...), or TrainingArguments(deepspeed=...) whose "
             'config has an enabled "mesh_attention" block'
         )
     cfg = MeshConfig.from_ds_config(ds_config.config)
     if cfg is None or not cfg.enabled:
         raise ValueError(
             'the DeepSpeed config has no enabled "mesh_attention" block: add {"enabled": true, "cp_size": ..., '
-            '"tile": ...} to it, or pass layout= to MeshCPTrainer'
+            '"tile": ...} to it, or pass parallel= to MeshCPTrainer'
         )
     shape = ds_attention_shape(model, cfg, ds_config.config) if cfg.tile == "auto" else None
-    layout = DataContextParallel.from_config(cfg, shape=shape)
-    attach(model, layout.mesh, **cfg.attention_options)
-    return layout
+    parallel = DataContextParallel.from_config(cfg, shape=shape)
+    attach(model, parallel.mesh, **cfg.attention_options)
+    return parallel

@@ -311,7 +311,7 @@ class AttentionPlan:
         )
 
     def traffic_units(self, phase: Phase) -> float:
-        """The traffic formula of ALGORITHMS.md in units of ``C`` (lse/delta left out).
+        """The traffic formula of docs/ALGORITHMS.md in units of ``C`` (lse/delta left out).
 
         It counts every transfer at the input's element size; since partial outputs and gradients
         travel in fp32, ``traffic_units * C * itemsize`` equals the bytes sent (less the statistics)

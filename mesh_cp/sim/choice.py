@@ -60,7 +60,7 @@ def choose_tile(
     """The tile with the fastest predicted forward + backward within ``memory_budget``, and why.
 
     Simulates every factorisation ``a x b`` of ``world`` with ``schedule``; drops tiles whose peak
-    memory per rank (:meth:`AttentionPlan.peak_bytes`) exceeds ``memory_budget`` bytes (``None``:
+    memory per rank (:func:`mesh_cp.sim.memory.peak_bytes`) exceeds ``memory_budget`` bytes (``None``:
     no limit); ties go to the tile sending fewer bytes. ``shape`` holds per-rank sizes.
     """
     if memory_budget is not None and memory_budget < 1:

@@ -10,7 +10,9 @@ import mesh_cp
 
 
 def test_fixed_public_names_exist() -> None:
-    for name in ("CPMesh", "mesh_attn_func", "shard_sequence", "unshard_sequence", "MeshAttnFunc", "CommCounter"):
+    names = ("CPMesh", "mesh_attn_func", "shard_sequence", "unshard_sequence", "MeshAttnFunc", "CommCounter")
+    names += ("auto_mesh", "DataContextParallel", "shard_batch", "ShardingCollator", "causal_lm_loss", "MeshConfig")
+    for name in names:
         assert name in mesh_cp.__all__
         assert callable(getattr(mesh_cp, name))
     assert callable(mesh_cp.CPMesh.create) and callable(mesh_cp.CPMesh.from_device_mesh)

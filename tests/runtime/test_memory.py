@@ -1,4 +1,4 @@
-"""Peak memory of one attention call measured against AttentionPlan.peak_bytes.
+"""Peak memory of one attention call measured against mesh_cp.sim.memory.peak_bytes.
 
 The overlapped schedule (the default) must be within 20% of the plan. The collective schedule is
 checked within 30%: gloo stages its all-gathers and all-to-alls through copies that it frees on its

@@ -22,12 +22,12 @@ import torch
 pytest.importorskip("transformers")
 
 import mesh_cp  # noqa: E402
-from tests.distributed.harness import run_distributed  # noqa: E402
+from mesh_cp.testing import spawn_gloo  # noqa: E402
+from mesh_cp.testing.models import SPECIAL_TOKENS, TINY, VOCAB  # noqa: E402
 
 TOL = 1e-5
 SEQ = 32
 BATCH = 2
-VOCAB = 96
 WORLD = 4
 
 # How a refusal names its feature: the outcome "refused:<feature>" needs a message matching the pattern.
@@ -76,20 +76,8 @@ def architectures() -> dict:
     """Tiny configs (2 layers, width 32-64) with each architecture's distinctive feature on."""
     import transformers as tf
 
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attention_dropout=0.0,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base = {**TINY, "num_key_value_heads": 2, **SPECIAL_TOKENS}
+    ids = SPECIAL_TOKENS
     moe = dict(num_experts_per_tok=2)
 
     def llama_rope(**rope):
@@ -275,7 +263,7 @@ def architectures_worker(rank: int, world: int) -> dict[str, str]:
 
 def test_architectures_are_exact_or_refused_by_name() -> None:
     assert len([n for n, (_, outcome) in EXPECTED.items() if not n.startswith(("llama rope", "mistral"))]) >= 15
-    per_rank = run_distributed(architectures_worker, WORLD)
+    per_rank = spawn_gloo(architectures_worker, WORLD)
     expected = {name: outcome for name, (_, outcome) in EXPECTED.items()}
     table = "\n".join(
         f"{name:58} {EXPECTED[name][0]:4} expected {expected[name]:28} got "

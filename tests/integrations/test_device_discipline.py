@@ -55,7 +55,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.distributed.harness import run_distributed
+from mesh_cp.testing import spawn_gloo
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = torch.device("cpu")
@@ -358,7 +358,7 @@ def examples_worker(rank: int, world: int, data_dir: str) -> dict:
 def examples(tmp_path_factory) -> list[dict]:
     for module in ("accelerate", "deepspeed", "megatron.core"):
         pytest.importorskip(module)
-    return run_distributed(examples_worker, 4, str(tmp_path_factory.mktemp("megatron_data")))
+    return spawn_gloo(examples_worker, 4, str(tmp_path_factory.mktemp("megatron_data")))
 
 
 @pytest.mark.parametrize("example", ["accelerate", "deepspeed", "megatron"])

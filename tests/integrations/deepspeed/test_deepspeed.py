@@ -25,10 +25,10 @@ import torch
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-from tests.distributed.harness import expect_error, run_distributed  # noqa: E402
-from tests.distributed.test_hf import VOCAB, configs  # noqa: E402
+from mesh_cp.testing import expect_error, spawn_gloo  # noqa: E402
+from mesh_cp.testing.models import VOCAB, tiny_causal_lms  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOL = 1e-5
 STEPS, SEQ, LR = 3, 48, 1e-2
 LAYOUTS = {"CP4(2x2)": (4, "2x2"), "DP2xCP2(1x2)": (2, "1x2")}
@@ -52,7 +52,9 @@ def tiny_llama():
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(configs()["llama-gqa"], attn_implementation="sdpa", dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(
+        tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa", dtype=torch.float32
+    )
 
 
 def batches(dp_size: int) -> list[list[torch.Tensor]]:
@@ -91,7 +93,7 @@ def train_mesh(model, config: dict, data, forward_sharded) -> tuple[list[float],
     cp = engine.mesh_attention
     losses = []
     for step_batches in data:
-        batch = cp.shard(step_batches[cp.layout.dp_rank], device=engine.device)
+        batch = cp.shard(step_batches[cp.parallel.dp_rank], device=engine.device)
         loss = cp.loss(forward_sharded(engine, batch), batch)
         engine.backward(loss)
         engine.step()
@@ -247,7 +249,7 @@ def _bad_blocks(world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def deepspeed_results() -> list[dict]:
-    return run_distributed(deepspeed_worker, 4)
+    return spawn_gloo(deepspeed_worker, 4)
 
 
 def test_every_zero_stage_trains_like_no_cp(deepspeed_results: list[dict]) -> None:
@@ -317,7 +319,7 @@ def test_trainer_with_deepspeed_flag_equals_single_process(tmp_path: Path) -> No
     config["mesh_attention"] |= {"cp_size": 2, "tile": "1x2"}
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
-    script = str(ROOT / "tests" / "distributed" / "trainer_script.py")
+    script = str(ROOT / "tests" / "integrations" / "accelerate" / "trainer_script.py")
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port", "29624", script]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(

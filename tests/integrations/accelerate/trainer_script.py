@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 
 from mesh_cp.integrations import hf
 from mesh_cp.testing import gloo_exit_workaround
-from tests.distributed.test_hf import VOCAB, configs
+from mesh_cp.testing.models import VOCAB, tiny_causal_lms
 
 STEPS, EPOCHS, BATCH, LR = 3, 2, 2, 0.1
 
@@ -57,7 +57,7 @@ def main(output_dir: str, deepspeed: str | None) -> None:
     else:
         layout = None  # the Trainer builds it from the config's "mesh_attention" block
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(configs()["llama-gqa"], attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa")
     reference = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1)
     dp_size = 2
@@ -89,9 +89,9 @@ def main(output_dir: str, deepspeed: str | None) -> None:
     else:
         collator = RecordingCollator(hf.ShardingCollator(layout.mesh, pad_token_id=0))
         trainer = trainer_class(
-            model=model, args=args, train_dataset=data, layout=layout, pad_token_id=0, data_collator=collator
+            model=model, args=args, train_dataset=data, parallel=layout, pad_token_id=0, data_collator=collator
         )
-    layout = trainer.layout
+    layout = trainer.parallel
     assert layout.dp_size == dp_size and layout.mesh.tile == (1, 2), layout
     trainer.train()
     try:

@@ -22,32 +22,12 @@ pytest.importorskip("transformers")
 
 import mesh_cp  # noqa: E402
 from mesh_cp.core import factorizations  # noqa: E402
-from tests.distributed.harness import expect_error, run_distributed  # noqa: E402
+from mesh_cp.testing import expect_error, spawn_gloo  # noqa: E402
+from mesh_cp.testing.models import VOCAB, tiny_causal_lms  # noqa: E402
 
 TOL = 1e-5
 SEQ = 48
 BATCH = 2
-VOCAB = 96
-
-
-def configs() -> dict:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        attention_dropout=0.0,
-    )
-    return {
-        "llama": LlamaConfig(**common, num_key_value_heads=4),
-        "llama-gqa": LlamaConfig(**common, num_key_value_heads=2),
-        "qwen2": Qwen2Config(**common, num_key_value_heads=2, use_sliding_window=False),
-        "mistral": MistralConfig(**common, num_key_value_heads=2, sliding_window=None),
-    }
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,7 +91,7 @@ def hf_worker(rank: int, world: int) -> dict:
     tiles = [(2, 2), (1, 4)] if world == 4 else factorizations(world)
     for tile in tiles:
         mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
-        for name, config in configs().items():
+        for name, config in tiny_causal_lms().items():
             for key, err in compare(name, config, mesh).items():
                 results[f"{tile[0]}x{tile[1]} {key}"] = err
     mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2) if world == 4 else (1, world))
@@ -119,7 +99,9 @@ def hf_worker(rank: int, world: int) -> dict:
         right = torch.ones(BATCH, SEQ, dtype=torch.long)
         right[0, SEQ - 11 :] = 0
         right[1, SEQ - 3 :] = 0
-        for key, err in compare("llama-gqa right-padded", configs()["llama-gqa"], mesh, attention_mask=right).items():
+        for key, err in compare(
+            "llama-gqa right-padded", tiny_causal_lms()["llama-gqa"], mesh, attention_mask=right
+        ).items():
             results[key] = err
         checks = _refusals(mesh, hf)
         results |= checks
@@ -142,7 +124,7 @@ def _refusals(mesh, hf) -> dict:
         "right padding only",
         lambda: hf.shard_batch(ids, mesh=mesh, attention_mask=left),
     )
-    model = hf.attach(AutoModelForCausalLM.from_config(configs()["llama"]), mesh)
+    model = hf.attach(AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"]), mesh)
     batch = hf.shard_batch(ids, mesh=mesh)
     local_mask = torch.ones_like(batch.input_ids)
     local_mask[0, 0] = 0
@@ -153,7 +135,7 @@ def _refusals(mesh, hf) -> dict:
         "does not take padding masks",
         lambda: model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=local_mask),
     )
-    windowed = MistralConfig(**{**configs()["mistral"].to_dict(), "sliding_window": 16})
+    windowed = MistralConfig(**{**tiny_causal_lms()["mistral"].to_dict(), "sliding_window": 16})
     windowed_model = hf.attach(AutoModelForCausalLM.from_config(windowed), mesh)
     expect_error(
         checks,
@@ -162,7 +144,7 @@ def _refusals(mesh, hf) -> dict:
         "sliding_window=16 is not supported",
         lambda: windowed_model(input_ids=batch.input_ids, position_ids=batch.position_ids),
     )
-    bare = AutoModelForCausalLM.from_config(configs()["llama"])
+    bare = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"])
     hf.register()
     bare.set_attn_implementation("mesh_cp")
     expect_error(
@@ -191,7 +173,7 @@ def world4_worker(rank: int, world: int) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def world4() -> list[dict[str, dict]]:
-    return run_distributed(world4_worker, 4)
+    return spawn_gloo(world4_worker, 4)
 
 
 def section(per_rank: list[dict[str, dict]], name: str) -> list[dict]:
@@ -204,7 +186,7 @@ def section(per_rank: list[dict[str, dict]], name: str) -> list[dict]:
 
 @pytest.mark.parametrize("world", [4, 2])
 def test_hf_models_match_single_process_sdpa(world: int, request: pytest.FixtureRequest) -> None:
-    per_rank = section(request.getfixturevalue("world4"), "models") if world == 4 else run_distributed(hf_worker, 2)
+    per_rank = section(request.getfixturevalue("world4"), "models") if world == 4 else spawn_gloo(hf_worker, 2)
     for rank, res in enumerate(per_rank):
         assert res, f"rank {rank} ran nothing"
         refusals = {k: v for k, v in res.items() if isinstance(v, (bool, str))}
@@ -214,7 +196,7 @@ def test_hf_models_match_single_process_sdpa(world: int, request: pytest.Fixture
         assert not bad, f"rank {rank}: errors above {TOL}: {bad}"
         tiles = ["2x2", "1x4"] if world == 4 else [f"{a}x{b}" for a, b in factorizations(world)]
         metrics = ("logits", "loss", "grads", "params after 3 steps")
-        expected = {f"{t} {m} {metric}" for t in tiles for m in configs() for metric in metrics}
+        expected = {f"{t} {m} {metric}" for t in tiles for m in tiny_causal_lms() for metric in metrics}
         if world == 4:
             expected |= {f"llama-gqa right-padded {metric}" for metric in metrics}
         assert set(errors) == expected, sorted(set(errors) ^ expected)
@@ -233,7 +215,7 @@ def dp_cp_worker(rank: int, world: int) -> dict:
         layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=tile)
         results[f"{tile} layout"] = (layout.dp_size, layout.dp_rank, list(layout.mesh.global_ranks))
         torch.manual_seed(0)
-        ref = AutoModelForCausalLM.from_config(configs()["llama-gqa"], attn_implementation="sdpa")
+        ref = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa")
         model = hf.attach(copy.deepcopy(ref), layout.mesh)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
         gen = torch.Generator().manual_seed(3)
@@ -281,7 +263,7 @@ def collator_worker(rank: int, world: int) -> dict:
     examples = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=gen).tolist()} for n in (37, 21, 30)]
     batch = hf.ShardingCollator(mesh, pad_token_id=0)(examples)
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(configs()["llama"], attn_implementation="sdpa")
+    ref = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"], attn_implementation="sdpa")
     model = hf.attach(copy.deepcopy(ref), mesh)
     loss = model(**batch).loss
     total = loss.detach().clone()
@@ -347,7 +329,7 @@ def keywords_section(rank: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(configs()["llama-gqa"], attn_implementation="sdpa")
+    ref = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa")
     model = hf.attach(copy.deepcopy(ref), mesh)
     # is_causal given as a keyword wins over the module's attribute, as in transformers' sdpa path.
     for key, err in _mesh_against_reference(ref, model, mesh, ids, is_causal=False).items():
@@ -380,7 +362,7 @@ def keywords_section(rank: int, world: int) -> dict:
         results[f"attention sinks {key}"] = err
 
     torch.manual_seed(0)
-    model = hf.attach(AutoModelForCausalLM.from_config(configs()["llama-gqa"]), mesh)
+    model = hf.attach(AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"]), mesh)
     batch = hf.shard_batch(ids, mesh=mesh)
     # Two documents of SEQ / 2 tokens packed in each row: positions restart; transformers would mask them apart.
     packed = torch.cat([torch.arange(SEQ // 2)] * 2).unsqueeze(0).expand(BATCH, -1)
@@ -486,7 +468,7 @@ def switch_section(rank: int, world: int) -> dict:
         r"FalconForCausalLM \('sdpa'\).* kept its attention implementation .* AttentionInterface",
         lambda: hf.attach(falcon, mesh),
     )
-    model = hf.attach(hf.attach(AutoModelForCausalLM.from_config(configs()["llama"]), mesh), mesh)
+    model = hf.attach(hf.attach(AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"]), mesh), mesh)
     results["attaching again replaces the hooks"] = (len(model._forward_pre_hooks), len(model._forward_hooks)) == (1, 1)
     attention = model.model.layers[1].self_attn
 
@@ -547,7 +529,7 @@ def runtime_section(rank: int, world: int) -> dict:
     # Autocast with fp32 weights: RoPE leaves q, k in fp32 and v in bf16; the mesh must match the stock model under
     # the same autocast as closely as that model matches fp32 (flash-attn's rule: within 2x, plus a floor).
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(configs()["llama-gqa"], attn_implementation="sdpa")
+    ref = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa")
     model = hf.attach(copy.deepcopy(ref), mesh)
     reference = copy.deepcopy(ref)
 
@@ -596,7 +578,7 @@ def runtime_section(rank: int, world: int) -> dict:
     reads = {}
     for layers in (2, 4):
         torch.manual_seed(0)
-        config = LlamaConfig(**{**configs()["llama-gqa"].to_dict(), "num_hidden_layers": layers})
+        config = LlamaConfig(**{**tiny_causal_lms()["llama-gqa"].to_dict(), "num_hidden_layers": layers})
         deep = hf.attach(AutoModelForCausalLM.from_config(config), mesh)
         deep(input_ids=batch.input_ids, position_ids=batch.position_ids)  # the first forward checks the switch
         reads[layers] = _host_reads(deep, batch)

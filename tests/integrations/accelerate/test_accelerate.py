@@ -19,7 +19,7 @@ pytest.importorskip("accelerate")
 
 from examples.common import read_result  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["--seq-len", "512", "--hidden", "32", "--corpus-mb", "0.5", "--vocab", "512", "--reference"]
 
 
@@ -74,7 +74,7 @@ def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) ->
 
 
 def test_trainer_with_dp_by_cp_equals_single_process(tmp_path: Path) -> None:
-    stdout = accelerate_launch(ROOT / "tests" / "distributed" / "trainer_script.py", str(tmp_path), port=29604)
+    stdout = accelerate_launch(Path(__file__).with_name("trainer_script.py"), str(tmp_path), port=29604)
     errors = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) params err ([0-9.e+-]+)", stdout)}
     assert sorted(errors) == [0, 1, 2, 3], stdout[-2000:]
     assert max(errors.values()) <= 1e-5, errors

@@ -21,9 +21,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from tests.distributed.harness import expect_error, run_distributed  # noqa: E402
+from mesh_cp.testing import expect_error, spawn_gloo  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TOL = 1e-5
 VOCAB = 128
 SEQ = 32
@@ -144,7 +144,7 @@ def _mask_checks() -> dict:
     from megatron.core.transformer.enums import AttnMaskType
 
     from mesh_cp.integrations import megatron as mcp
-    from tests.distributed.test_device_discipline import DEVICE, DeviceDiscipline, _patched
+    from tests.integrations.test_device_discipline import DEVICE, DeviceDiscipline, _patched
 
     provider = mcp.MeshProvider(tile=(1, 1))
     layers = [
@@ -339,13 +339,13 @@ def _checks(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return run_distributed(reference_worker, 1)[0]
+    return spawn_gloo(reference_worker, 1)[0]
 
 
 @pytest.fixture(scope="module")
 def mesh_results(reference) -> list[dict]:
     ref = {pos: {k: reference[pos][k] for k in ("losses", "norms", "params")} for pos in POSITION_EMBEDDINGS}
-    return run_distributed(mesh_worker, 8, ref)
+    return spawn_gloo(mesh_worker, 8, ref)
 
 
 def test_reference_attention_is_sdpa(reference) -> None:
