@@ -33,7 +33,7 @@ _PUBLIC = {
         "shard_sequence",
         "unshard_sequence",
     },
-    "mesh_cp.core": {"AttentionPlan", "AttentionShape", "MaskKind", "Tiling", "make_plan"},
+    "mesh_cp.core": {"AttentionMask", "AttentionPlan", "AttentionShape", "MaskKind", "Tiling", "make_plan"},
     "mesh_cp.auto": {"auto_mesh"},
     "mesh_cp.config": {"MeshConfig"},
     "mesh_cp.debug": {"CommCounter"},

@@ -6,6 +6,7 @@ transfers, bytes) -> ``schedule`` (the overlapped schedule as data); ``options``
 """
 
 from mesh_cp.core.layout import check_seq_len, chunk_ranges, layout_permutation, local_positions
+from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.options import BACKWARD_MODES, LAYOUTS, SCHEDULES, check_layout, check_option
 from mesh_cp.core.plan import (
     AttentionPlan,
@@ -21,6 +22,7 @@ from mesh_cp.core.tiling import Tiling, factorizations, most_square_tile
 
 __all__ = [
     "BACKWARD_MODES",
+    "AttentionMask",
     "LAYOUTS",
     "SCHEDULES",
     "AttentionPlan",

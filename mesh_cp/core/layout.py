@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mesh_cp.core.options import check_layout
 
-__all__ = ["check_layout", "check_seq_len", "chunk_ranges", "layout_permutation", "local_positions"]
+__all__ = ["check_layout", "check_seq_len", "chunk_ranges", "global_ranges", "layout_permutation", "local_positions"]
 
 
 def check_seq_len(seq_len: int, world: int, layout: str) -> None:
@@ -50,3 +50,16 @@ def local_positions(seq_len: int, world: int, rank: int, layout: str) -> list[in
 def layout_permutation(seq_len: int, world: int, layout: str) -> list[int]:
     """Global positions in the order of the concatenated local shards of ranks ``0..P-1``."""
     return [p for rank in range(world) for p in local_positions(seq_len, world, rank, layout)]
+
+
+def global_ranges(
+    seq_len: int, world: int, chunk: int, layout: str, local: tuple[int, int]
+) -> tuple[tuple[int, int], ...]:
+    """The global ``[start, stop)`` ranges of the local rows ``local = [start, stop)`` of ``chunk``."""
+    out, offset = [], 0
+    for g0, g1 in chunk_ranges(seq_len, world, chunk, layout):
+        lo, hi = max(local[0], offset), min(local[1], offset + g1 - g0)
+        if lo < hi:
+            out.append((g0 + lo - offset, g0 + hi - offset))
+        offset += g1 - g0
+    return tuple(out)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mesh_cp.core.masks import AttentionMask
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -100,13 +102,44 @@ def mask_causal(scores: Tensor) -> Tensor:
     return scores.masked_fill(mask, float("-inf"))
 
 
+def document_ids(mask: AttentionMask, batch: int, seq_len: int, device: torch.device | str | None = None) -> Tensor:
+    """``(batch, seq_len)`` int64: the document index of every global position, ``-1`` for padding."""
+    ids = torch.full((batch, seq_len), -1, dtype=torch.int64)
+    for row in range(batch):
+        for doc, (start, stop) in enumerate(mask.row_documents(row if mask.rows is not None else 0, seq_len)):
+            ids[row, start:stop] = doc
+    return ids.to(device)
+
+
+def visibility(doc_ids: Tensor, q_pos: Tensor, k_pos: Tensor, *, causal: bool, window: int | None) -> Tensor:
+    """``(B, 1, Sq, Sk)`` boolean: query at global position ``q_pos[i]`` attends key at ``k_pos[j]`` (same
+    document, not padding, ``k <= q`` when causal, ``q - k < window`` when given)."""
+    dq, dk = doc_ids[:, q_pos], doc_ids[:, k_pos]
+    seen = (dq[:, :, None] == dk[:, None, :]) & (dq[:, :, None] >= 0)
+    distance = q_pos[:, None] - k_pos[None, :]
+    if causal:
+        seen = seen & (distance >= 0)
+    if window is not None:
+        seen = seen & (distance < window)
+    return seen.unsqueeze(1)
+
+
 def reference_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, softmax_scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float | None = None,
+    mask: AttentionMask | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Plain single-process attention in the input dtype, differentiable, for checks.
 
     ``q (B, S, Hq, D)``, ``k, v (B, S, Hkv, D)`` -> ``out (B, S, Hq, D)``, ``lse (B, Hq, S)``.
-    Causal is top-left aligned (query ``i`` sees keys ``j <= i``).
+    Causal is top-left aligned (query ``i`` sees keys ``j <= i``). ``mask`` (documents, padding, window over
+    positions ``0..S-1``) and ``softcap`` (logits ``c * tanh(s / c)``) as in :func:`mesh_cp.mesh_attn_func`;
+    a query that attends nothing gets ``out = 0`` and ``lse = -inf``.
     """
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     heads = q.shape[2]
@@ -114,8 +147,16 @@ def reference_attention(
     kh = expand_kv(k, heads).transpose(1, 2)
     vh = expand_kv(v, heads).transpose(1, 2)
     scores = (qh @ kh.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal:
         scores = mask_causal(scores)
+    if mask is not None:
+        seq = q.shape[1]
+        pos = torch.arange(seq, device=q.device)
+        ids = document_ids(mask, q.shape[0], seq, q.device)
+        scores = scores.masked_fill(~visibility(ids, pos, pos, causal=causal, window=mask.window), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ vh
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = torch.exp(scores - finite.unsqueeze(-1)) @ vh
     return out.transpose(1, 2), lse

@@ -21,12 +21,14 @@ above it, which leaves the first ranks idle.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from mesh_cp.core.layout import check_layout
+from mesh_cp.core.layout import check_layout, global_ranges
+from mesh_cp.core.masks import AttentionMask, block_pairs
 from mesh_cp.core.options import Backward, Layout, Phase, Schedule, check_option
 from mesh_cp.core.schedule import OverlapSchedule, build_overlap_schedule
 from mesh_cp.core.tiling import Tiling
@@ -43,6 +45,9 @@ class MaskKind(enum.Enum):
     KV_FIRST_HALF = "kv_first_half"
     Q_SECOND_HALF = "q_second_half"
     SKIP = "skip"
+    MASKED = "masked"
+    """An :class:`~mesh_cp.core.masks.AttentionMask` removes some pairs: one call with an explicit mask
+    (Note [Masked blocks] in :mod:`mesh_cp.core.masks`)."""
 
 
 def mask_kind(x: int, y: int, *, causal: bool, layout: str) -> MaskKind:
@@ -67,6 +72,8 @@ class BlockWork:
     """Local row range ``[start, stop)`` of Q chunk ``x`` that takes part."""
     kv_rows: tuple[int, int]
     """Local row range ``[start, stop)`` of KV chunk ``y`` that takes part."""
+    masked_pairs: int | None = None
+    """For a ``MASKED`` block, the pairs the mask leaves, averaged over the batch rows."""
 
     @property
     def causal(self) -> bool:
@@ -75,6 +82,8 @@ class BlockWork:
     @property
     def pairs(self) -> int:
         """Query-key pairs computed (the block's compute cost)."""
+        if self.masked_pairs is not None:
+            return self.masked_pairs
         nq = self.q_rows[1] - self.q_rows[0]
         nk = self.kv_rows[1] - self.kv_rows[0]
         return nq * (nq + 1) // 2 if self.causal else nq * nk
@@ -184,6 +193,8 @@ class AttentionPlan:
     """Relative seconds per byte on the Q ring and on the KV ring; orders the overlapped schedule's moves."""
     buffer_budget: int | None = None
     """Most bytes of gathered Q/KV chunks the overlapped schedule may hold at once (``None``: no limit)."""
+    mask: AttentionMask | None = None
+    """Documents, padding and a window beyond ``causal`` (``None``: none); see Note [Masked blocks]."""
 
     def __post_init__(self) -> None:
         check_option("layout", self.layout)
@@ -196,6 +207,8 @@ class AttentionPlan:
             )
         if len(self.link_cost) != 2 or min(self.link_cost) <= 0:
             raise ValueError(f"link_cost must be two positive numbers (Q ring, KV ring), got {self.link_cost!r}")
+        if self.mask is not None:
+            self.mask.check(self.shape.batch, self.seq_len, self.causal)
         if self.buffer_budget is not None and self.buffer_budget < 1:
             raise ValueError(f"buffer_budget must be a positive number of bytes or None, got {self.buffer_budget!r}")
 
@@ -205,10 +218,7 @@ class AttentionPlan:
 
     def blocks(self, rank: int) -> tuple[BlockWork, ...]:
         """Kernel calls of ``rank``, in execution order (its diagonal block first)."""
-        work = [
-            block_work(x, y, causal=self.causal, layout=self.layout, seq_local=self.shape.seq_local)
-            for x, y in self.tiling.blocks(rank)
-        ]
+        work = [self._masked(block_work(x, y, **self._work_options())) for x, y in self.tiling.blocks(rank)]
         todo = [w for w in work if w is not None]
         return tuple(sorted(todo, key=lambda w: (w.x, w.y) != (rank, rank)))
 
@@ -293,7 +303,26 @@ class AttentionPlan:
         q_members, kv_members = t.q_group(rank), t.kv_group(rank)
         x = q_members[(q_members.index(rank) - q_offset) % t.a]
         y = kv_members[(kv_members.index(rank) - kv_offset) % t.b]
-        return block_work(x, y, causal=self.causal, layout=self.layout, seq_local=self.shape.seq_local)
+        return self._masked(block_work(x, y, **self._work_options()))
+
+    def _work_options(self) -> dict:
+        return {"causal": self.causal, "layout": self.layout, "seq_local": self.shape.seq_local}
+
+    def _masked(self, w: BlockWork | None) -> BlockWork | None:
+        """``w`` under :attr:`mask`: ``None`` when no row keeps a pair, ``w`` when the mask removes none,
+        else a ``MASKED`` block with its pair count (Note [Masked blocks])."""
+        if w is None or self.mask is None:
+            return w
+        seq, world = self.seq_len, self.tiling.world
+        q = global_ranges(seq, world, w.x, self.layout, w.q_rows)
+        k = global_ranges(seq, world, w.y, self.layout, w.kv_rows)
+        rows = range(self.shape.batch if self.mask.rows is not None else 1)
+        pairs = [block_pairs(self.mask, b, q, k, causal=self.causal, seq_len=seq) for b in rows]
+        if not any(pairs):
+            return None
+        if all(n == w.pairs for n in pairs):
+            return w
+        return dataclasses.replace(w, kind=MaskKind.MASKED, masked_pairs=sum(pairs) // len(pairs))
 
     def bytes_sent(self, phase: Phase, group: str | None = None) -> int:
         """Bytes one rank sends in ``phase`` (optionally only within the ``"q"`` or ``"kv"`` group).
@@ -343,6 +372,7 @@ def make_plan(
     schedule: Schedule = "overlap",
     link_cost: tuple[float, float] = (1.0, 1.0),
     buffer_budget: int | None = None,
+    mask: AttentionMask | None = None,
 ) -> AttentionPlan:
     """Cached :class:`AttentionPlan` constructor (plans are immutable and reused across layers)."""
     return AttentionPlan(
@@ -354,4 +384,5 @@ def make_plan(
         schedule=schedule,
         link_cost=link_cost,
         buffer_budget=buffer_budget,
+        mask=mask,
     )

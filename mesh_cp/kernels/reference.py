@@ -1,4 +1,5 @@
-"""A readable pure-torch block kernel: the specification the fused kernels are tested against."""
+"""A readable pure-torch block kernel: the specification the fused kernels are tested against, and the
+kernel of blocks with an explicit mask or softcapped logits."""
 
 from __future__ import annotations
 
@@ -8,17 +9,36 @@ from torch import Tensor
 from mesh_cp.core.numerics import acc_dtype, expand_kv, fold_kv_grad, mask_causal
 
 
-def _scores(q: Tensor, k: Tensor, *, causal: bool, scale: float) -> Tensor:
-    """``(B, Hq, Sq, Sk)`` scores in the accumulator dtype, causal entries set to ``-inf``."""
+def _scores(
+    q: Tensor, k: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None, softcap: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """``(B, Hq, Sq, Sk)`` scores in the accumulator dtype with masked entries ``-inf``, and the scores before
+    masking (softcapped: ``softcap * tanh(s / softcap)``, whose derivative backward needs)."""
     acc = acc_dtype(q.dtype)
     qh = q.to(acc).transpose(1, 2)
     kh = expand_kv(k, q.shape[2]).to(acc).transpose(1, 2)
-    scores = (qh @ kh.transpose(-1, -2)) * scale
-    return mask_causal(scores) if causal else scores
+    raw = (qh @ kh.transpose(-1, -2)) * scale
+    if softcap is not None:
+        raw = softcap * torch.tanh(raw / softcap)
+    scores = mask_causal(raw) if causal else raw
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores, raw
+
+
+def _probabilities(scores: Tensor, lse: Tensor) -> Tensor:
+    """``exp(s - lse)``, with ``0`` in rows that attend nothing (``lse = -inf``) instead of ``nan``."""
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - finite.unsqueeze(-1))
 
 
 class ReferenceKernel:
-    """``softmax(q k^T * scale) v`` written out, with its textbook backward."""
+    """``softmax(q k^T * scale) v`` written out, with its textbook backward.
+
+    Beyond :class:`~mesh_cp.kernels.BlockKernel` it takes ``mask`` (boolean, broadcastable to
+    ``(B, Hq, Sq, Sk)``, ``True`` where a query attends a key) and ``softcap`` (logits ``c * tanh(s / c)``,
+    Gemma 2). A row that attends nothing gets ``out = 0`` and ``lse = -inf`` (what the LSE merge expects).
+    """
 
     name = "reference"
 
@@ -27,11 +47,21 @@ class ReferenceKernel:
         """Why this kernel cannot run such inputs (``None``: it can; it runs anything, in O(Sq * Sk) memory)."""
         return None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        scores = _scores(q, k, causal=causal, scale=scale)
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Tensor | None = None,
+        softcap: float | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        scores, _ = _scores(q, k, causal=causal, scale=scale, mask=mask, softcap=softcap)
         lse = torch.logsumexp(scores, dim=-1)
         vh = expand_kv(v, q.shape[2]).to(scores.dtype).transpose(1, 2)
-        out = torch.exp(scores - lse.unsqueeze(-1)) @ vh
+        out = _probabilities(scores, lse) @ vh
         return out.transpose(1, 2).to(q.dtype), lse
 
     def backward(
@@ -46,19 +76,24 @@ class ReferenceKernel:
         causal: bool,
         scale: float,
         lse_grad: bool = False,
+        mask: Tensor | None = None,
+        softcap: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         # Reads delta directly, so any delta is exact (lse_grad changes nothing; Note [Gradient of the lse]).
         # p = exp(s - lse);  dv = p^T dO;  dp = dO v^T;  ds = p * (dp - delta);  dq = ds k;  dk = ds^T q
+        # With softcap, s = c tanh(r / c) of the raw scores r, and dr = ds * (1 - (s / c)^2).
         heads, kv_heads = q.shape[2], k.shape[2]
-        scores = _scores(q, k, causal=causal, scale=scale)
+        scores, capped = _scores(q, k, causal=causal, scale=scale, mask=mask, softcap=softcap)
         acc = scores.dtype
-        p = torch.exp(scores - lse.to(acc).unsqueeze(-1))
+        p = _probabilities(scores, lse.to(acc))
         doh = do.to(acc).transpose(1, 2)
         vh = expand_kv(v, heads).to(acc).transpose(1, 2)
         kh = expand_kv(k, heads).to(acc).transpose(1, 2)
         qh = q.to(acc).transpose(1, 2)
         dv = p.transpose(-1, -2) @ doh
         ds = p * (doh @ vh.transpose(-1, -2) - delta.to(acc).unsqueeze(-1))
+        if softcap is not None:
+            ds = ds * (1 - (capped / softcap) ** 2)
         dq = (ds @ kh) * scale
         dk = (ds.transpose(-1, -2) @ qh) * scale
         return (

@@ -7,7 +7,8 @@ import contextlib
 import torch
 from torch import Tensor
 
-from mesh_cp.core.numerics import SUPPORTED_DTYPES, autocast_dtype, autocast_inputs
+from mesh_cp.core.masks import AttentionMask
+from mesh_cp.core.numerics import SUPPORTED_DTYPES, autocast_dtype, autocast_inputs, document_ids
 from mesh_cp.core.plan import AttentionShape, make_plan
 from mesh_cp.kernels import BlockKernel, resolve_kernel
 from mesh_cp.runtime.executors import AttentionCall, Saved
@@ -68,6 +69,8 @@ def mesh_attn_func(
     schedule: str = "overlap",
     backward: str = "regather",
     buffer_budget: int | None = None,
+    mask: AttentionMask | None = None,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact softmax attention over the whole sequence, from this rank's shard of it.
 
@@ -93,6 +96,11 @@ def mesh_attn_func(
             :func:`mesh_cp.sim.memory.peak_bytes` reports what each holds.
         buffer_budget: most bytes of Q/KV chunks the overlapped schedule may hold at once
             (``None``: no limit); a budget below what any path needs raises with that minimum.
+        mask: packed documents, padding and a left window over the *global* positions of each batch row
+            (:class:`mesh_cp.core.masks.AttentionMask`); blocks it empties are skipped, blocks it cuts get
+            an explicit mask (Note [Masked blocks]). A query that attends nothing gets 0 and lse ``-inf``.
+        softcap: logits ``softcap * tanh(s / softcap)`` (Gemma 2); computed by the reference kernel, so
+            ``kernel`` must be ``"auto"`` or ``"reference"``.
 
     Returns:
         ``out`` shaped like ``q`` in ``q.dtype``; with ``return_lse``, ``(out, lse)`` where ``lse`` is
@@ -127,6 +135,8 @@ def mesh_attn_func(
         schedule=schedule,
         backward=backward,
         buffer_budget=buffer_budget,
+        mask=mask,
+        softcap=_check_softcap(softcap, kernel),
     )
     # Under autocast the inputs are cast; autocast must not recast what the kernels compute in fp32.
     with torch.autocast(q.device.type, enabled=False) if cast_to is not None else contextlib.nullcontext():
@@ -170,6 +180,8 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, **options) -> A
             "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__qualname__),
             "block kernel": getattr(block_kernel, "name", None) if kernel_error is None else "cannot run",
             "buffer_budget": options["buffer_budget"],
+            "mask": None if options["mask"] is None else options["mask"].code(),
+            "softcap": options["softcap"],
         }
     )
     if kernel_error is not None:
@@ -183,9 +195,32 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, **options) -> A
         schedule=options["schedule"],
         link_cost=mesh.link_cost,
         buffer_budget=options["buffer_budget"],
+        mask=options["mask"],
     )
-    scale = float(options["softmax_scale"])
-    return AttentionCall(mesh=mesh, plan=plan, kernel=block_kernel, scale=scale, lse_grad=options["return_lse"])
+    mask = options["mask"]
+    doc_ids = None if mask is None else document_ids(mask, mask.rows or 1, plan.seq_len, q.device)
+    return AttentionCall(
+        mesh=mesh,
+        plan=plan,
+        kernel=block_kernel,
+        scale=float(options["softmax_scale"]),
+        lse_grad=options["return_lse"],
+        softcap=options["softcap"],
+        doc_ids=doc_ids,
+    )
+
+
+def _check_softcap(softcap: float | None, kernel: object) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    if kernel not in ("auto", "reference"):
+        name = kernel if isinstance(kernel, str) else type(kernel).__name__
+        raise NotImplementedError(
+            f"kernel {name!r} does not softcap logits; softcap {softcap} runs on kernel='reference' (or 'auto')"
+        )
+    return float(softcap)
 
 
 def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:

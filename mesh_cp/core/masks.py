@@ -1,0 +1,145 @@
+"""Masks beyond causal and full attention: packed documents, padding and a left window, over global positions.
+
+Pure Python (no torch). An :class:`AttentionMask` says, for every row of the batch, which global positions
+form which document; a token outside every document is padding. Query ``i`` sees key ``j`` when both lie in
+the same document, ``j <= i`` under causal attention, and ``i - j < window`` when a window is given::
+
+    documents (0, 3), (3, 4), (4, 7), padding 7..8, causal, window 2     (x: attends, .: masked)
+
+              key  0 1 2 3 4 5 6 7
+    query 0        x . . . . . . .
+          1        x x . . . . . .
+          2        . x x . . . . .       window 2: two keys, itself included
+          3        . . . x . . . .       a document of one token
+          4        . . . . x . . .
+          5        . . . . x x . .
+          6        . . . . . x x .
+          7        . . . . . . . .       padding attends nothing (output 0, lse -inf)
+
+Note [Masked blocks]
+~~~~~~~~~~~~~~~~~~~~
+The plan counts, for every block a rank computes, the query-key pairs the mask leaves (in closed form over
+the intersections of the block's global ranges with each document, :func:`visible_pairs`). A block with no
+pair left in any row of the batch is skipped (no kernel call), one the mask leaves untouched keeps its kind
+(and its fused kernel), and any other becomes ``MaskKind.MASKED``: one kernel call with an explicit mask. The
+traffic stays as planned: a skipped block saves compute, not bytes (every chunk still moves along its ring,
+since other ranks' blocks of the same chunk may need it); ``AttentionPlan.pairs`` counts what is computed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """Documents (with padding between or around them) and a left window, per row of the batch."""
+
+    documents: tuple[tuple[Range, ...], ...] | None = None
+    """Per batch row, the ``[start, stop)`` global spans of its documents, sorted and disjoint; positions in no
+    span are padding. ``None``: every row is one document over the whole sequence."""
+    window: int | None = None
+    """Query ``i`` sees keys ``j`` with ``i - j < window`` (itself included), under causal attention only.
+    ``None``: no window."""
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"window must be a positive number of tokens or None, got {self.window!r}")
+        for row, spans in enumerate(self.documents or ()):
+            last = 0
+            for start, stop in spans:
+                if not (isinstance(start, int) and isinstance(stop, int) and last <= start < stop):
+                    raise ValueError(
+                        f"documents of row {row} must be sorted, disjoint, non-empty [start, stop) spans of global "
+                        f"positions, got {spans!r}"
+                    )
+                last = stop
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[Sequence[int]], *, pad_left: Sequence[int] | None = None, window=None):
+        """Documents packed back to back in every row, from their lengths (``pad_left[b]`` padding tokens
+        first in row ``b``; whatever follows the last document is padding)."""
+        documents = []
+        for row, row_lengths in enumerate(lengths):
+            start = 0 if pad_left is None else pad_left[row]
+            spans = []
+            for n in row_lengths:
+                if n < 1:
+                    raise ValueError(f"document lengths must be positive, got {list(row_lengths)} in row {row}")
+                spans.append((start, start + n))
+                start += n
+            documents.append(tuple(spans))
+        return cls(documents=tuple(documents), window=window)
+
+    def check(self, batch: int, seq_len: int, causal: bool) -> None:
+        """Raise ``ValueError`` unless this mask fits a batch of ``batch`` rows of ``seq_len`` tokens."""
+        if self.documents is not None:
+            if len(self.documents) != batch:
+                raise ValueError(f"the mask has documents for {len(self.documents)} rows, the batch has {batch}")
+            ends = [spans[-1][1] for spans in self.documents if spans]
+            if ends and max(ends) > seq_len:
+                raise ValueError(f"a document ends at {max(ends)}, past the sequence of {seq_len} tokens")
+        if self.window is not None and not causal:
+            raise NotImplementedError(f"a window ({self.window}) needs causal attention; pass causal=True")
+
+    def row_documents(self, row: int, seq_len: int) -> tuple[Range, ...]:
+        return ((0, seq_len),) if self.documents is None else self.documents[row]
+
+    @property
+    def rows(self) -> int | None:
+        return None if self.documents is None else len(self.documents)
+
+    def code(self) -> str:
+        """A short fingerprint, equal on every process for equal masks (for the call check across ranks)."""
+        return f"{zlib.crc32(repr(self).encode()):08x}:{len(repr(self))}"
+
+
+def _count(i: int, c: int, d: int, causal: bool, window: int | None) -> int:
+    """Keys ``j`` in ``[c, d)`` that query ``i`` sees (``j <= i`` if causal, ``i - j < window`` if given)."""
+    lower = c if window is None else max(c, i - window + 1)
+    upper = min(d, i + 1) if causal else d
+    return max(0, upper - lower)
+
+
+def visible_pairs(q: Range, k: Range, *, causal: bool, window: int | None) -> int:
+    """Query-key pairs ``(i, j)``, ``i`` in ``q``, ``j`` in ``k`` (global ranges of one document), that attend.
+
+    The count per query is piecewise linear in ``i`` with breaks where a bound of ``j`` changes form
+    (``i + 1 = c``, ``i + 1 = d``, ``i - window + 1 = c``, ``i - window + 1 = d``); between breaks it is
+    summed as an arithmetic series, so the cost does not grow with the lengths.
+    """
+    (a, b), (c, d) = q, k
+    if a >= b or c >= d:
+        return 0
+    cuts = {a, b}
+    for p in (c - 1, d - 1, *((c + window - 1, d + window - 1) if window is not None else ())):
+        cuts.update(x for x in (p, p + 1) if a < x < b)
+    points = sorted(cuts)
+    total = 0
+    for lo, hi in zip(points, points[1:], strict=False):
+        first, last = _count(lo, c, d, causal, window), _count(hi - 1, c, d, causal, window)
+        total += (first + last) * (hi - lo) // 2
+    return total
+
+
+def block_pairs(
+    mask: AttentionMask, row: int, q_ranges: Sequence[Range], k_ranges: Sequence[Range], *, causal: bool, seq_len: int
+) -> int:
+    """Pairs that attend in batch row ``row`` between the global ranges of a block's queries and keys."""
+    docs = mask.row_documents(row, seq_len)
+    starts = [s for s, _ in docs]
+    total = 0
+    for qa, qb in q_ranges:
+        first = max(bisect.bisect_right(starts, qa) - 1, 0)
+        for start, stop in docs[first:]:
+            if start >= qb:
+                break
+            qi = (max(qa, start), min(qb, stop))
+            for ka, kb in k_ranges:
+                total += visible_pairs(qi, (max(ka, start), min(kb, stop)), causal=causal, window=mask.window)
+    return total

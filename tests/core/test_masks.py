@@ -1,0 +1,96 @@
+"""Masks in the plan: the closed-form pair count, skipped and masked blocks (no process group)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, factorizations, make_plan
+from mesh_cp.core.masks import visible_pairs
+from mesh_cp.core.numerics import document_ids, visibility
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.integers(0, 40), st.integers(0, 40), st.integers(0, 40), st.integers(0, 40),
+    st.booleans(), st.one_of(st.none(), st.integers(1, 50)),
+)  # fmt: skip
+def test_visible_pairs_counts_what_a_loop_counts(a: int, n: int, c: int, m: int, causal: bool, window) -> None:
+    window = window if causal else None
+    brute = sum(
+        1
+        for i in range(a, a + n)
+        for j in range(c, c + m)
+        if (not causal or j <= i) and (window is None or i - j < window)
+    )
+    assert visible_pairs((a, a + n), (c, c + m), causal=causal, window=window) == brute
+
+
+def dense(mask: AttentionMask, seq: int, causal: bool) -> torch.Tensor:
+    pos = torch.arange(seq)
+    return visibility(document_ids(mask, mask.rows or 1, seq), pos, pos, causal=causal, window=mask.window)[:, 0]
+
+
+def test_plan_keeps_the_pairs_of_the_mask_and_skips_empty_blocks() -> None:
+    """Summed over ranks, the plan computes exactly the mask's pairs; blocks the mask empties make no kernel
+    call, blocks it leaves whole keep their fused kind, the others are MASKED."""
+    world, half = 8, 4
+    seq, rng = 2 * world * half, random.Random(3)
+    lengths = []
+    while sum(lengths) < seq - 3:
+        lengths.append(min(seq - 3 - sum(lengths), rng.choice([1, 2, 3, 5, 12, 20])))
+    packed = AttentionMask.from_lengths([lengths])  # the last 3 tokens are padding
+    masks = {
+        "packed": (packed, True),
+        "packed + window 3": (AttentionMask(documents=packed.documents, window=3), True),
+        "window 5": (AttentionMask(window=5), True),
+        "bidirectional documents": (packed, False),
+    }
+    shape = AttentionShape(batch=1, seq_local=2 * half, heads=1, kv_heads=1, head_dim=8, itemsize=4)
+    for name, (mask, causal) in masks.items():
+        layout = "zigzag" if causal else "contiguous"
+        for a, b in factorizations(world):
+            tiling = Tiling(world=world, a=a, b=b)
+            plan = make_plan(tiling, shape, causal=causal, layout=layout, mask=mask)
+            plain = make_plan(tiling, shape, causal=causal, layout=layout)
+            assert sum(plan.pairs(r) for r in range(world)) == int(dense(mask, seq, causal).sum()), (name, a, b)
+            kinds = [w.kind for r in range(world) for w in plan.blocks(r)]
+            assert len(kinds) < sum(len(plain.blocks(r)) for r in range(world)), (name, a, b)  # some skipped
+            assert MaskKind.MASKED in kinds, (name, a, b)
+            # The overlapped schedule reads the same blocks by ring offsets.
+            for r in range(world):
+                at = {plan.block_at(r, i, j) for i in range(a) for j in range(b)} - {None}
+                assert at == set(plan.blocks(r)), (name, a, b, r)
+
+
+def test_a_mask_that_removes_nothing_keeps_every_block_and_its_kind() -> None:
+    shape = AttentionShape(batch=2, seq_local=8, heads=1, kv_heads=1, head_dim=8, itemsize=4)
+    whole = AttentionMask(documents=(((0, 32),), ((0, 32),)), window=32)
+    for a, b in factorizations(4):
+        tiling = Tiling(world=4, a=a, b=b)
+        plan = make_plan(tiling, shape, causal=True, layout="zigzag", mask=whole)
+        plain = make_plan(tiling, shape, causal=True, layout="zigzag")
+        assert all(plan.blocks(r) == plain.blocks(r) for r in range(4))
+
+
+def test_masks_refuse_what_they_cannot_mean() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match=r"sorted, disjoint, non-empty"):
+        AttentionMask(documents=(((0, 4), (3, 6)),))
+    with pytest.raises(ValueError, match=r"window must be a positive number of tokens"):
+        AttentionMask(window=0)
+    shape = AttentionShape(batch=2, seq_local=4, heads=1, kv_heads=1, head_dim=8, itemsize=4)
+    with pytest.raises(ValueError, match=r"documents for 1 rows, the batch has 2"):
+        make_plan(
+            Tiling(world=2, a=1, b=2), shape, causal=True, layout="zigzag", mask=AttentionMask.from_lengths([[3]])
+        )
+    with pytest.raises(NotImplementedError, match=r"a window \(3\) needs causal attention"):
+        make_plan(Tiling(world=2, a=1, b=2), shape, causal=False, layout="contiguous", mask=AttentionMask(window=3))
+    with pytest.raises(ValueError, match=r"a document ends at 9, past the sequence of 8 tokens"):
+        make_plan(
+            Tiling(world=2, a=1, b=2), shape, causal=True, layout="zigzag", mask=AttentionMask.from_lengths([[9], [1]])
+        )
