@@ -9,10 +9,17 @@ from mesh_cp.core.numerics import SUPPORTED_DTYPES, expand_kv, fold_kv_grad
 from mesh_cp.kernels.base import fused_backward_inputs
 
 
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The boolean ``mask`` as the op takes it: ``0`` where a query attends, ``-inf`` elsewhere, in ``dtype``."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
 class CpuFlashKernel:
     """``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (fp16/bf16/fp32/fp64, any head dim)."""
 
     name = "cpu_flash"
+    takes_mask = True
+    """``forward`` and ``backward`` take a boolean ``mask`` (blocks a :class:`~mesh_cp.core.AttentionMask` cuts)."""
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
@@ -23,7 +30,12 @@ class CpuFlashKernel:
             return f"dtype {dtype} is not one of {[str(d) for d in SUPPORTED_DTYPES]}"
         return None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``mask``: boolean, broadcastable to ``(B, Hq, Sq, Sk)``, ``True`` where a query attends a key; the op
+        takes it as an additive mask in the input dtype. A row that attends nothing gets ``out = 0`` and (the
+        op returns ``lse = 0`` there) ``lse = -inf``, as the LSE merge expects."""
         heads = q.shape[2]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(1, 2),
@@ -31,8 +43,11 @@ class CpuFlashKernel:
             expand_kv(v, heads).transpose(1, 2),
             0.0,
             causal,
+            attn_mask=None if mask is None else _additive(mask, q.dtype),
             scale=scale,
         )
+        if mask is not None:
+            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
         return out.transpose(1, 2), lse
 
     def backward(
@@ -47,8 +62,11 @@ class CpuFlashKernel:
         causal: bool,
         scale: float,
         lse_grad: bool = False,
+        mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         heads, kv_heads, dim = q.shape[2], k.shape[2], q.shape[-1]
+        if mask is not None:  # a row with no key anywhere (lse -inf) has p = exp(-inf - 0) = 0 everywhere
+            lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
         do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -60,6 +78,7 @@ class CpuFlashKernel:
             lse.contiguous(),
             0.0,
             causal,
+            attn_mask=None if mask is None else _additive(mask, q.dtype),
             scale=scale,
         )
         return (

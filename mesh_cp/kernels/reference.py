@@ -41,6 +41,7 @@ class ReferenceKernel:
     """
 
     name = "reference"
+    takes_mask = True
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:

@@ -50,15 +50,18 @@ class AttentionCall:
         return self._positions[chunk][rows[0] : rows[1]]
 
     def _kernel_and_mask(self, w: BlockWork) -> tuple[BlockKernel, dict]:
-        """The kernel of block ``w`` and its extra arguments: the explicit mask of a ``MASKED`` block
-        (Note [Masked blocks] in :mod:`mesh_cp.core.masks`) and the softcap go to the reference kernel."""
+        """The kernel of block ``w`` and its extra arguments. The explicit mask of a ``MASKED`` block (Note
+        [Masked blocks] in :mod:`mesh_cp.core.masks`) goes to the call's kernel when it ``takes_mask``, else to
+        the reference kernel; softcapped logits always go to the reference kernel."""
         if w.kind is not MaskKind.MASKED and self.softcap is None:
             return self.kernel, {}
         mask = None
         if w.kind is MaskKind.MASKED:
             q_pos, k_pos = self._global_positions(w.x, w.q_rows), self._global_positions(w.y, w.kv_rows)
             mask = visibility(self.doc_ids, q_pos, k_pos, causal=self.plan.causal, window=self.plan.mask.window)
-        return _REFERENCE, {"mask": mask, "softcap": self.softcap}
+        if self.softcap is not None:
+            return _REFERENCE, {"mask": mask, "softcap": self.softcap}
+        return (self.kernel if getattr(self.kernel, "takes_mask", False) else _REFERENCE), {"mask": mask}
 
     @property
     def executor(self) -> Executor:

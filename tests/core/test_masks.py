@@ -94,3 +94,35 @@ def test_masks_refuse_what_they_cannot_mean() -> None:
         make_plan(
             Tiling(world=2, a=1, b=2), shape, causal=True, layout="zigzag", mask=AttentionMask.from_lengths([[9], [1]])
         )
+
+
+def test_kernels_with_a_mask_match_autograd_including_rows_that_attend_nothing() -> None:
+    from mesh_cp.core.numerics import attention_delta, expand_kv
+    from mesh_cp.kernels import get_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    b, sq, sk, h, hkv, d = 2, 6, 7, 4, 2, 8
+    q = torch.randn(b, sq, h, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, sk, hkv, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(b, sq, h, d, generator=gen, dtype=torch.float64)
+    mask = torch.rand(b, 1, sq, sk, generator=gen) < 0.5
+    mask[0, 0, 2] = False  # a query that attends nothing
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    scores = (ref[0].transpose(1, 2) @ expand_kv(ref[1], h).permute(0, 2, 3, 1)) * 0.3
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    p = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
+    out = (p @ expand_kv(ref[2], h).transpose(1, 2)).transpose(1, 2)
+    (out * do).sum().backward()
+    for name, dtype, tol in (("reference", torch.float64, 1e-10), ("cpu_flash", torch.float32, 1e-5)):
+        kernel = get_kernel(name)
+        args = [t.to(dtype) for t in (q, k, v)]
+        got_out, got_lse = kernel.forward(*args, causal=False, scale=0.3, mask=mask)
+        assert torch.equal(torch.isinf(got_lse), torch.isinf(lse)), name
+        finite = ~torch.isinf(lse)
+        assert (got_lse.double()[finite] - lse.detach()[finite]).abs().max() < tol, name
+        assert (got_out.double() - out.detach()).abs().max() < tol, name
+        delta = attention_delta(do.to(dtype), got_out)
+        grads = kernel.backward(do.to(dtype), *args, got_lse, delta, causal=False, scale=0.3, mask=mask)
+        for got, want in zip(grads, ref, strict=True):
+            assert (got.double() - want.grad).abs().max() < tol, name
