@@ -13,8 +13,10 @@ import torch
 from torch import Tensor
 
 import mesh_cp
+from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.options import check_layout, check_option
 from mesh_cp.integrations.hf.attention import NAME, register
+from mesh_cp.runtime.batch import document_positions
 from mesh_cp.runtime.device_checks import check_on_device
 from mesh_cp.runtime.mesh import CPMesh
 
@@ -144,9 +146,10 @@ def _detach(model: torch.nn.Module) -> None:
 
 
 _POSITIONS_MESSAGE = (
-    "position_ids are not this rank's global positions of one sequence (in every row): a packed batch (positions "
-    "restarting per document) is not supported by mesh_cp yet, and a shard numbered from 0 would be silently wrong; "
-    "pass the position_ids of shard_batch / ShardingCollator"
+    "position_ids are not this rank's positions of its tokens (global positions, or positions inside each document "
+    "of the mesh_cp_mask), in every row: a shard numbered from 0 would be silently wrong, and packed rows (positions "
+    "restarting per document) need the mesh_cp_mask of ShardingCollator(packed=True) / shard_batch(documents=...); "
+    "pass the position_ids and mesh_cp_mask of shard_batch / ShardingCollator"
 )
 
 
@@ -160,45 +163,52 @@ class _Attachment:
         """Every attention layer called :func:`mesh_cp_attention` in one forward (checked until true)."""
         self.called: set[int] = set()
         """``id`` of the layers that called :func:`mesh_cp_attention` in this forward."""
-        self._checked: tuple[weakref.ref, int] | None = None
+        self._checked: tuple[weakref.ref, tuple[int, int]] | None = None
         self._expected: dict[tuple[int, torch.device], Tensor] = {}
         self._position_kinds: set[tuple] = set()
 
-    def check_positions(self, position_ids: Tensor) -> None:
-        """``position_ids`` must be this rank's global positions (:func:`mesh_cp.position_ids`) of one sequence
-        of ``P * seq_local`` tokens, for every row. Checked once per tensor (identity and version), so once per
-        forward however many layers pass it on. The first tensor of each (shape, device, dtype) is compared on
+    def check_positions(self, position_ids: Tensor, mask: AttentionMask | None = None) -> None:
+        """``position_ids`` must be this rank's positions of its tokens in every row: global positions
+        (:func:`mesh_cp.position_ids`) of one sequence of ``P * seq_local`` tokens, or, for a batch with documents
+        (``mask``, the ``mesh_cp_mask`` of the call), positions inside each document
+        (:func:`mesh_cp.runtime.batch.document_positions`). Checked once per tensor (identity and version), so once
+        per forward however many layers pass it on. The first tensor of each (shape, device, dtype) is compared on
         the host (a clear error naming the positions); later ones, a new tensor every step, are compared where
         they are with ``torch._assert_async`` (on a GPU a wrong tensor stops the run with a device-side assertion
         at the next synchronisation, with no host read per step; on the CPU the same ``ValueError`` at once)."""
-        if (
-            self._checked is not None
-            and self._checked[0]() is position_ids
-            and self._checked[1] == position_ids._version
-        ):
+        state = (position_ids._version, id(mask))
+        if self._checked is not None and self._checked[0]() is position_ids and self._checked[1] == state:
             return
         seq_local = position_ids.shape[-1]
-        seq = seq_local * self.mesh.size
-        parts = 2 * self.mesh.size if self.layout == "zigzag" else self.mesh.size
-        expected = None
-        if seq % parts == 0:
-            key = (seq_local, position_ids.device)
-            if key not in self._expected:
-                self._expected[key] = mesh_cp.position_ids(seq, mesh=self.mesh, layout=self.layout, device=key[1])
-            expected = self._expected[key]
-        kind = (tuple(position_ids.shape), position_ids.device, position_ids.dtype)
+        expected = self._expected_positions(seq_local, position_ids, mask)
+        kind = (tuple(position_ids.shape), position_ids.device, position_ids.dtype, mask is None)
         if expected is not None and position_ids.dim() <= 2 and kind in self._position_kinds:
             check_on_device((position_ids == expected).all(), ValueError(_POSITIONS_MESSAGE))
         elif expected is None or position_ids.dim() > 2 or not bool((position_ids == expected).all()):
             shown = position_ids.reshape(-1, seq_local)[0].tolist()
+            wanted = "none" if expected is None else _preview(expected.reshape(-1, seq_local)[0].tolist())
             raise ValueError(
-                f"position_ids {_preview(shown)} are not this rank's global positions of one sequence of {seq} tokens "
-                f"in the {self.layout} layout ({'none' if expected is None else _preview(expected.tolist())}, in every "
-                f"row): a packed batch (positions restarting per document) is not supported by mesh_cp yet, and a "
-                f"shard numbered from 0 would be silently wrong; pass the position_ids of shard_batch / ShardingCollator"
+                f"position_ids {_preview(shown)} are not this rank's positions of a sequence of "
+                f"{seq_local * self.mesh.size} tokens in the {self.layout} layout ({wanted}): {_POSITIONS_MESSAGE}"
             )
         self._position_kinds.add(kind)
-        self._checked = (weakref.ref(position_ids), position_ids._version)
+        self._checked = (weakref.ref(position_ids), state)
+
+    def _expected_positions(self, seq_local: int, position_ids: Tensor, mask: AttentionMask | None) -> Tensor | None:
+        """What :meth:`check_positions` compares with; ``None`` when no positions can fit (a length the layout
+        does not take, or a mask for another number of rows)."""
+        seq = seq_local * self.mesh.size
+        if seq % (2 * self.mesh.size if self.layout == "zigzag" else self.mesh.size):
+            return None
+        device = position_ids.device
+        if mask is not None and mask.documents is not None:
+            if position_ids.dim() != 2 or position_ids.shape[0] != mask.rows:
+                return None
+            return document_positions(mask, mask.rows, seq, mesh=self.mesh, layout=self.layout, device=device)
+        key = (seq_local, device)
+        if key not in self._expected:
+            self._expected[key] = mesh_cp.position_ids(seq, mesh=self.mesh, layout=self.layout, device=device)
+        return self._expected[key]
 
     def before_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the attached model: check ``position_ids``, start the layer count."""
@@ -210,7 +220,7 @@ class _Attachment:
                 f"{type(model).__name__} was called without position_ids: it would number this rank's shard from 0; "
                 f"pass the global positions of shard_batch / ShardingCollator (batch.position_ids)"
             )
-        self.check_positions(positions)
+        self.check_positions(positions, kwargs.get("mesh_cp_mask"))
         self.called.clear()
 
     def after_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 import mesh_cp
-from mesh_cp.integrations.hf.masks import _check_window, _MaskNote, mesh_cp_mask
+from mesh_cp.core.masks import AttentionMask
+from mesh_cp.integrations.hf.masks import _MaskNote, mesh_cp_mask
 
 NAME = "mesh_cp"
 
@@ -18,9 +19,14 @@ ATTENTION_KEYWORDS: dict[str, str] = {
     "scaling": "softmax scale of q k^T; None means head_dim ** -0.5",
     "dropout": "attention dropout probability; only 0",
     "is_causal": "causal (True) or full (False) attention; None means the module's is_causal (as transformers' sdpa)",
-    "position_ids": "this rank's global positions of one sequence (shard_batch's), checked once per tensor",
-    "sliding_window": "None, or a window at least as long as the whole sequence (then it masks nothing)",
-    "softcap": "attention-logit softcapping; only None",
+    "position_ids": "this rank's positions (shard_batch's: global, or per document with mesh_cp_mask), checked once",
+    "sliding_window": "the layer's left window (q - k < window); must equal the window of the mask transformers built",
+    "softcap": "attention-logit softcapping (Gemma 2), exact: logits softcap * tanh(s / softcap)",
+    "mesh_cp_mask": "the batch's documents and padding (an AttentionMask from shard_batch / ShardingCollator)",
+    "cu_seq_lens_q": "a packed row's document boundaries; must equal mesh_cp_mask's (batch 1, on the CPU)",
+    "cu_seq_lens_k": "as cu_seq_lens_q (the same boundaries)",
+    "max_length_q": "the longest document of cu_seq_lens_q; must match it",
+    "max_length_k": "as max_length_q",
     "s_aux": "attention-sink logits per head (gpt-oss), exact: Note [Attention sinks]",
     "output_attentions": "only False or None: attention weights are never formed",
     "use_cache": "rides along the model call; a cache that already holds tokens is refused by its length",
@@ -32,10 +38,9 @@ ATTENTION_KEYWORDS: dict[str, str] = {
 """Every keyword :func:`mesh_cp_attention` accepts (transformers 5 models pass these), and what it does with it.
 Any other keyword raises ``NotImplementedError`` naming it."""
 
-PACKING_KEYWORDS: frozenset[str] = frozenset(
-    {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
-)
-"""Keywords of packed batches (several documents in one row); refused: mesh_cp computes one sequence per row."""
+PACKING_KEYWORDS: frozenset[str] = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"})
+"""Keywords of packed batches (several documents in one row): taken only beside ``mesh_cp_mask``, whose documents
+they must describe (on its own, a rank's shard cannot tell documents that cross shards)."""
 
 # Note [Attention sinks]
 # ~~~~~~~~~~~~~~~~~~~~~~
@@ -73,9 +78,10 @@ def mesh_cp_attention(
             f"{type(module).__name__} uses attn_implementation='mesh_cp' but has no CP mesh; "
             f"call mesh_cp.integrations.hf.attach(model, mesh) after building the model"
         )
-    _check_call(query, key, attention_mask, dropout, kwargs, attached.mesh.size)
+    _check_call(query, key, attention_mask, dropout, kwargs)
+    mask = _mask_of_call(attention_mask, kwargs, query.shape[2] * attached.mesh.size)
     if kwargs.get("position_ids") is not None:
-        attached.check_positions(kwargs["position_ids"])
+        attached.check_positions(kwargs["position_ids"], kwargs.get("mesh_cp_mask"))
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -95,6 +101,8 @@ def mesh_cp_attention(
         softmax_scale=scale,
         layout=attached.layout,
         return_lse=sinks is not None,
+        mask=mask,
+        softcap=kwargs.get("softcap"),
         **attached.options,
     )
     if sinks is not None:  # Note [Attention sinks]
@@ -105,20 +113,18 @@ def mesh_cp_attention(
     return (out[..., :v_dim] if out.shape[-1] != v_dim else out), None
 
 
-def _check_call(
-    query: Tensor, key: Tensor, attention_mask: Any, dropout: float, kwargs: Mapping[str, Any], mesh_size: int
-) -> None:
-    """Refuse what :func:`mesh_cp_attention` cannot compute exactly over a mesh of ``mesh_size`` ranks: an
-    unknown keyword, a mask other than causal or full, dropout, attention weights, softcapping, a cache, a
-    sliding window shorter than the whole sequence."""
+def _check_call(query: Tensor, key: Tensor, attention_mask: Any, dropout: float, kwargs: Mapping[str, Any]) -> None:
+    """Refuse what :func:`mesh_cp_attention` cannot compute exactly over a mesh: an
+    unknown keyword, a mask overlay it does not compute, a mask tensor, dropout, attention weights, a cache."""
     _check_attention_keywords(kwargs)
-    seq_local, seq = query.shape[2], query.shape[2] * mesh_size
+    seq_local = query.shape[2]
     if isinstance(attention_mask, _MaskNote):
-        attention_mask.check(seq)
+        attention_mask.check()
     elif attention_mask is not None:
         raise ValueError(
             f"mesh_cp attention got a {attention_mask.dim()}-D attention mask of shape {tuple(attention_mask.shape)}; "
-            f"only causal or full attention is supported: drop the mask, or right-pad and use shard_batch"
+            f"padding and documents reach mesh_cp as mesh_cp_mask: pass the attention_mask to shard_batch / "
+            f"ShardingCollator instead, and call the model with their batch"
         )
     if dropout:
         raise NotImplementedError(f"attention dropout {dropout} is not supported by mesh_cp; set attention_dropout=0")
@@ -126,34 +132,66 @@ def _check_call(
         raise NotImplementedError(
             "output_attentions=True is not supported by mesh_cp: attention weights are never formed"
         )
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(
-            f"attention softcap {kwargs['softcap']} is not supported by mesh_cp yet; set the config's "
-            f"attn_logit_softcapping=None"
-        )
     if key.shape[2] != seq_local:
         raise NotImplementedError(
             f"mesh_cp attention got keys of {key.shape[2]} tokens for queries of {seq_local}: a cache (generation) "
             f"is not supported; call the model with use_cache=False and without past_key_values"
         )
-    _check_window(kwargs.get("sliding_window"), seq)
 
 
 def _check_attention_keywords(kwargs: Mapping[str, Any]) -> None:
     """Refuse every keyword of the attention call that is not in :data:`ATTENTION_KEYWORDS`."""
     unknown = kwargs.keys() - ATTENTION_KEYWORDS.keys()
-    if not unknown:
-        return
-    packing = sorted(unknown & PACKING_KEYWORDS)
-    if packing:
+    if unknown:
         raise NotImplementedError(
-            f"mesh_cp attention got {', '.join(packing)}: packed batches (several documents in one row) are not "
-            f"supported by mesh_cp yet; give one sequence per row (right-padded, through shard_batch)"
+            f"mesh_cp attention got keyword(s) {sorted(unknown)} it does not handle, and would not drop them "
+            f"silently; it accepts {sorted(ATTENTION_KEYWORDS)}"
         )
-    raise NotImplementedError(
-        f"mesh_cp attention got keyword(s) {sorted(unknown)} it does not handle, and would not drop them silently; "
-        f"it accepts {sorted(ATTENTION_KEYWORDS)}"
-    )
+
+
+def _mask_of_call(attention_mask: Any, kwargs: Mapping[str, Any], seq: int) -> AttentionMask | None:
+    """The :class:`~mesh_cp.core.AttentionMask` of this layer's call: the batch's documents and padding
+    (``mesh_cp_mask``) with the layer's window (the one transformers composed into its mask, which a
+    ``sliding_window`` keyword must repeat). ``None`` when neither masks anything."""
+    given = kwargs.get("mesh_cp_mask")
+    if given is not None and not isinstance(given, AttentionMask):
+        raise ValueError(f"mesh_cp_mask must be a mesh_cp.AttentionMask (shard_batch's), got {type(given).__name__}")
+    _check_packing_keywords(kwargs, given, seq)
+    window = attention_mask.window if isinstance(attention_mask, _MaskNote) else None
+    layer = kwargs.get("sliding_window")
+    if layer is not None and layer != window and not (window is None and layer >= seq):
+        raise NotImplementedError(
+            f"the layer passes sliding_window={layer} but the mask transformers built for it has window {window}; "
+            f"mesh_cp computes one of them and will not guess which: make the config's sliding window settings agree"
+        )
+    window = None if window is None or window >= seq else window
+    if window is None:
+        return given
+    return AttentionMask(documents=None if given is None else given.documents, window=window)
+
+
+def _check_packing_keywords(kwargs: Mapping[str, Any], mask: AttentionMask | None, seq: int) -> None:
+    """``cu_seq_lens_*`` / ``max_length_*`` must describe the documents of ``mask`` (one packed row)."""
+    given = {name: kwargs[name] for name in sorted(PACKING_KEYWORDS) if kwargs.get(name) is not None}
+    if not given:
+        return
+    if mask is None or mask.rows != 1:
+        raise NotImplementedError(
+            f"mesh_cp attention got {', '.join(given)} without the mesh_cp_mask of one packed row: a rank's shard "
+            f"cannot tell documents that cross shards; build packed batches with ShardingCollator(packed=True) or "
+            f"shard_batch(documents=...) and call the model with their mesh_cp_mask"
+        )
+    spans = mask.row_documents(0, seq)
+    bounds, longest = [spans[0][0], *(stop for _, stop in spans)], max(stop - start for start, stop in spans)
+    for name, value in given.items():
+        if isinstance(value, Tensor) and value.device.type != "cpu":
+            raise NotImplementedError(
+                f"{name} on {value.device}: keep it on the CPU (reading it would stall the device)"
+            )
+        got = value.tolist() if isinstance(value, Tensor) else value
+        want = bounds if name.startswith("cu_") else longest
+        if got != want:
+            raise ValueError(f"{name} {got} does not describe the documents of mesh_cp_mask ({want})")
 
 
 def register() -> None:

@@ -16,16 +16,6 @@ transformers would build, and mesh_cp builds none (``local_size`` repeats the sl
 checked through the mask function)."""
 
 
-def _check_window(window: int | None, seq: int) -> None:
-    """A sliding window masks nothing when it spans the whole sequence of ``seq`` tokens (distance < window)."""
-    if window is not None and window < seq:
-        raise NotImplementedError(
-            f"sliding_window={window} is not supported by mesh_cp for a sequence of {seq} tokens: only windows of at "
-            f"least the sequence length (which mask nothing) are; set config.sliding_window=None (or "
-            f"use_sliding_window=False) for full attention"
-        )
-
-
 # Leaf mask functions of transformers' masking_utils that mask nothing beyond causal or full attention, which the
 # attention itself applies over global positions: causal, full (config.is_causal=False, which transformers also
 # passes to every layer as is_causal=False), and the packed-sequence mask that a zig-zag shard's jumping positions
@@ -72,11 +62,10 @@ class _MaskNote:
     def __init__(self, *, window: int | None = None, refusal: str | None = None):
         self.window, self.refusal = window, refusal
 
-    def check(self, seq: int) -> None:
-        """Raise unless this mask is causal attention over a sequence of ``seq`` tokens."""
+    def check(self) -> None:
+        """Raise the refusal of an overlay mesh_cp does not compute (a window it computes)."""
         if self.refusal is not None:
             raise NotImplementedError(self.refusal)
-        _check_window(self.window, seq)
 
     def __getattr__(self, name: str):
         raise NotImplementedError(

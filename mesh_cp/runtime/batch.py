@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mesh_cp.core.masks import AttentionMask
+from mesh_cp.core.numerics import document_ids
 from mesh_cp.core.options import Layout, check_layout
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.sharding import position_ids, shard_sequence
@@ -43,6 +45,9 @@ class ShardedBatch:
     """``(batch, seq_local)`` next-token labels, shifted on the full sequence; ``-100`` where none."""
     num_items_in_batch: int
     """Labels that count in the whole batch (every shard of this CP group together)."""
+    mask: AttentionMask | None = None
+    """Documents and padding of the rows (packed rows, left padding), for ``mesh_attn_func(mask=...)`` or a
+    transformers model's ``mesh_cp_mask=`` keyword; ``None``: one causal sequence per row."""
 
 
 def shard_batch(
@@ -53,12 +58,20 @@ def shard_batch(
     attention_mask: Tensor | None = None,
     layout: Layout = "zigzag",
     device: torch.device | str | None = None,
+    documents: Sequence[Sequence[int]] | None = None,
 ) -> ShardedBatch:
     """Shift labels on the full ``(batch, seq)`` sequence, then give this rank its shard (see module doc).
 
-    ``labels`` default to ``input_ids``; ``-100`` marks tokens without a label. A right-padding
-    ``attention_mask`` (ones then zeros per row) is exact under causal attention: the padded tokens
-    get no label and no real token attends to them. Left or inner padding is refused.
+    ``labels`` default to ``input_ids``; ``-100`` marks tokens without a label. An ``attention_mask`` (one
+    run of ones per row) pads: right padding is exact under causal attention as it is (the padded tokens get
+    no label and no real token attends to them); a row padded on the left makes the batch carry a
+    :attr:`ShardedBatch.mask` (its real tokens form one document) and position ids that start at 0 on the first
+    real token. Inner padding is refused.
+
+    ``documents``: packed rows, the lengths of the documents laid back to back in each row (what follows the
+    last is padding). No token attends across a document boundary (:attr:`ShardedBatch.mask`), a document's
+    last token gets no label, and ``position_ids`` restart at 0 in every document (as transformers' padding-free
+    packing numbers them).
 
     ``device``: where the returned tensors go (the device the training loop runs the model on);
     ``None`` keeps the input's device. The labels are counted and the shard cut where the inputs
@@ -71,32 +84,85 @@ def shard_batch(
     labels = input_ids if labels is None else labels
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-    labels = labels.clone()
-    if attention_mask is not None:
-        labels[~_right_padding(attention_mask, input_ids.shape)] = IGNORE_INDEX
+    batch, seq = input_ids.shape
+    mask = _batch_mask(attention_mask, documents, input_ids.shape)
     shift = torch.full_like(labels, IGNORE_INDEX)
     shift[:, :-1] = labels[:, 1:]
+    if mask is not None:  # no label across a document boundary, none for padding
+        ids = document_ids(mask, batch, seq)
+        shift[:, :-1][ids[:, :-1] != ids[:, 1:]] = IGNORE_INDEX
+        shift[ids < 0] = IGNORE_INDEX
+    elif attention_mask is not None:  # right padding: no label on a padded token or the one before it
+        keep = attention_mask.bool()
+        shift[~keep] = IGNORE_INDEX
+        shift[:, :-1][~keep[:, 1:]] = IGNORE_INDEX
     device = input_ids.device if device is None else torch.device(device)
-    positions = position_ids(input_ids.shape[1], mesh=mesh, layout=layout, device=device)
+    if mask is None:
+        positions = position_ids(seq, mesh=mesh, layout=layout, device=device).unsqueeze(0).expand(batch, -1)
+    else:
+        positions = document_positions(mask, batch, seq, mesh=mesh, layout=layout, device=device)
     return ShardedBatch(
         input_ids=shard_sequence(input_ids, mesh=mesh, dim=1, layout=layout).to(device),
-        position_ids=positions.unsqueeze(0).expand(input_ids.shape[0], -1),
+        position_ids=positions,
         shift_labels=shard_sequence(shift, mesh=mesh, dim=1, layout=layout).to(device),
         num_items_in_batch=int((shift != IGNORE_INDEX).sum()),
+        mask=mask,
     )
 
 
-def _right_padding(attention_mask: Tensor, shape: torch.Size) -> Tensor:
-    """The boolean mask of real tokens; raise unless every row is ones then zeros."""
+def _batch_mask(
+    attention_mask: Tensor | None, documents: Sequence[Sequence[int]] | None, shape: torch.Size
+) -> AttentionMask | None:
+    """The :class:`AttentionMask` of packed ``documents`` or of left padding; ``None`` for unpadded or
+    right-padded rows (causal attention is exact for them as they are)."""
+    if documents is not None:
+        if attention_mask is not None:
+            raise ValueError(
+                "pass documents= (packed rows; what follows the last document is padding) or attention_mask=, not both"
+            )
+        if len(documents) != shape[0] or any(sum(row) > shape[1] for row in documents):
+            raise ValueError(
+                f"documents {[list(r) for r in documents]} do not fit {shape[0]} rows of {shape[1]} tokens"
+            )
+        return AttentionMask.from_lengths(documents)
+    if attention_mask is None:
+        return None
+    keep = _one_run(attention_mask, shape)
+    if not bool((keep.any(1) & ~keep[:, 0]).any()):
+        return None  # no row starts with padding: right padding (or none)
+    spans = []
+    for row in keep.tolist():
+        first = row.index(True) if True in row else 0
+        spans.append(((first, first + sum(row)),) if any(row) else ())
+    return AttentionMask(documents=tuple(spans))
+
+
+def document_positions(
+    mask: AttentionMask, batch: int, seq_len: int, *, mesh: CPMesh, layout: Layout, device=None
+) -> Tensor:
+    """``(batch, seq_local)`` position of each of this rank's tokens inside its document: 0 at every document's
+    first token (what RoPE needs for packed and left-padded rows), 0 for padding."""
+    ids = document_ids(mask, batch, seq_len)
+    starts = torch.zeros(batch, seq_len, dtype=torch.int64)
+    for row in range(batch):
+        for start, stop in mask.row_documents(row if mask.rows is not None else 0, seq_len):
+            starts[row, start:stop] = start
+    inside = torch.where(ids >= 0, torch.arange(seq_len) - starts, torch.zeros_like(starts))
+    return inside[:, position_ids(seq_len, mesh=mesh, layout=layout)].to(device)
+
+
+def _one_run(attention_mask: Tensor, shape: torch.Size) -> Tensor:
+    """The boolean mask of real tokens; raise unless every row is one run of ones (left or right padding)."""
     if attention_mask.shape != shape:
         raise ValueError(
             f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(shape)}"
         )
     keep = attention_mask.bool()
-    if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
+    runs = (keep[:, 1:] & ~keep[:, :-1]).sum(1) + keep[:, 0].long()
+    if bool((runs > 1).any()):
         raise ValueError(
-            "attention_mask pads on the left or inside a sequence; mesh_cp supports right padding only "
-            "(tokenizer padding_side='right')"
+            "attention_mask pads inside a sequence (more than one run of real tokens in a row); mesh_cp takes left "
+            "or right padding, or packed documents through documents="
         )
     return keep
 
@@ -110,6 +176,12 @@ class ShardingCollator:
     shifted labels: transformers' causal-LM loss uses ``shift_labels`` when given) and
     ``num_items_in_batch``, so a transformers model's own ``loss`` is this rank's share of the global mean.
     ``device``: where the batch's tensors go (``None``: the CPU, where the collator builds them).
+
+    ``packed=True`` (padding-free packing): the examples of a batch become the documents of one row, laid back
+    to back and padded at the end; the batch then also holds ``mesh_cp_mask`` (the
+    :class:`~mesh_cp.core.AttentionMask` of the documents, which a model attached with
+    :func:`mesh_cp.integrations.hf.attach` passes to its attention) and ``position_ids`` that restart in every
+    document.
     """
 
     def __init__(
@@ -120,6 +192,7 @@ class ShardingCollator:
         layout: Layout = "zigzag",
         pad_to_multiple_of: int = 1,
         device: torch.device | str | None = None,
+        packed: bool = False,
     ):
         if not isinstance(mesh, CPMesh):
             raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
@@ -127,6 +200,7 @@ class ShardingCollator:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
         self.mesh, self.pad_token_id, self.layout = mesh, pad_token_id, check_layout(layout)
         self.device = None if device is None else torch.device(device)
+        self.packed = bool(packed)
         parts = 2 * mesh.size if layout == "zigzag" else mesh.size
         self.multiple = math.lcm(parts, pad_to_multiple_of)
 
@@ -136,22 +210,25 @@ class ShardingCollator:
             torch.as_tensor(e["labels"], dtype=torch.long) if isinstance(e, Mapping) and "labels" in e else i
             for e, i in zip(examples, ids, strict=True)
         ]
-        length = -(-max(len(i) for i in ids) // self.multiple) * self.multiple
-        input_ids = torch.full((len(ids), length), self.pad_token_id, dtype=torch.long)
+        rows = [ids, labels] if not self.packed else [[torch.cat(ids)], [torch.cat(labels)]]
+        length = -(-max(len(i) for i in rows[0]) // self.multiple) * self.multiple
+        input_ids = torch.full((len(rows[0]), length), self.pad_token_id, dtype=torch.long)
         label_ids = torch.full_like(input_ids, IGNORE_INDEX)
-        mask = torch.zeros_like(input_ids)
-        for row, (i, lab) in enumerate(zip(ids, labels, strict=True)):
-            input_ids[row, : len(i)], label_ids[row, : len(lab)], mask[row, : len(i)] = i, lab, 1
+        real = torch.zeros_like(input_ids)
+        for row, (i, lab) in enumerate(zip(*rows, strict=True)):
+            input_ids[row, : len(i)], label_ids[row, : len(lab)], real[row, : len(i)] = i, lab, 1
+        options = {"documents": [[len(i) for i in ids]]} if self.packed else {"attention_mask": real}
         batch = shard_batch(
-            input_ids, mesh=self.mesh, labels=label_ids, attention_mask=mask, layout=self.layout, device=self.device
+            input_ids, mesh=self.mesh, labels=label_ids, layout=self.layout, device=self.device, **options
         )
-        return {
+        out = {
             "input_ids": batch.input_ids,
             "position_ids": batch.position_ids,
             "labels": batch.shift_labels,
             "shift_labels": batch.shift_labels,
             "num_items_in_batch": torch.tensor(batch.num_items_in_batch, device=batch.input_ids.device),
         }
+        return out if batch.mask is None else {**out, "mesh_cp_mask": batch.mask}
 
 
 def causal_lm_loss(logits: Tensor, shift_labels: Tensor, num_items_in_batch: int) -> Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import traceback
+import types
 
 import pytest
 import torch
@@ -34,8 +35,32 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def compare(model_name: str, config, mesh, attention_mask=None) -> dict[str, float]:
-    """Max errors of the mesh model against the stock SDPA model: logits, loss, grads, params after 3 steps."""
+def _reference(ref, input_ids, attention_mask, documents):
+    """The single-process model's logits and loss for the batch the mesh trains on: packed documents each on its
+    own (transformers' SDPA path does not separate documents by position_ids), padded rows with positions from 0
+    at the first real token and no label where the mesh has none (not a first real token after left padding)."""
+    if documents is None:
+        if attention_mask is None:
+            return ref(input_ids=input_ids, labels=input_ids)
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[torch.arange(len(labels)), attention_mask.argmax(-1)] = -100  # a row's first real token
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return ref(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, labels=labels)
+    pieces, targets, start = [], [], 0
+    for n in documents[0]:
+        pieces.append(ref(input_ids=input_ids[:, start : start + n]).logits)
+        targets.append(torch.cat([input_ids[0, start + 1 : start + n], torch.tensor([-100])]))
+        start += n
+    logits = torch.cat(pieces, 1)
+    loss = torch.nn.functional.cross_entropy(logits[0], torch.cat(targets), ignore_index=-100)
+    padded = torch.cat([logits, logits.new_zeros(1, SEQ - start, logits.shape[-1])], 1)
+    return types.SimpleNamespace(logits=padded, loss=loss)
+
+
+def compare(model_name: str, config, mesh, attention_mask=None, documents=None) -> dict[str, float]:
+    """Max errors of the mesh model against the stock SDPA model: logits, loss, grads, params after 3 steps.
+
+    ``attention_mask``: left or right padding; ``documents``: one packed row of documents of these lengths."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -50,13 +75,13 @@ def compare(model_name: str, config, mesh, attention_mask=None) -> dict[str, flo
     # zero (the k bias of Qwen2: a constant added to a whole row of scores) into full-size steps.
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
     for step in range(3):
-        input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
-        out = ref(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        input_ids = torch.randint(0, VOCAB, (1 if documents else BATCH, SEQ), generator=gen)
+        out = _reference(ref, input_ids, attention_mask, documents)
         out.loss.backward()
 
-        batch = hf.shard_batch(input_ids, mesh=mesh, attention_mask=attention_mask)
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+        batch = hf.shard_batch(input_ids, mesh=mesh, attention_mask=attention_mask, documents=documents)
+        extra = {} if batch.mask is None else {"mesh_cp_mask": batch.mask}
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **extra).logits
         loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
         loss.backward()
         hf.reduce_gradients(model, mesh)
@@ -64,8 +89,9 @@ def compare(model_name: str, config, mesh, attention_mask=None) -> dict[str, flo
         dist.all_reduce(total, group=mesh.group)
         if step == 0:
             shard_ref = mesh_cp.shard_sequence(out.logits.detach(), mesh=mesh, dim=1, layout="zigzag")
-            if attention_mask is not None:  # padded positions have no label: compare real tokens only
-                real = mesh_cp.shard_sequence(attention_mask, mesh=mesh, dim=1, layout="zigzag").bool()
+            if attention_mask is not None or documents is not None:  # padding has no label: real tokens only
+                real = attention_mask if documents is None else (torch.arange(SEQ) < sum(documents[0]))[None]
+                real = mesh_cp.shard_sequence(real.long(), mesh=mesh, dim=1, layout="zigzag").bool()
                 errors["logits"] = _max_err(logits.detach()[real], shard_ref[real])
             else:
                 errors["logits"] = _max_err(logits.detach(), shard_ref)
@@ -103,6 +129,16 @@ def hf_worker(rank: int, world: int) -> dict:
             "llama-gqa right-padded", tiny_causal_lms()["llama-gqa"], mesh, attention_mask=right
         ).items():
             results[key] = err
+        left_and_right = torch.ones(BATCH, SEQ, dtype=torch.long)
+        left_and_right[0, :7] = 0
+        left_and_right[1, SEQ - 5 :] = 0
+        for key, err in compare(
+            "llama-gqa left- and right-padded", tiny_causal_lms()["llama-gqa"], mesh, attention_mask=left_and_right
+        ).items():
+            results[key] = err
+        packed = [[1, 5, 13, 2, 20, 3]]  # 44 of 48 tokens: documents of 1 token, shorter and longer than a shard
+        for key, err in compare("llama-gqa packed", tiny_causal_lms()["llama-gqa"], mesh, documents=packed).items():
+            results[key] = err
         checks = _refusals(mesh, hf)
         results |= checks
     return results
@@ -110,19 +146,21 @@ def hf_worker(rank: int, world: int) -> dict:
 
 def _refusals(mesh, hf) -> dict:
     """Unsupported inputs raise with their reason (never silently dropped)."""
-    from transformers import AutoModelForCausalLM, MistralConfig
+    from transformers import AutoModelForCausalLM
 
     checks = {}
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     left = torch.ones(BATCH, SEQ, dtype=torch.long)
     left[0, :5] = 0
 
+    inner = left.clone()
+    inner[1, 20:22] = 0
     expect_error(
         checks,
-        "left padding refused",
+        "inner padding refused",
         ValueError,
-        "right padding only",
-        lambda: hf.shard_batch(ids, mesh=mesh, attention_mask=left),
+        "pads inside a sequence",
+        lambda: hf.shard_batch(ids, mesh=mesh, attention_mask=inner),
     )
     model = hf.attach(AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"]), mesh)
     batch = hf.shard_batch(ids, mesh=mesh)
@@ -135,14 +173,44 @@ def _refusals(mesh, hf) -> dict:
         "does not take padding masks",
         lambda: model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=local_mask),
     )
-    windowed = MistralConfig(**{**tiny_causal_lms()["mistral"].to_dict(), "sliding_window": 16})
-    windowed_model = hf.attach(AutoModelForCausalLM.from_config(windowed), mesh)
+    bounds = torch.tensor([0, 20, SEQ], dtype=torch.int32)
     expect_error(
         checks,
-        "sliding window refused",
+        "packing keywords without mesh_cp_mask refused",
         NotImplementedError,
-        "sliding_window=16 is not supported",
-        lambda: windowed_model(input_ids=batch.input_ids, position_ids=batch.position_ids),
+        "without the mesh_cp_mask of one packed row",
+        lambda: model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds
+        ),
+    )
+    packed = hf.shard_batch(ids[:1], mesh=mesh, documents=[[20, SEQ - 20]])
+    expect_error(
+        checks,
+        "positions restarting without mesh_cp_mask refused",
+        ValueError,
+        "packed rows .* need the mesh_cp_mask",
+        lambda: model(input_ids=packed.input_ids, position_ids=packed.position_ids),
+    )
+    examples = [{"input_ids": ids[0, :n].tolist()} for n in (5, 1, 30)]
+    collated = hf.ShardingCollator(mesh, pad_token_id=0, packed=True)(examples)
+    direct = hf.shard_batch(
+        torch.cat([torch.tensor(e["input_ids"]) for e in examples] + [torch.zeros(4, dtype=torch.long)])[
+            None
+        ],  # 40 = 5 * 2P
+        mesh=mesh,
+        documents=[[5, 1, 30]],
+    )
+    checks["packed collator = shard_batch(documents=...)"] = (
+        collated["mesh_cp_mask"] == direct.mask == mesh_cp.AttentionMask.from_lengths([[5, 1, 30]])
+        and all(
+            torch.equal(collated[k], getattr(direct, a))
+            for k, a in (("input_ids", "input_ids"), ("position_ids", "position_ids"), ("shift_labels", "shift_labels"))
+        )
+        and collated["num_items_in_batch"].item() == direct.num_items_in_batch == 4 + 0 + 29
+    )
+    model(**collated).loss.backward()  # a transformers model takes the packed batch as it is
+    checks["packed batch through model(**batch)"] = all(
+        p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.requires_grad
     )
     bare = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"])
     hf.register()
@@ -198,7 +266,8 @@ def test_hf_models_match_single_process_sdpa(world: int, request: pytest.Fixture
         metrics = ("logits", "loss", "grads", "params after 3 steps")
         expected = {f"{t} {m} {metric}" for t in tiles for m in tiny_causal_lms() for metric in metrics}
         if world == 4:
-            expected |= {f"llama-gqa right-padded {metric}" for metric in metrics}
+            padded = ("llama-gqa right-padded", "llama-gqa left- and right-padded", "llama-gqa packed")
+            expected |= {f"{name} {metric}" for name in padded for metric in metrics}
         assert set(errors) == expected, sorted(set(errors) ^ expected)
 
 
@@ -371,7 +440,7 @@ def keywords_section(rank: int, world: int) -> dict:
         results,
         "packed position_ids refused",
         ValueError,
-        r"packed batch \(positions restarting per document\) is not supported",
+        r"packed rows \(positions restarting per document\) need the mesh_cp_mask",
         lambda: model(input_ids=batch.input_ids, position_ids=packed_local),
     )
     # After a good forward, positions of the same shape are compared on the device (no host read): still refused.
@@ -380,15 +449,15 @@ def keywords_section(rank: int, world: int) -> dict:
         results,
         "packed position_ids refused after a checked step",
         ValueError,
-        r"packed batch \(positions restarting per document\) is not supported",
+        r"packed rows \(positions restarting per document\) need the mesh_cp_mask",
         lambda: model(input_ids=batch.input_ids, position_ids=packed_local.clone()),
     )
     cu = torch.tensor([0, SEQ // 2, SEQ], dtype=torch.int32)
     expect_error(
         results,
-        "cu_seq_lens refused",
+        "cu_seq_lens without mesh_cp_mask refused",
         NotImplementedError,
-        r"got cu_seq_lens_k, cu_seq_lens_q, max_length_k, max_length_q: packed batches",
+        r"got cu_seq_lens_k, cu_seq_lens_q, max_length_k, max_length_q without the mesh_cp_mask of one packed row",
         lambda: model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
@@ -419,7 +488,7 @@ def keywords_section(rank: int, world: int) -> dict:
         results,
         "shard numbered from 0 refused",
         ValueError,
-        "are not this rank's global positions",
+        "are not this rank.s positions of a sequence of 48 tokens.*a shard numbered from 0 would be silently wrong",
         lambda: model.model.layers[0](
             hidden, position_embeddings=model.model.rotary_emb(hidden, from_zero), position_ids=from_zero
         ),

@@ -32,8 +32,6 @@ WORLD = 4
 
 # How a refusal names its feature: the outcome "refused:<feature>" needs a message matching the pattern.
 FEATURES = {
-    "softcap": r"softcap .* is not supported",
-    "sliding_window": r"sliding_window=\d+ is not supported by mesh_cp for a sequence of 32 tokens",
     "AttentionInterface": r"kept its attention implementation .* AttentionInterface",
     "attn_temperature_tuning": r"attn_temperature_tuning scales the queries",
 }
@@ -60,10 +58,10 @@ EXPECTED = {
     "mixtral (MoE)": ("2x2", "exact"),
     "qwen3_moe (MoE, qk-norm)": ("2x2", "exact"),
     "granite (attention/embedding/residual multipliers)": ("2x2", "exact"),
-    "gemma2 (softcap)": ("2x2", "refused:softcap"),
-    "gemma3 (sliding window 16 < 32)": ("2x2", "refused:sliding_window"),
-    "mistral (sliding window 8 < 32)": ("2x2", "refused:sliding_window"),
-    "qwen2_moe (sliding window 8 < 32, in the mask only)": ("2x2", "refused:sliding_window"),
+    "gemma2 (softcap 2, sliding window 8 < 32 on alternate layers)": ("2x2", "exact"),
+    "gemma3 (sliding window 6 < 8 tokens a shard, mixed with full layers)": ("1x4", "exact"),
+    "mistral (sliding window 8 < 32)": ("2x2", "exact"),
+    "qwen2_moe (sliding window 8 < 32, in the mask only)": ("2x2", "exact"),
     "llama4 (attn_temperature_tuning, chunked attention)": ("2x2", "refused:attn_temperature_tuning"),
     "falcon (no AttentionInterface)": ("2x2", "refused:AttentionInterface"),
     "gptj (no AttentionInterface)": ("2x2", "refused:AttentionInterface"),
@@ -166,8 +164,12 @@ def architectures() -> dict:
         "granite (attention/embedding/residual multipliers)": tf.GraniteConfig(
             **base, attention_multiplier=0.3, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0
         ),
-        "gemma2 (softcap)": tf.Gemma2Config(**base, head_dim=8, sliding_window=SEQ, attn_logit_softcapping=20.0),
-        "gemma3 (sliding window 16 < 32)": tf.Gemma3TextConfig(**base, head_dim=8, sliding_window=16),
+        "gemma2 (softcap 2, sliding window 8 < 32 on alternate layers)": tf.Gemma2Config(
+            **base, head_dim=8, sliding_window=8, attn_logit_softcapping=2.0
+        ),
+        "gemma3 (sliding window 6 < 8 tokens a shard, mixed with full layers)": tf.Gemma3TextConfig(
+            **base, head_dim=8, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
+        ),
         "mistral (sliding window 8 < 32)": tf.MistralConfig(**base, sliding_window=8),
         "qwen2_moe (sliding window 8 < 32, in the mask only)": tf.Qwen2MoeConfig(
             **base,
