@@ -89,14 +89,18 @@ class MeshAttention:
         labels: Tensor | None = None,
         attention_mask: Tensor | None = None,
         device: torch.device | str | None = None,
+        documents=None,
     ) -> ShardedBatch:
         """This rank's shard of its replica's ``(batch, seq)`` batch (every rank of the CP group passes the
         same batch); labels are shifted on the full sequence, right padding is exact.
 
         ``device``: where the shard goes, the engine's (``engine.device``: DeepSpeed moved the model there);
         ``None`` keeps the input's device. The batch is cut where it is (the host, for a data loader's) and
-        only this rank's shard is copied."""
-        return shard_batch(input_ids, mesh=self.mesh, labels=labels, attention_mask=attention_mask, device=device)
+        only this rank's shard is copied. Left padding and packed rows (``documents``, lengths per row) give the
+        batch a ``mask``: pass it to the model as ``mesh_cp_mask=batch.mask`` (:func:`mesh_cp.shard_batch`)."""
+        return shard_batch(
+            input_ids, mesh=self.mesh, labels=labels, attention_mask=attention_mask, device=device, documents=documents
+        )
 
     def loss(self, logits: Tensor, batch: ShardedBatch) -> Tensor:
         """The loss to pass to ``engine.backward``: ``cp_size`` times this rank's share of its replica's

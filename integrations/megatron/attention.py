@@ -12,10 +12,12 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 import mesh_cp
 from mesh_cp.core import AttentionShape
+from mesh_cp.core.masks import AttentionMask
 from mesh_cp.integrations.megatron.mesh import build_mesh
 from mesh_cp.runtime.device_checks import check_on_device
 from mesh_cp.runtime.mesh import CPMesh
@@ -105,6 +107,8 @@ class MeshProvider:
     """A mesh built beforehand (for example by :class:`MeshLayout`); then the fields above are unused."""
     _meshes: dict = field(default_factory=dict, repr=False)
     mask_check: MaskCheck = field(default_factory=lambda: MaskCheck(), repr=False)
+    documents: PackedDocuments = field(default_factory=lambda: PackedDocuments(), repr=False)
+    """Reads the documents of ``packed_seq_params`` (shared by the layers: once per step, not per layer)."""
     """Checks the ``attention_mask`` the layers get (shared by them: a mask is checked once, not per layer)."""
 
     def mesh_for(self, cp_group: dist.ProcessGroup) -> CPMesh:
@@ -177,6 +181,8 @@ class MeshCoreAttention(MegatronModule):
         # Megatron's apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
         # scores back inside its softmax (an fp16 range trick); the product is the plain scale.
         self.softmax_scale = self.head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+        self.window = _layer_window(config, self.layer_number, attn_mask_type)
+        self.documents = mesh_provider.documents
 
     def forward(
         self,
@@ -190,11 +196,6 @@ class MeshCoreAttention(MegatronModule):
     ) -> Tensor:
         """``query [sq, b, heads, d]``, ``key/value [sk, b, kv_heads, d]`` (this CP rank's zig-zag chunks)
         -> ``[sq, b, heads * d]``: attention over the whole sequence of the CP group."""
-        if packed_seq_params is not None:
-            raise NotImplementedError(
-                "packed sequences (packed_seq_params, THD format) are not supported by mesh_cp; "
-                "pass unpacked [s, b, ...] batches"
-            )
         if attention_bias is not None:
             raise NotImplementedError(
                 f"attention_bias of shape {tuple(attention_bias.shape)} is not supported by mesh_cp; "
@@ -209,9 +210,12 @@ class MeshCoreAttention(MegatronModule):
         causal = mask_type == AttnMaskType.causal
         if attention_mask is not None:
             self._check_mask(attention_mask, causal, query.shape[0], query.shape[1])
+        mask = self.documents(packed_seq_params, query.shape[0] * self.mesh.size, query.shape[1])
+        if self.window is not None:
+            mask = AttentionMask(documents=None if mask is None else mask.documents, window=self.window)
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         out = mesh_cp.mesh_attn_func(
-            q, k, v, mesh=self.mesh, causal=causal, softmax_scale=self.softmax_scale, layout="zigzag"
+            q, k, v, mesh=self.mesh, causal=causal, softmax_scale=self.softmax_scale, layout="zigzag", mask=mask
         )
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
@@ -222,21 +226,92 @@ class MeshCoreAttention(MegatronModule):
         self.mask_check(mask, self.mesh, causal, seq_local, batch)
 
 
+def _layer_window(config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType) -> int | None:
+    """This layer's left window in tokens (query ``i`` sees keys ``i - left .. i``: ``left + 1``), from
+    ``config.window_size = (left, right)`` and ``window_attn_skip_freq`` as Megatron's own attention reads them;
+    ``None`` for full attention."""
+    if not is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        return None
+    left, _right = config.window_size  # under causal attention no key right of the query is seen anyway
+    if attn_mask_type != AttnMaskType.causal:
+        raise NotImplementedError(
+            f"window_size {config.window_size} with attn_mask_type {attn_mask_type.name}: mesh_cp computes left "
+            f"windows under causal attention only"
+        )
+    return None if left < 0 else left + 1
+
+
+class PackedDocuments:
+    """The documents of a packed row from ``packed_seq_params`` (read once per tensor, shared by the layers).
+
+    mesh_cp shards a packed row as one sequence: the row ``[s, 1]`` (``qkv_format="sbhd"``) is cut into
+    zig-zag chunks by ``get_batch_on_this_cp_rank`` like any other, whatever the document lengths, and
+    ``cu_seqlens_q`` (equal to ``cu_seqlens_kv``) gives the documents' global boundaries; tokens past the last
+    boundary are padding. ``max_seqlen_q = max_seqlen_kv`` is the row's length (Megatron sizes RoPE from it; RoPE
+    at global positions is exact within a document, since it depends on the distance between tokens only). ``qkv_format="thd"`` is TransformerEngine's layout (every document padded to a
+    multiple of ``2 * CP`` and cut on its own) and is refused.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[weakref.ref, int, AttentionMask] | None = None
+
+    def __call__(self, params, seq: int, batch: int) -> AttentionMask | None:
+        if params is None:
+            return None
+        if params.qkv_format == "thd":
+            raise NotImplementedError(
+                "packed_seq_params with qkv_format='thd' is TransformerEngine's CP layout (each document padded to a "
+                "multiple of 2*CP and split on its own); mesh_cp shards the packed row as one sequence: pass the row "
+                "as [s, 1] with qkv_format='sbhd' and cu_seqlens_q = cu_seqlens_kv over the whole row"
+            )
+        cu = params.cu_seqlens_q
+        if self._last is not None and self._last[0]() is cu and self._last[1] == cu._version:
+            return self._last[2]
+        mask = _packed_mask(params, seq, batch)
+        self._last = (weakref.ref(cu), cu._version, mask)
+        return mask
+
+
+def _packed_mask(params, seq: int, batch: int) -> AttentionMask:
+    """The :class:`~mesh_cp.core.AttentionMask` of ``packed_seq_params`` of a ``[seq, batch=1]`` row."""
+    if batch != 1 or params.qkv_format not in (None, "sbhd"):
+        raise NotImplementedError(
+            f"packed_seq_params (qkv_format {params.qkv_format!r}) for a batch of {batch}: mesh_cp takes one packed "
+            f"row ([s, 1], qkv_format='sbhd')"
+        )
+    fields = {
+        n: getattr(params, n) for n in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+    }
+    values = {
+        n: None if t is None else [int(x) for x in t.tolist()] for n, t in fields.items()
+    }  # one host read per step
+    bounds = values["cu_seqlens_q"]
+    if bounds is None or any(v is not None and v != bounds for v in values.values()):
+        raise NotImplementedError(
+            f"packed_seq_params {values}: mesh_cp needs cu_seqlens_q, with cu_seqlens_kv (and any *_padded) equal to it"
+        )
+    if bounds[0] != 0 or bounds[-1] > seq or any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"cu_seqlens_q {bounds} must rise from 0 to at most the row's {seq} tokens")
+    lengths = (params.max_seqlen_q, params.max_seqlen_kv)
+    if any(n is not None and n != seq for n in lengths):
+        raise ValueError(
+            f"max_seqlen_q/kv {lengths}: with qkv_format='sbhd' Megatron sizes RoPE from them, so they must be the "
+            f"packed row's length {seq} (the row is one sequence of global positions), not the longest document"
+        )
+    return AttentionMask(documents=(tuple(zip(bounds, bounds[1:], strict=False)),))
+
+
 def _refuse_unsupported(
     config: TransformerConfig, attention_dropout: float | None, attn_mask_type: AttnMaskType, cp_comm_type: str | None
 ) -> None:
     """Refuse, by name and with the setting to change, what :class:`MeshCoreAttention` cannot compute
-    exactly: dropout, a sliding window, a softmax other than vanilla, a mask other than causal or none,
+    exactly: dropout, a softmax other than vanilla, a mask other than causal or none,
     and TransformerEngine's CP communication settings."""
     dropout = config.attention_dropout if attention_dropout is None else attention_dropout
     if dropout:
         raise NotImplementedError(
             f"attention dropout {dropout} is not supported by mesh_cp; set attention_dropout=0.0 "
             f"(Megatron-LM: --attention-dropout 0.0)"
-        )
-    if config.window_size is not None:
-        raise NotImplementedError(
-            f"sliding window {config.window_size} is not supported by mesh_cp yet; set window_size=None"
         )
     if config.softmax_type != "vanilla":
         raise NotImplementedError(

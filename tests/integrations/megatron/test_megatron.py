@@ -29,7 +29,9 @@ VOCAB = 128
 SEQ = 32
 GLOBAL_BATCH = 4
 STEPS = 3
-POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "rope, packed rows, window on layer 1")
+DOCUMENTS = (1, 7, 3, 12, 6)
+"""Document lengths of every packed row (29 of 32 tokens; the rest is padding)."""
 LAYOUTS = ((2, 2, (1, 2)), (1, 4, (2, 2)), (2, 4, (2, 2)))
 """(TP, CP, tile) on 8 ranks; DP = 8 / (TP * CP)."""
 
@@ -68,13 +70,15 @@ def train(position_embedding: str, tp: int, cp: int, tile) -> dict:
     from mesh_cp.integrations import megatron as mcp
 
     layout = mcp.MeshLayout.from_parallel_state(tile=tile)
+    packed = "packed" in position_embedding
+    window = {"window_size": (4, 0), "window_attn_skip_freq": 2} if packed else {}  # layer 1 sees 5 keys
     torch.manual_seed(0)  # the full weights, split over TP by use_cpu_initialization
     model = GPTModel(
-        config=_config(tp, cp),
+        config=_config(tp, cp, **window),
         transformer_layer_spec=layout.layer_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
-        position_embedding_type=position_embedding,
+        position_embedding_type="rope" if packed else position_embedding,
     )
     training.use_cpu_rotary_embedding(model)
     # SGD with momentum: Adam would turn roundoff-sized gradients into full-size steps.
@@ -83,14 +87,17 @@ def train(position_embedding: str, tp: int, cp: int, tile) -> dict:
     per_replica = GLOBAL_BATCH // dp
     losses, norms = [], []
     for tokens in _global_batches():
-        batch = training.shard_batch(
-            tokens[dp_rank * per_replica : (dp_rank + 1) * per_replica], cp_group=ps.get_context_parallel_group()
-        )
-        per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        loss = training.loss_share(per_token, batch["loss_mask"], training.global_token_count(batch["loss_mask"]))
-        loss.backward()
+        rows = tokens[dp_rank * per_replica : (dp_rank + 1) * per_replica]
+        total = torch.zeros((), dtype=torch.float64)
+        for batch, params in _micro_batches(rows, packed, training, ps.get_context_parallel_group()):
+            per_token = model(
+                batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params
+            )
+            count = training.global_token_count(batch["loss_mask"] * (len(rows) if packed else 1))  # same in every row
+            loss = training.loss_share(per_token, batch["loss_mask"], count)
+            loss.backward()
+            total += loss.detach().double()
         training.reduce_gradients_cpu(model)
-        total = loss.detach().double()
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         losses.append(total.item())
         norms.append(float(training.grad_norm_cpu(model)))
@@ -100,11 +107,66 @@ def train(position_embedding: str, tp: int, cp: int, tile) -> dict:
     return {"layout": str(layout), "losses": losses, "norms": norms, "params": params, "model": model}
 
 
+def _micro_batches(rows: torch.Tensor, packed: bool, training, cp_group):
+    """The replica's rows as one batch, or (packed) one packed row at a time with its ``packed_seq_params``
+    (``sbhd``: the row is sharded zig-zag as one sequence; the documents' boundaries over the whole row)."""
+    if not packed:
+        yield training.shard_batch(rows, cp_group=cp_group), None
+        return
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = torch.tensor([0, *torch.tensor(DOCUMENTS).cumsum(0).tolist()], dtype=torch.int32)
+    loss_mask = torch.zeros(1, SEQ)
+    for start, stop in zip(bounds.tolist(), bounds[1:].tolist(), strict=False):
+        loss_mask[0, start : stop - 1] = 1  # no label across a document boundary, none in the padding
+    params = PackedSeqParams(
+        qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=SEQ, max_seqlen_kv=SEQ
+    )
+    for row in rows:
+        yield training.shard_batch(row[None], cp_group=cp_group, loss_mask=loss_mask), params
+
+
+def _packed_attention_vs_sdpa() -> float:
+    """MeshCoreAttention on one rank with packed rows and a window of 5 against SDPA over each document."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mesh_cp.integrations import megatron as mcp
+
+    attn = mcp.MeshCoreAttention(
+        config=_config(1, 1, window_size=(4, 0)),
+        layer_number=1,
+        attn_mask_type=AttnMaskType.causal,
+        attention_type="self",
+        mesh_provider=mcp.MeshProvider(tile=(1, 1)),
+    )
+    bounds = torch.tensor([0, *torch.tensor(DOCUMENTS).cumsum(0).tolist()], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(SEQ, 1, 4, 16, generator=gen)
+    k, v = torch.randn(2, SEQ, 1, 2, 16, generator=gen)
+    out = attn(q, k, v, None, packed_seq_params=params).reshape(SEQ, 4, 16)
+    err = 0.0
+    for start, stop in zip(bounds.tolist(), bounds[1:].tolist(), strict=False):
+        pos = torch.arange(stop - start)
+        seen = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 5)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(
+                t[start:stop, 0].transpose(0, 1).double()
+                for t in (q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2))
+            ),
+            attn_mask=seen,
+        )
+        err = max(err, (out[start:stop].double() - ref.transpose(0, 1)).abs().max().item())
+    return max(err, out[bounds[-1] :].abs().max().item())  # padding attends nothing
+
+
 def reference_worker(rank: int, world: int) -> dict:
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel()
     results = {"attention vs sdpa": _attention_vs_sdpa(), "mask checks": _mask_checks()}
+    results["packed attention vs sdpa"] = _packed_attention_vs_sdpa()
     for pos in POSITION_EMBEDDINGS:
         run = train(pos, 1, 1, (1, 1))
         run.pop("model")
@@ -279,10 +341,10 @@ def _checks(rank: int, world: int) -> dict:
     )
     expect_error(
         out,
-        "window",
+        "window without causal",
         NotImplementedError,
-        r"sliding window \(8, 0\)",
-        lambda: attention(_config(2, 4, window_size=(8, 0))),
+        r"window_size \(8, 0\) with attn_mask_type no_mask: mesh_cp computes left windows under causal attention only",
+        lambda: attention(_config(2, 4, window_size=(8, 0)), mask_type=AttnMaskType.no_mask),
     )
     expect_error(
         out,
@@ -305,10 +367,10 @@ def _checks(rank: int, world: int) -> dict:
     )
     expect_error(
         out,
-        "packed",
+        "packed thd",
         NotImplementedError,
-        r"packed sequences",
-        lambda: attn(q, k, k, None, packed_seq_params=PackedSeqParams()),
+        r"qkv_format='thd' is TransformerEngine's CP layout",
+        lambda: attn(q, k, k, None, packed_seq_params=PackedSeqParams(qkv_format="thd")),
     )
     expect_error(
         out,
@@ -350,6 +412,7 @@ def mesh_results(reference) -> list[dict]:
 
 def test_reference_attention_is_sdpa(reference) -> None:
     assert reference["attention vs sdpa"] <= TOL
+    assert reference["packed attention vs sdpa"] <= TOL
     assert reference["rope"]["losses"][-1] < reference["rope"]["losses"][0]
 
 
@@ -376,7 +439,7 @@ def test_layouts_equal_tp1_cp1(reference, mesh_results) -> None:
         lines.append(row + " ".join(f"{v:.1e}" for v in errs.values()))
         assert all(v <= TOL for v in errs.values()), (key, errs)
     print("\n" + "\n".join(lines))
-    assert len(lines) == 1 + 2 + 2 * len(LAYOUTS)
+    assert len(lines) == 1 + len(POSITION_EMBEDDINGS) * (1 + len(LAYOUTS))
 
 
 def _fmt(values: list[float]) -> str:
