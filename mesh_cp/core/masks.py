@@ -29,9 +29,12 @@ since other ranks' blocks of the same chunk may need it); ``AttentionPlan.pairs`
 from __future__ import annotations
 
 import bisect
+import functools
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from mesh_cp.core.layout import global_ranges
 
 Range = tuple[int, int]
 
@@ -143,3 +146,51 @@ def block_pairs(
             for ka, kb in k_ranges:
                 total += visible_pairs(qi, (max(ka, start), min(kb, stop)), causal=causal, window=mask.window)
     return total
+
+
+TILE = 512
+"""Rows and columns of the tiles a ``MASKED`` block is cut into (a module setting: tests make it small)."""
+
+Tile = tuple[tuple[int, int], tuple[int, int], str]
+
+
+def block_tiles(
+    mask: AttentionMask,
+    rows: int,
+    q: tuple[int, Range],
+    k: tuple[int, Range],
+    *,
+    seq_len: int,
+    world: int,
+    layout: str,
+    causal: bool,
+) -> tuple[Tile, ...]:
+    """The kernel calls of a ``MASKED`` block of Q chunk ``q[0]`` (local rows ``q[1]``) against KV chunk ``k[0]``
+    (rows ``k[1]``): rows and columns cut into tiles of :data:`TILE`, the tiles the mask empties (in every one of
+    ``rows`` batch rows) left out, the others ``"full"`` (no mask), ``"causal"`` (the usual top-left causal
+    square) or ``"masked"`` (an explicit mask). Ranges are local rows of the chunks (Note [Masked blocks])."""
+    return _block_tiles(mask, rows, q, k, seq_len, world, layout, causal, TILE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_tiles(mask, rows, q, k, seq_len, world, layout, causal, size) -> tuple[Tile, ...]:
+    (x, (qa, qb)), (y, (ka, kb)) = q, k
+    out = []
+    for q0 in range(qa, qb, size):
+        q1 = min(q0 + size, qb)
+        q_ranges = global_ranges(seq_len, world, x, layout, (q0, q1))
+        for k0 in range(ka, kb, size):
+            k1 = min(k0 + size, kb)
+            k_ranges = global_ranges(seq_len, world, y, layout, (k0, k1))
+            pairs = {block_pairs(mask, b, q_ranges, k_ranges, causal=causal, seq_len=seq_len) for b in range(rows)}
+            if pairs == {0}:
+                continue
+            n = q1 - q0
+            if pairs == {n * (k1 - k0)}:
+                kind = "full"
+            elif causal and q_ranges == k_ranges and pairs == {n * (n + 1) // 2}:
+                kind = "causal"
+            else:
+                kind = "masked"
+            out.append(((q0, q1), (k0, k1), kind))
+    return tuple(out)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mesh_cp.core.layout import check_layout, global_ranges
-from mesh_cp.core.masks import AttentionMask, block_pairs
+from mesh_cp.core.masks import AttentionMask, Tile, block_pairs, block_tiles
 from mesh_cp.core.options import Backward, Layout, Phase, Schedule, check_option
 from mesh_cp.core.schedule import OverlapSchedule, build_overlap_schedule
 from mesh_cp.core.tiling import Tiling
@@ -304,6 +304,12 @@ class AttentionPlan:
         x = q_members[(q_members.index(rank) - q_offset) % t.a]
         y = kv_members[(kv_members.index(rank) - kv_offset) % t.b]
         return self._masked(block_work(x, y, **self._work_options()))
+
+    def tiles(self, w: BlockWork) -> tuple[Tile, ...]:
+        """The kernel calls of a ``MASKED`` block (:func:`mesh_cp.core.masks.block_tiles`)."""
+        rows = self.shape.batch if self.mask.rows is not None else 1
+        where = {"seq_len": self.seq_len, "world": self.tiling.world, "layout": self.layout, "causal": self.causal}
+        return block_tiles(self.mask, rows, (w.x, w.q_rows), (w.y, w.kv_rows), **where)
 
     def _work_options(self) -> dict:
         return {"causal": self.causal, "layout": self.layout, "seq_local": self.shape.seq_local}

@@ -11,7 +11,7 @@ from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.numerics import SUPPORTED_DTYPES, autocast_dtype, autocast_inputs, document_ids
 from mesh_cp.core.plan import AttentionShape, make_plan
 from mesh_cp.kernels import BlockKernel, resolve_kernel
-from mesh_cp.runtime.executors import AttentionCall, Saved
+from mesh_cp.runtime.call import AttentionCall, Saved
 from mesh_cp.runtime.mesh import CPMesh
 
 

@@ -1,116 +1,24 @@
 """Executors of an :class:`~mesh_cp.core.plan.AttentionPlan`: the collective and the overlapped schedule.
 
 An executor turns the plan into communication and kernel calls. Both take one frozen
-:class:`AttentionCall` (mesh, plan, kernel, scale), which :class:`~mesh_cp.runtime.attention.MeshAttnFunc`
+:class:`~mesh_cp.runtime.call.AttentionCall` (mesh, plan, kernel, scale), which :class:`~mesh_cp.runtime.attention.MeshAttnFunc`
 keeps on its ``ctx`` from forward to backward, and the tensors of the phase; neither cares how the
 other runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from mesh_cp.core.layout import local_positions
-from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_, visibility
-from mesh_cp.core.plan import AttentionPlan, BlockWork, MaskKind
-from mesh_cp.kernels.base import BlockKernel
-from mesh_cp.kernels.reference import ReferenceKernel
+from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
+from mesh_cp.core.plan import AttentionPlan
+from mesh_cp.runtime.call import AttentionCall, Saved
 from mesh_cp.runtime.comm import all_gather, all_to_all
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.phases import BackwardPhase, ForwardPhase
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionCall:
-    """What one attention call runs with, the same in forward and backward."""
-
-    mesh: CPMesh
-    plan: AttentionPlan
-    kernel: BlockKernel
-    scale: float
-    lse_grad: bool = False
-    """The lse may receive a gradient (``return_lse``): the block kernels take the exact path for any
-    ``dlse`` (Note [Gradient of the lse] in :mod:`mesh_cp.kernels.base`). Equal on every rank."""
-    softcap: float | None = None
-    """Logits ``softcap * tanh(s / softcap)``: every block goes through the reference kernel, which does it."""
-    doc_ids: Tensor | None = None
-    """``(B, S)`` document of every global position (``-1``: padding) when the plan has a mask."""
-    _positions: dict = field(default_factory=dict, repr=False)
-
-    def _global_positions(self, chunk: int, rows: tuple[int, int]) -> Tensor:
-        """Global positions of the local rows ``rows`` of ``chunk``, on the device of :attr:`doc_ids`."""
-        if chunk not in self._positions:
-            plan = self.plan
-            positions = local_positions(plan.seq_len, plan.tiling.world, chunk, plan.layout)
-            self._positions[chunk] = torch.tensor(positions, dtype=torch.int64, device=self.doc_ids.device)
-        return self._positions[chunk][rows[0] : rows[1]]
-
-    def _kernel_and_mask(self, w: BlockWork) -> tuple[BlockKernel, dict]:
-        """The kernel of block ``w`` and its extra arguments. The explicit mask of a ``MASKED`` block (Note
-        [Masked blocks] in :mod:`mesh_cp.core.masks`) goes to the call's kernel when it ``takes_mask``, else to
-        the reference kernel; softcapped logits always go to the reference kernel."""
-        if w.kind is not MaskKind.MASKED and self.softcap is None:
-            return self.kernel, {}
-        mask = None
-        if w.kind is MaskKind.MASKED:
-            q_pos, k_pos = self._global_positions(w.x, w.q_rows), self._global_positions(w.y, w.kv_rows)
-            mask = visibility(self.doc_ids, q_pos, k_pos, causal=self.plan.causal, window=self.plan.mask.window)
-        if self.softcap is not None:
-            return _REFERENCE, {"mask": mask, "softcap": self.softcap}
-        return (self.kernel if getattr(self.kernel, "takes_mask", False) else _REFERENCE), {"mask": mask}
-
-    @property
-    def executor(self) -> Executor:
-        return EXECUTORS[self.plan.schedule]
-
-    def forward_block(self, w: BlockWork, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
-        """The kernel's ``(o, lse)`` of block ``w`` from the whole Q chunk ``q (B, L, H, D)`` and the stacked
-        K, V chunk ``kv (2, B, L, Hkv, D)``."""
-        (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-        kernel, extra = self._kernel_and_mask(w)
-        return kernel.forward(q[:, q0:q1], kv[0, :, k0:k1], kv[1, :, k0:k1], causal=w.causal, scale=self.scale, **extra)
-
-    def backward_block(
-        self, w: BlockWork, q: Tensor, do: Tensor, stats: Tensor, kv: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """The kernel's ``dq, dk, dv`` of block ``w`` from whole chunks; ``stats (2, B, H, L)`` holds the rows'
-        lse and delta."""
-        (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-        kernel, extra = self._kernel_and_mask(w)
-        return kernel.backward(
-            do[:, q0:q1],
-            q[:, q0:q1],
-            kv[0, :, k0:k1],
-            kv[1, :, k0:k1],
-            stats[0, :, :, q0:q1],
-            stats[1, :, :, q0:q1],
-            causal=w.causal,
-            scale=self.scale,
-            lse_grad=self.lse_grad,
-            **extra,
-        )
-
-
-_REFERENCE = ReferenceKernel()
-
-
-@dataclass(frozen=True)
-class Saved:
-    """What forward keeps for backward."""
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    out: Tensor
-    """This rank's output in the input dtype."""
-    lse: Tensor
-    """This rank's lse in the accumulator dtype."""
-    gathered: tuple[Tensor, ...] = ()
-    """``backward="reuse"``: the Q chunks ``(a, ...)`` and stacked K, V chunks ``(b, 2, ...)`` gathered in forward."""
 
 
 class Executor(Protocol):

@@ -16,7 +16,7 @@ from mesh_cp.core.schedule import RingStep
 from mesh_cp.runtime.comm import ring_step
 
 if TYPE_CHECKING:
-    from mesh_cp.runtime.executors import AttentionCall, Saved
+    from mesh_cp.runtime.call import AttentionCall, Saved
 
 
 class _Chunks:

@@ -126,3 +126,40 @@ def test_kernels_with_a_mask_match_autograd_including_rows_that_attend_nothing()
         grads = kernel.backward(do.to(dtype), *args, got_lse, delta, causal=False, scale=0.3, mask=mask)
         for got, want in zip(grads, ref, strict=True):
             assert (got.double() - want.grad).abs().max() < tol, name
+
+
+def test_masked_blocks_are_cut_into_tiles_that_cover_exactly_their_pairs() -> None:
+    """Summed over a masked block's tiles, the pairs are the block's; empty tiles are left out, and every kind of
+    tile occurs for documents and a window."""
+    import mesh_cp.core.masks as masks
+    from mesh_cp.core.layout import global_ranges
+    from mesh_cp.core.masks import block_pairs
+
+    world, half, seq = 4, 8, 64
+    mask = AttentionMask.from_lengths([[1, 9, 3, 30, 17]], window=12)
+    shape = AttentionShape(batch=1, seq_local=2 * half, heads=1, kv_heads=1, head_dim=8, itemsize=4)
+    plan = make_plan(Tiling(world=world, a=2, b=2), shape, causal=True, layout="zigzag", mask=mask)
+    old, masks.TILE = masks.TILE, 4
+    try:
+        kinds = set()
+        for r in range(world):
+            for w in plan.blocks(r):
+                if w.kind is not MaskKind.MASKED:
+                    continue
+                tiles = plan.tiles(w)
+                kinds |= {kind for *_, kind in tiles}
+                counted = sum(
+                    block_pairs(
+                        mask,
+                        0,
+                        global_ranges(seq, world, w.x, "zigzag", qr),
+                        global_ranges(seq, world, w.y, "zigzag", kr),
+                        causal=True,
+                        seq_len=seq,
+                    )
+                    for qr, kr, _ in tiles
+                )
+                assert counted == w.pairs, (r, w)
+        assert kinds == {"full", "causal", "masked"}, kinds
+    finally:
+        masks.TILE = old

@@ -4,7 +4,7 @@ One spawned group per P (4, 6 and 8) runs every tile and both schedules on masks
 1 token, shorter than a chunk and longer than a shard, left and right padding, windows smaller and larger than a
 chunk, softcapped logits, causal (zig-zag) and bidirectional documents (contiguous), GQA, batch 2. Every rank
 compares its shard of the output, the lse (with ``-inf`` where a query attends nothing) and dq, dk, dv (a loss on
-out and on the lse) with the reference.
+out and on the lse) with the reference. Masked blocks are cut into tiles of 3 rows, so every kind of tile runs.
 """
 
 from __future__ import annotations
@@ -95,6 +95,9 @@ def run_case(mesh, name: str, case: dict, schedule: str, seed: int) -> dict[str,
 
 
 def masks_worker(rank: int, world: int) -> dict:
+    import mesh_cp.core.masks
+
+    mesh_cp.core.masks.TILE = 3  # masked blocks of 4 and 8 rows cut into tiles of every kind: full, causal, masked
     results: dict = {}
     for tile in factorizations(world):
         mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
