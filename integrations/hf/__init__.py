@@ -19,11 +19,12 @@ sharding, so the last token of every shard keeps its label.
 What a model hands mesh_cp is either computed exactly or refused with the feature named, never
 dropped: every keyword of the attention call (:data:`ATTENTION_KEYWORDS`), every mask transformers
 composes (:func:`mesh_cp_mask`), the switch itself and the RoPE variants that read the sequence
-length (:func:`attach`). A padding mask is accepted only when it pads on the right and is given to
-:func:`shard_batch` (exact under causal attention: padded tokens get no label); left or inner
-padding, masks given to the model, packed batches, sliding windows shorter than the sequence,
-softcapping, attention dropout, caches (generation) and models that do not compute their attention
-through transformers' ``AttentionInterface`` raise with the reason.
+length (:func:`attach`). Packed padding-free batches (``shard_batch(documents=...)``,
+``ShardingCollator(packed=True)``), left and right padding (``attention_mask`` given to :func:`shard_batch`),
+per-layer sliding windows and softcapped logits are exact: a batch with documents or left padding carries a
+``mesh_cp_mask`` that ``model(**batch)`` hands every attention layer. Inner padding, masks given to the model,
+attention dropout, caches (generation) and models that do not compute their attention through transformers'
+``AttentionInterface`` raise with the reason.
 """
 
 from __future__ import annotations
