@@ -3,7 +3,8 @@
 One run spawns ``P`` gloo processes. For each case every rank runs ``--warmup`` + ``--iters`` forward+backward
 passes of :func:`mesh_cp.mesh_attn_func` on seeded random shards of one row of ``--seq`` tokens, with the case's
 :class:`mesh_cp.AttentionMask`. The parent prints, per case, what the plan computes (blocks computed, of which
-masked, and blocks skipped, summed over ranks; query-key pairs as a share of the causal row's) and the median
+masked, and blocks skipped, summed over ranks; query-key pairs as a share of the causal row's; the per-rank compute
+imbalance, :func:`mesh_cp.sim.compute_imbalance`) and the median
 forward+backward time of the slowest rank, as a share of the causal row's.
 
 Cases: the causal row; packed rows whose document lengths are drawn from a long-tailed mix (most documents
@@ -26,6 +27,7 @@ import torch
 
 import mesh_cp
 from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, make_plan
+from mesh_cp.sim import compute_imbalance
 from mesh_cp.testing import spawn_gloo
 
 TIMEOUT = datetime.timedelta(minutes=10)
@@ -61,6 +63,7 @@ def plan_counts(args: argparse.Namespace, mask: AttentionMask | None) -> dict[st
         "masked": sum(w.kind is MaskKind.MASKED for w in blocks),
         "skipped": args.world * args.world - len(blocks),  # a x b blocks per rank, every rank
         "pairs": sum(plan.pairs(r) for r in range(args.world)),
+        "imbalance": compute_imbalance(plan),
     }
 
 
@@ -102,7 +105,9 @@ def main() -> None:
     rows = []
     print(f"P={args.world} tile {args.tile} seq {args.seq} heads {args.heads} dim 64 fp32 kernel {args.kernel}")
     print(f"torch {torch.__version__}, {platform.machine()}, medians of {args.iters} after {args.warmup} warm-up")
-    print(f"{'case':<30}{'blocks':>8}{'masked':>8}{'skipped':>9}{'pairs':>9}{'time ms':>10}{'time':>8}")
+    print(
+        f"{'case':<30}{'blocks':>8}{'masked':>8}{'skipped':>9}{'pairs':>9}{'imbalance':>11}{'time ms':>10}{'time':>8}"
+    )
     for name, mask in cases(args.seq, args.seed).items():
         counts = plan_counts(args, mask)
         seconds = max(statistics.median(r[name]) for r in per_rank)
@@ -111,7 +116,7 @@ def main() -> None:
         pairs, time_share = counts["pairs"] / baseline[0], seconds / baseline[1]
         rows.append({"case": name, **counts, "pairs share": pairs, "seconds": seconds, "time share": time_share})
         line = f"{name:<30}{counts['blocks']:>8}{counts['masked']:>8}{counts['skipped']:>9}"
-        print(line + f"{pairs:>9.1%}{seconds * 1e3:>10.0f}{time_share:>8.1%}")
+        print(line + f"{pairs:>9.1%}{counts['imbalance']:>11.2f}{seconds * 1e3:>10.0f}{time_share:>8.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

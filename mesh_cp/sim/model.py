@@ -163,9 +163,18 @@ def block_seconds(work: BlockWork, shape: AttentionShape, topology: Topology, ph
 
 
 def timed_ranks(plan: AttentionPlan) -> range:
-    """Ranks to replay: rank 0 stands for all when every rank has equal block costs per offset."""
-    equal = plan.layout == "zigzag" or not plan.causal
+    """Ranks to replay: rank 0 stands for all when every rank has equal block costs per offset (no mask, and
+    the zig-zag layout or full attention)."""
+    equal = plan.mask is None and (plan.layout == "zigzag" or not plan.causal)
     return range(1) if equal else range(plan.tiling.world)
+
+
+def compute_imbalance(plan: AttentionPlan) -> float:
+    """The most query-key pairs a rank computes over the mean of all ranks (1.0: balanced). The zig-zag layout
+    balances a causal row exactly; a batch's documents, padding or window (``plan.mask``) may not."""
+    pairs = [plan.pairs(rank) for rank in range(plan.tiling.world)]
+    mean = sum(pairs) / len(pairs)
+    return max(pairs) / mean if mean else 1.0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, factorizations, make_plan
 from mesh_cp.core.masks import visible_pairs
 from mesh_cp.core.numerics import document_ids, visibility
+from mesh_cp.sim import compute_imbalance
 
 
 @settings(max_examples=400, deadline=None)
@@ -60,6 +61,9 @@ def test_plan_keeps_the_pairs_of_the_mask_and_skips_empty_blocks() -> None:
             kinds = [w.kind for r in range(world) for w in plan.blocks(r)]
             assert len(kinds) < sum(len(plain.blocks(r)) for r in range(world)), (name, a, b)  # some skipped
             assert MaskKind.MASKED in kinds, (name, a, b)
+            pairs = [plan.pairs(r) for r in range(world)]
+            assert compute_imbalance(plan) == max(pairs) * world / sum(pairs) >= 1.0
+            assert compute_imbalance(plain) == 1.0 or not causal  # the zig-zag row alone is balanced
             # The overlapped schedule reads the same blocks by ring offsets.
             for r in range(world):
                 at = {plan.block_at(r, i, j) for i in range(a) for j in range(b)} - {None}
@@ -163,3 +167,20 @@ def test_masked_blocks_are_cut_into_tiles_that_cover_exactly_their_pairs() -> No
         assert kinds == {"full", "causal", "masked"}, kinds
     finally:
         masks.TILE = old
+
+
+def test_simulator_times_every_rank_of_a_masked_plan() -> None:
+    """With a mask ranks differ, so the simulator replays each; skipped pairs cut the predicted compute."""
+    from mesh_cp.sim import Topology, simulate
+    from mesh_cp.sim.model import timed_ranks
+
+    shape = AttentionShape(batch=1, seq_local=4096, heads=8, kv_heads=8, head_dim=128, itemsize=2)
+    tiling = Tiling(world=8, a=2, b=4)
+    mask = AttentionMask.from_lengths([[3000, 1, 500, 20000, 9267]])
+    plan = make_plan(tiling, shape, causal=True, layout="zigzag", mask=mask)
+    plain = make_plan(tiling, shape, causal=True, layout="zigzag")
+    assert timed_ranks(plan) == range(8) and timed_ranks(plain) == range(1)
+    topology = Topology.preset("h100", head_dim=128)
+    masked, full = simulate(plan, topology), simulate(plain, topology)
+    assert masked.forward.compute < full.forward.compute
+    assert masked.traffic == full.traffic  # a skipped block saves compute, not bytes
