@@ -99,7 +99,13 @@ class AttentionMask:
 
     def code(self) -> str:
         """A short fingerprint, equal on every process for equal masks (for the call check across ranks)."""
-        return f"{zlib.crc32(repr(self).encode()):08x}:{len(repr(self))}"
+        return _code(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _code(mask: AttentionMask) -> str:
+    text = repr(mask)
+    return f"{zlib.crc32(text.encode()):08x}:{len(text)}"
 
 
 def _count(i: int, c: int, d: int, causal: bool, window: int | None) -> int:
