@@ -182,6 +182,8 @@ def _check_packing_keywords(kwargs: Mapping[str, Any], mask: AttentionMask | Non
             f"shard_batch(documents=...) and call the model with their mesh_cp_mask"
         )
     spans = mask.row_documents(0, seq)
+    if not spans:
+        raise ValueError(f"{', '.join(given)} given for a row without documents (mesh_cp_mask {mask})")
     bounds, longest = [spans[0][0], *(stop for _, stop in spans)], max(stop - start for start, stop in spans)
     for name, value in given.items():
         if isinstance(value, Tensor) and value.device.type != "cpu":

@@ -208,6 +208,18 @@ def _refusals(mesh, hf) -> dict:
         )
         and collated["num_items_in_batch"].item() == direct.num_items_in_batch == 4 + 0 + 29
     )
+    cu = {"cu_seq_lens_q": torch.tensor([0, 5, 6, 36]), "cu_seq_lens_k": torch.tensor([0, 5, 6, 36])}
+    with torch.no_grad():
+        checks["cu_seq_lens matching mesh_cp_mask accepted"] = torch.equal(
+            model(**collated, **cu, max_length_q=30, max_length_k=30).logits, model(**collated).logits
+        )
+    expect_error(
+        checks,
+        "cu_seq_lens not matching mesh_cp_mask refused",
+        ValueError,
+        r"cu_seq_lens_q \[0, 5, 36\] does not describe the documents of mesh_cp_mask \(\[0, 5, 6, 36\]\)",
+        lambda: model(**collated, cu_seq_lens_q=torch.tensor([0, 5, 36])),
+    )
     model(**collated).loss.backward()  # a transformers model takes the packed batch as it is
     checks["packed batch through model(**batch)"] = all(
         p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.requires_grad
