@@ -136,9 +136,12 @@ def merge_verdicts(verdicts: list[tuple[str, Verdict]]) -> Verdict:
 # ----------------------------------------------------------------------------------------------------
 
 
-def attention_math(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def attention_math(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """``softmax(q k^T * scale) v`` in ``q.dtype``, differentiable: ``q (B, S, H, D)``, ``k, v (B, S, Hkv, D)``
-    -> ``out (B, S, H, D)``, ``lse (B, H, S)``. Causal is top-left aligned. Independent of mesh_cp's code."""
+    -> ``out (B, S, H, D)``, ``lse (B, H, S)``. Causal is top-left aligned; ``mask (S, S)`` (``True``: attends)
+    removes more pairs (every query must keep one). Independent of mesh_cp's code."""
     rep = q.shape[2] // k.shape[2]
     qh = q.transpose(1, 2)
     kh = k.repeat_interleave(rep, dim=2).transpose(1, 2)
@@ -147,6 +150,8 @@ def attention_math(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: floa
     if causal:
         above = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(above, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.softmax(scores, dim=-1) @ vh
     return out.transpose(1, 2), lse
@@ -160,6 +165,14 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> Tens
         q.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), is_causal=causal, scale=scale
     )
     return out.transpose(1, 2)
+
+
+def packed_visibility(lengths: list[int], window: int) -> Tensor:
+    """``(S, S)``: query ``i`` attends key ``j`` in the same document, ``j <= i``, ``i - j < window``."""
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(len(doc))
+    distance = pos[:, None] - pos[None, :]
+    return (doc[:, None] == doc[None, :]) & (distance >= 0) & (distance < window)
 
 
 def grads_of(leaves: list[Tensor]) -> dict[str, Tensor]:
@@ -178,6 +191,8 @@ class AttentionInputs:
     dlse: Tensor | None
     causal: bool
     scale: float
+    mask: Tensor | None = None
+    """``(S, S)`` pairs that attend beyond ``causal`` (packed documents, a window), or ``None``."""
 
     @classmethod
     def make(
@@ -222,7 +237,7 @@ class AttentionInputs:
     def gold(self) -> dict[str, Tensor]:
         """fp64 out, lse and gradients of the rounded inputs."""
         leaves = [t.detach().double().requires_grad_() for t in (self.q, self.k, self.v)]
-        out, lse = attention_math(*leaves, causal=self.causal, scale=self.scale)
+        out, lse = attention_math(*leaves, causal=self.causal, scale=self.scale, mask=self.mask)
         self.loss(out, lse).backward()
         return {"out": out.detach(), "lse": lse.detach(), **grads_of(leaves)}
 
@@ -232,15 +247,16 @@ class AttentionInputs:
         in that dtype. The lse is the log-sum-exp of the scores of the rounded inputs computed in fp32 (the
         kernels return an fp32 lse, so its error is judged against fp32 arithmetic, not the input dtype's)."""
         leaves = [t.detach().clone().requires_grad_() for t in (self.q, self.k, self.v)]
-        if self.dlse is None:
+        if self.dlse is None and self.mask is None:
             out = sdpa(*leaves, causal=self.causal, scale=self.scale)
             self.loss(out, None).backward()
         else:
-            out, lse = attention_math(*leaves, causal=self.causal, scale=self.scale)
+            out, lse = attention_math(*leaves, causal=self.causal, scale=self.scale, mask=self.mask)
             self.loss(out, lse).backward()
         with torch.no_grad():
             wide = torch.float64 if self.q.dtype == torch.float64 else torch.float32
-            _, lse = attention_math(*(t.detach().to(wide) for t in leaves), causal=self.causal, scale=self.scale)
+            rounded = (t.detach().to(wide) for t in leaves)
+            _, lse = attention_math(*rounded, causal=self.causal, scale=self.scale, mask=self.mask)
         return {"out": out.detach(), "lse": lse.detach(), **grads_of(leaves)}
 
 
@@ -500,13 +516,23 @@ def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> list
     return cases
 
 
+def mask_modes(seq: int, chunk: int) -> dict[str, tuple[bool, tuple[list[int], int] | None]]:
+    """Causal, full, and packed documents (of 1 token, shorter and longer than a chunk) with a window smaller
+    than a chunk: name -> (causal, (document lengths, window) or None)."""
+    lengths, pattern = [], [1, chunk + 3, 2, 3 * chunk]
+    while sum(lengths) < seq:
+        lengths.append(min(pattern[len(lengths) % len(pattern)], seq - sum(lengths)))
+    return {"causal": (True, None), "full": (False, None), "packed + window": (True, (lengths, chunk // 2 + 1))}
+
+
 def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dtype, p: int, schedule: str) -> Verdict:
-    """Causal (zig-zag) and full (contiguous), MHA 4:4 and GQA 8:2."""
+    """Causal (zig-zag), full (contiguous), and packed documents with a window (zig-zag); MHA 4:4 and GQA 8:2."""
     import mesh_cp
 
     verdicts = []
-    for causal in (True, False):
+    for mode, (causal, packed) in mask_modes(2 * p * job.chunk, job.chunk).items():
         layout = "zigzag" if causal else "contiguous"
+        mask = None if packed is None else mesh_cp.AttentionMask.from_lengths([packed[0]] * 2, window=packed[1])
         for heads, kv_heads in ((4, 4), (8, 2)):
             x = AttentionInputs.make(
                 batch=2,
@@ -520,6 +546,7 @@ def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dt
                 lse_grad=True,
                 seed=heads + 10 * causal,
             )
+            x.mask = None if packed is None else packed_visibility(*packed)
             gold, plain = x.gold(), x.plain()
 
             def shard(t: Tensor, dim: int = 1) -> Tensor:
@@ -537,6 +564,7 @@ def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dt
                 return_lse=True,
                 kernel=kernel,
                 schedule=schedule,
+                mask=mask,
             )
             if out.dtype != dtype:
                 return Verdict(False, f"out is {out.dtype}, not the inputs' {dtype}", math.inf)
@@ -546,7 +574,7 @@ def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dt
             def shards(d: dict[str, Tensor]) -> dict[str, Tensor]:
                 return {n: shard(t, 2 if n == "lse" else 1) for n, t in d.items()}
 
-            label = f"{'causal' if causal else 'full'} {heads}:{kv_heads}"
+            label = f"{mode} {heads}:{kv_heads}"
             verdicts.append((label, judge(got, shards(gold), shards(plain), dtype)))
     return merge_verdicts(verdicts)
 
