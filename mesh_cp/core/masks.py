@@ -160,9 +160,25 @@ TILE = 512
 Tile = tuple[tuple[int, int], tuple[int, int], str]
 
 
+def rectangle_pairs(
+    mask: AttentionMask,
+    q: tuple[int, Range],
+    k: tuple[int, Range],
+    *,
+    seq_len: int,
+    world: int,
+    layout: str,
+    causal: bool,
+) -> list[int]:
+    """Pairs that attend, per batch row of ``mask``, between the local rows ``q[1]`` of Q chunk ``q[0]`` and the
+    local rows ``k[1]`` of KV chunk ``k[0]`` in ``layout``."""
+    q_ranges = global_ranges(seq_len, world, q[0], layout, q[1])
+    k_ranges = global_ranges(seq_len, world, k[0], layout, k[1])
+    return [block_pairs(mask, b, q_ranges, k_ranges, causal=causal, seq_len=seq_len) for b in range(mask.rows or 1)]
+
+
 def block_tiles(
     mask: AttentionMask,
-    rows: int,
     q: tuple[int, Range],
     k: tuple[int, Range],
     *,
@@ -172,29 +188,28 @@ def block_tiles(
     causal: bool,
 ) -> tuple[Tile, ...]:
     """The kernel calls of a ``MASKED`` block of Q chunk ``q[0]`` (local rows ``q[1]``) against KV chunk ``k[0]``
-    (rows ``k[1]``): rows and columns cut into tiles of :data:`TILE`, the tiles the mask empties (in every one of
-    ``rows`` batch rows) left out, the others ``"full"`` (no mask), ``"causal"`` (the usual top-left causal
-    square) or ``"masked"`` (an explicit mask). Ranges are local rows of the chunks (Note [Masked blocks])."""
-    return _block_tiles(mask, rows, q, k, seq_len, world, layout, causal, TILE)
+    (rows ``k[1]``): rows and columns cut into tiles of :data:`TILE`, the tiles the mask empties (in every batch
+    row) left out, the others ``"full"`` (no mask), ``"causal"`` (the usual top-left causal square) or
+    ``"masked"`` (an explicit mask). Ranges are local rows of the chunks (Note [Masked blocks])."""
+    return _block_tiles(mask, q, k, seq_len, world, layout, causal, TILE)
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_tiles(mask, rows, q, k, seq_len, world, layout, causal, size) -> tuple[Tile, ...]:
+def _block_tiles(mask, q, k, seq_len, world, layout, causal, size) -> tuple[Tile, ...]:
     (x, (qa, qb)), (y, (ka, kb)) = q, k
+    where = {"seq_len": seq_len, "world": world, "layout": layout, "causal": causal}
     out = []
     for q0 in range(qa, qb, size):
         q1 = min(q0 + size, qb)
-        q_ranges = global_ranges(seq_len, world, x, layout, (q0, q1))
         for k0 in range(ka, kb, size):
             k1 = min(k0 + size, kb)
-            k_ranges = global_ranges(seq_len, world, y, layout, (k0, k1))
-            pairs = {block_pairs(mask, b, q_ranges, k_ranges, causal=causal, seq_len=seq_len) for b in range(rows)}
+            pairs = set(rectangle_pairs(mask, (x, (q0, q1)), (y, (k0, k1)), **where))
             if pairs == {0}:
                 continue
             n = q1 - q0
             if pairs == {n * (k1 - k0)}:
                 kind = "full"
-            elif causal and q_ranges == k_ranges and pairs == {n * (n + 1) // 2}:
+            elif causal and (x, q0, q1) == (y, k0, k1) and pairs == {n * (n + 1) // 2}:
                 kind = "causal"
             else:
                 kind = "masked"

@@ -27,8 +27,8 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from mesh_cp.core.layout import check_layout, global_ranges
-from mesh_cp.core.masks import AttentionMask, Tile, block_pairs, block_tiles
+from mesh_cp.core.layout import check_layout
+from mesh_cp.core.masks import AttentionMask, Tile, block_tiles, rectangle_pairs
 from mesh_cp.core.options import Backward, Layout, Phase, Schedule, check_option
 from mesh_cp.core.schedule import OverlapSchedule, build_overlap_schedule
 from mesh_cp.core.tiling import Tiling
@@ -307,9 +307,10 @@ class AttentionPlan:
 
     def tiles(self, w: BlockWork) -> tuple[Tile, ...]:
         """The kernel calls of a ``MASKED`` block (:func:`mesh_cp.core.masks.block_tiles`)."""
-        rows = self.shape.batch if self.mask.rows is not None else 1
-        where = {"seq_len": self.seq_len, "world": self.tiling.world, "layout": self.layout, "causal": self.causal}
-        return block_tiles(self.mask, rows, (w.x, w.q_rows), (w.y, w.kv_rows), **where)
+        return block_tiles(self.mask, (w.x, w.q_rows), (w.y, w.kv_rows), **self._mask_options())
+
+    def _mask_options(self) -> dict:
+        return {"seq_len": self.seq_len, "world": self.tiling.world, "layout": self.layout, "causal": self.causal}
 
     def _work_options(self) -> dict:
         return {"causal": self.causal, "layout": self.layout, "seq_local": self.shape.seq_local}
@@ -319,11 +320,7 @@ class AttentionPlan:
         else a ``MASKED`` block with its pair count (Note [Masked blocks])."""
         if w is None or self.mask is None:
             return w
-        seq, world = self.seq_len, self.tiling.world
-        q = global_ranges(seq, world, w.x, self.layout, w.q_rows)
-        k = global_ranges(seq, world, w.y, self.layout, w.kv_rows)
-        rows = range(self.shape.batch if self.mask.rows is not None else 1)
-        pairs = [block_pairs(self.mask, b, q, k, causal=self.causal, seq_len=seq) for b in rows]
+        pairs = rectangle_pairs(self.mask, (w.x, w.q_rows), (w.y, w.kv_rows), **self._mask_options())
         if not any(pairs):
             return None
         if all(n == w.pairs for n in pairs):

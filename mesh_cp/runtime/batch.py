@@ -88,14 +88,16 @@ def shard_batch(
     mask = _batch_mask(attention_mask, documents, input_ids.shape)
     shift = torch.full_like(labels, IGNORE_INDEX)
     shift[:, :-1] = labels[:, 1:]
-    if mask is not None:  # no label across a document boundary, none for padding
+    # The document of every token (-1: padding; right padding needs no mask, its real tokens are one document):
+    # no label across a document boundary, none for padding.
+    ids = None
+    if mask is not None:
         ids = document_ids(mask, batch, seq)
+    elif attention_mask is not None:
+        ids = torch.where(attention_mask.bool(), 0, -1)
+    if ids is not None:
         shift[:, :-1][ids[:, :-1] != ids[:, 1:]] = IGNORE_INDEX
         shift[ids < 0] = IGNORE_INDEX
-    elif attention_mask is not None:  # right padding: no label on a padded token or the one before it
-        keep = attention_mask.bool()
-        shift[~keep] = IGNORE_INDEX
-        shift[:, :-1][~keep[:, 1:]] = IGNORE_INDEX
     device = input_ids.device if device is None else torch.device(device)
     if mask is None:
         positions = position_ids(seq, mesh=mesh, layout=layout, device=device).unsqueeze(0).expand(batch, -1)
