@@ -24,6 +24,20 @@ pair left in any row of the batch is skipped (no kernel call), one the mask leav
 (and its fused kernel), and any other becomes ``MaskKind.MASKED``: one kernel call with an explicit mask. The
 traffic stays as planned: a skipped block saves compute, not bytes (every chunk still moves along its ring,
 since other ranks' blocks of the same chunk may need it); ``AttentionPlan.pairs`` counts what is computed.
+
+Note [Tile segments]
+~~~~~~~~~~~~~~~~~~~~
+flash-attn's varlen kernels take a masked tile as sequences: sequence ``n`` is queries ``[q0, q1)`` against keys
+``[k0, k1)`` (``sq``, ``sk`` rows), and with ``window_size = (left, right)`` its query ``i`` sees key ``j`` when
+``i + sk - sq - left <= j <= i + sk - sq + right`` (``-1``: no bound), the band anchored at the bottom-right
+corner. In a tile of consecutive global positions, a document's queries and keys see each other in a band too:
+``lo <= k - q <= hi`` with ``lo = 1 - window`` (or no bound) and ``hi = 0`` under causal attention (or no
+bound). :func:`tile_segments` keeps the queries that see a key, then the keys one of them sees; the last query
+then sees the last key, so the corner lies in the band and ``left = (ke - qe) - lo``, ``right = hi - (ke - qe)``
+are never negative. Queries in no segment attend nothing in the tile (``lse = -inf``). One varlen call takes a
+single window, so the kernels call once per distinct ``(left, right)``; an ordinary tile of one document has
+one. Requires consecutive global positions, so :func:`block_tiles` never lets a tile straddle the two halves of a
+zig-zag chunk.
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mesh_cp.core.layout import global_ranges
+from mesh_cp.core.layout import chunk_ranges, global_ranges
 
 Range = tuple[int, int]
 
@@ -100,6 +114,10 @@ class AttentionMask:
     def code(self) -> str:
         """A short fingerprint, equal on every process for equal masks (for the call check across ranks)."""
         return _code(self)
+
+
+NO_MASK = AttentionMask()
+"""One document over the whole sequence in every row, no window: causal or full attention as usual."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -194,15 +212,24 @@ def block_tiles(
     return _block_tiles(mask, q, k, seq_len, world, layout, causal, TILE)
 
 
+def _runs(seq_len: int, world: int, chunk: int, layout: str, local: Range, size: int) -> list[Range]:
+    """The local rows ``local`` of ``chunk`` cut into pieces of at most ``size`` rows, each of consecutive global
+    positions (a piece never straddles the two halves of a zig-zag chunk)."""
+    pieces, offset = [], 0
+    for g0, g1 in chunk_ranges(seq_len, world, chunk, layout):
+        lo, hi = max(local[0], offset), min(local[1], offset + g1 - g0)
+        pieces.extend((s, min(s + size, hi)) for s in range(lo, hi, size))
+        offset += g1 - g0
+    return pieces
+
+
 @functools.lru_cache(maxsize=4096)
 def _block_tiles(mask, q, k, seq_len, world, layout, causal, size) -> tuple[Tile, ...]:
-    (x, (qa, qb)), (y, (ka, kb)) = q, k
+    (x, q_local), (y, k_local) = q, k
     where = {"seq_len": seq_len, "world": world, "layout": layout, "causal": causal}
     out = []
-    for q0 in range(qa, qb, size):
-        q1 = min(q0 + size, qb)
-        for k0 in range(ka, kb, size):
-            k1 = min(k0 + size, kb)
+    for q0, q1 in _runs(seq_len, world, x, layout, q_local, size):
+        for k0, k1 in _runs(seq_len, world, y, layout, k_local, size):
             pairs = set(rectangle_pairs(mask, (x, (q0, q1)), (y, (k0, k1)), **where))
             if pairs == {0}:
                 continue
@@ -215,3 +242,56 @@ def _block_tiles(mask, q, k, seq_len, world, layout, causal, size) -> tuple[Tile
                 kind = "masked"
             out.append(((q0, q1), (k0, k1), kind))
     return tuple(out)
+
+
+Segment = tuple[int, int, int, int, int, int]
+"""``(q0, q1, k0, k1, left, right)``: one flash-attn varlen sequence of a tile (Note [Tile segments])."""
+
+
+def tile_segments(
+    mask: AttentionMask,
+    q: tuple[int, Range],
+    k: tuple[int, Range],
+    *,
+    seq_len: int,
+    world: int,
+    layout: str,
+    causal: bool,
+) -> tuple[tuple[Segment, ...], ...]:
+    """The visible pairs of one tile (local rows ``q[1]`` of Q chunk ``q[0]``, ``k[1]`` of KV chunk ``k[0]``, each
+    of consecutive global positions, as :func:`block_tiles` cuts them) as flash-attn varlen sequences, per batch
+    row of ``mask``: Note [Tile segments]."""
+    q_range = global_ranges(seq_len, world, q[0], layout, q[1])
+    k_range = global_ranges(seq_len, world, k[0], layout, k[1])
+    if len(q_range) != 1 or len(k_range) != 1:
+        raise ValueError(f"a tile's rows must be consecutive global positions, got {q_range} and {k_range}")
+    return _tile_segments(mask, q_range[0], k_range[0], seq_len, causal)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tile_segments(mask: AttentionMask, q: Range, k: Range, seq_len: int, causal: bool):
+    lo = None if mask.window is None else 1 - mask.window  # k - q >= lo
+    hi = 0 if causal else None  # k - q <= hi
+    rows = []
+    for row in range(mask.rows or 1):
+        segments = []
+        for start, stop in mask.row_documents(row, seq_len):
+            qs, qe = max(q[0], start), min(q[1], stop)
+            ks, ke = max(k[0], start), min(k[1], stop)
+            # Keep the queries that see a key of [ks, ke), then the keys one of them sees.
+            if hi is not None:
+                qs = max(qs, ks - hi)
+            if lo is not None:
+                qe = min(qe, ke - lo)
+            if qs >= qe or ks >= ke:
+                continue
+            if lo is not None:
+                ks = max(ks, qs + lo)
+            if hi is not None:
+                ke = min(ke, qe + hi)
+            shift = ke - qe
+            left = -1 if lo is None else shift - lo
+            right = -1 if hi is None else hi - shift
+            segments.append((qs - q[0], qe - q[0], ks - k[0], ke - k[0], left, right))
+        rows.append(tuple(segments))
+    return tuple(rows)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mesh_cp.core.layout import check_layout
-from mesh_cp.core.masks import AttentionMask, Tile, block_tiles, rectangle_pairs
+from mesh_cp.core.masks import NO_MASK, AttentionMask, Tile, block_tiles, rectangle_pairs, tile_segments
 from mesh_cp.core.options import Backward, Layout, Phase, Schedule, check_option
 from mesh_cp.core.schedule import OverlapSchedule, build_overlap_schedule
 from mesh_cp.core.tiling import Tiling
@@ -306,8 +306,14 @@ class AttentionPlan:
         return self._masked(block_work(x, y, **self._work_options()))
 
     def tiles(self, w: BlockWork) -> tuple[Tile, ...]:
-        """The kernel calls of a ``MASKED`` block (:func:`mesh_cp.core.masks.block_tiles`)."""
-        return block_tiles(self.mask, (w.x, w.q_rows), (w.y, w.kv_rows), **self._mask_options())
+        """The kernel calls of block ``w`` cut into tiles (:func:`mesh_cp.core.masks.block_tiles`): a ``MASKED``
+        block's, or any block's where the kernel cannot run it whole (softcapped logits)."""
+        return block_tiles(self.mask or NO_MASK, (w.x, w.q_rows), (w.y, w.kv_rows), **self._mask_options())
+
+    def tile_segments(self, w: BlockWork, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> tuple:
+        """The ``"masked"`` tile ``(q_rows, kv_rows)`` of block ``w`` as flash-attn varlen sequences per batch row
+        (:func:`mesh_cp.core.masks.tile_segments`)."""
+        return tile_segments(self.mask or NO_MASK, (w.x, q_rows), (w.y, kv_rows), **self._mask_options())
 
     def _mask_options(self) -> dict:
         return {"seq_len": self.seq_len, "world": self.tiling.world, "layout": self.layout, "causal": self.causal}

@@ -58,6 +58,13 @@ def unsupported(name: str, device: torch.device, dtype: torch.dtype, head_dim: i
     return _WHY[key]
 
 
+def takes(kernel: str | BlockKernel, what: str) -> bool:
+    """Whether a kernel (by name or object) declares the optional capability ``what``: ``takes_mask`` (a boolean
+    mask), ``takes_segments`` (flash-attn varlen sequences) or ``takes_softcap``."""
+    cls = _kernel_class(kernel) if isinstance(kernel, str) else kernel
+    return bool(getattr(cls, what, False))
+
+
 def forget_choices() -> None:
     """Forget every kernel decision and instance, so the next call looks again (for example after
     installing flash-attn in a running process, or between tests that emulate other machines)."""
@@ -149,5 +156,6 @@ __all__ = [
     "get_kernel",
     "out_for_delta",
     "resolve_kernel",
+    "takes",
     "unsupported",
 ]

@@ -10,7 +10,8 @@ from torch import Tensor
 from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.numerics import SUPPORTED_DTYPES, autocast_dtype, autocast_inputs, document_ids
 from mesh_cp.core.plan import AttentionShape, make_plan
-from mesh_cp.kernels import BlockKernel, resolve_kernel
+from mesh_cp.kernels import BlockKernel, resolve_kernel, takes
+from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.runtime.call import AttentionCall, Saved
 from mesh_cp.runtime.mesh import CPMesh
 
@@ -99,8 +100,9 @@ def mesh_attn_func(
         mask: packed documents, padding and a left window over the *global* positions of each batch row
             (:class:`mesh_cp.core.masks.AttentionMask`); blocks it empties are skipped, blocks it cuts get
             an explicit mask (Note [Masked blocks]). A query that attends nothing gets 0 and lse ``-inf``.
-        softcap: logits ``softcap * tanh(s / softcap)`` (Gemma 2); computed by the reference kernel, so
-            ``kernel`` must be ``"auto"`` or ``"reference"``.
+        softcap: logits ``softcap * tanh(s / softcap)`` (Gemma 2); computed by ``"flash_attn"`` (CUDA) and by the
+            reference kernel, tile by tile where ``"auto"`` chose a kernel that cannot; other named kernels
+            refuse it.
 
     Returns:
         ``out`` shaped like ``q`` in ``q.dtype``; with ``return_lse``, ``(out, lse)`` where ``lse`` is
@@ -210,15 +212,20 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, **options) -> A
     )
 
 
+def _is_reference(kernel: object) -> bool:
+    return kernel == "reference" or isinstance(kernel, ReferenceKernel)
+
+
 def _check_softcap(softcap: float | None, kernel: object) -> float | None:
     if softcap is None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    if kernel not in ("auto", "reference"):
+    if kernel != "auto" and not takes(kernel, "takes_softcap") and not _is_reference(kernel):
         name = kernel if isinstance(kernel, str) else type(kernel).__name__
         raise NotImplementedError(
-            f"kernel {name!r} does not softcap logits; softcap {softcap} runs on kernel='reference' (or 'auto')"
+            f"kernel {name!r} does not softcap logits; softcap {softcap} runs on kernel='flash_attn' (CUDA), "
+            f"'reference' or 'auto' (which uses the reference kernel tile by tile where the fused kernel cannot)"
         )
     return float(softcap)
 

@@ -12,6 +12,7 @@ from torch import Tensor
 from mesh_cp.core.layout import local_positions
 from mesh_cp.core.numerics import acc_dtype, merge_, visibility
 from mesh_cp.core.plan import AttentionPlan, BlockWork, MaskKind
+from mesh_cp.kernels import takes
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.runtime.mesh import CPMesh
@@ -34,7 +35,8 @@ class AttentionCall:
     """The lse may receive a gradient (``return_lse``): the block kernels take the exact path for any
     ``dlse`` (Note [Gradient of the lse] in :mod:`mesh_cp.kernels.base`). Equal on every rank."""
     softcap: float | None = None
-    """Logits ``softcap * tanh(s / softcap)``: every block goes through the reference kernel, which does it."""
+    """Logits ``softcap * tanh(s / softcap)``: blocks go to the kernel when it ``takes_softcap``, else tile by tile
+    to the reference kernel."""
     doc_ids: Tensor | None = None
     """``(B, S)`` document of every global position (``-1``: padding) when the plan has a mask."""
     _positions: dict = field(default_factory=dict, repr=False)
@@ -48,21 +50,14 @@ class AttentionCall:
     def forward_block(self, w: BlockWork, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
         """The ``(o, lse)`` of block ``w`` (rows ``w.q_rows``) from the whole Q chunk ``q (B, L, H, D)`` and the
         stacked K, V chunk ``kv (2, B, L, Hkv, D)``."""
-        if w.kind is not MaskKind.MASKED:
-            kernel, extra = self._kernel(None)
-            (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-            return kernel.forward(
-                q[:, q0:q1], kv[0, :, k0:k1], kv[1, :, k0:k1], causal=w.causal, scale=self.scale, **extra
-            )
+        if not self._tiled(w):
+            return self._forward_call(w, w.q_rows, w.kv_rows, "causal" if w.causal else "full", q, kv)
         (qa, qb), acc = w.q_rows, acc_dtype(q.dtype)
         batch, _, heads, dim = q.shape
         o_acc = torch.zeros((batch, qb - qa, heads, dim), dtype=acc, device=q.device)
         lse_acc = torch.full((batch, heads, qb - qa), float("-inf"), dtype=acc, device=q.device)
-        for (q0, q1), (k0, k1), kind in self.plan.tiles(w):
-            kernel, extra = self._kernel(self._tile_mask(w, (q0, q1), (k0, k1), kind))
-            o, lse = kernel.forward(
-                q[:, q0:q1], kv[0, :, k0:k1], kv[1, :, k0:k1], causal=kind == "causal", scale=self.scale, **extra
-            )
+        for (q0, q1), kv_rows, kind in self.plan.tiles(w):
+            o, lse = self._forward_call(w, (q0, q1), kv_rows, kind, q, kv)
             merge_(o_acc[:, q0 - qa : q1 - qa], lse_acc[:, :, q0 - qa : q1 - qa], o, lse)
         return o_acc, lse_acc
 
@@ -71,22 +66,33 @@ class AttentionCall:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``dq, dk, dv`` of block ``w`` (shaped like its rows and columns) from whole chunks; ``stats
         (2, B, H, L)`` holds the rows' lse and delta."""
-        if w.kind is not MaskKind.MASKED:
-            return self._backward_call(w.q_rows, w.kv_rows, "causal" if w.causal else "full", None, q, do, stats, kv)
+        if not self._tiled(w):
+            return self._backward_call(w, w.q_rows, w.kv_rows, "causal" if w.causal else "full", q, do, stats, kv)
         (qa, qb), (ka, kb), acc = w.q_rows, w.kv_rows, acc_dtype(q.dtype)
         dq = torch.zeros((q.shape[0], qb - qa, *q.shape[2:]), dtype=acc, device=q.device)
         dkv = torch.zeros((2, kv.shape[1], kb - ka, *kv.shape[3:]), dtype=acc, device=q.device)
         for (q0, q1), (k0, k1), kind in self.plan.tiles(w):
-            mask = self._tile_mask(w, (q0, q1), (k0, k1), kind)
-            dq_t, dk_t, dv_t = self._backward_call((q0, q1), (k0, k1), kind, mask, q, do, stats, kv)
+            dq_t, dk_t, dv_t = self._backward_call(w, (q0, q1), (k0, k1), kind, q, do, stats, kv)
             dq[:, q0 - qa : q1 - qa] += dq_t
             dkv[0, :, k0 - ka : k1 - ka] += dk_t
             dkv[1, :, k0 - ka : k1 - ka] += dv_t
         return dq, dkv[0], dkv[1]
 
-    def _backward_call(self, q_rows, kv_rows, kind: str, mask, q, do, stats, kv) -> tuple[Tensor, Tensor, Tensor]:
+    def _tiled(self, w: BlockWork) -> bool:
+        """Block ``w`` runs as tiles: the mask cuts it, or its logits are softcapped and the kernel cannot do that
+        (the reference kernel then runs it tile by tile, in bounded memory)."""
+        return w.kind is MaskKind.MASKED or (self.softcap is not None and not takes(self.kernel, "takes_softcap"))
+
+    def _forward_call(self, w: BlockWork, q_rows, kv_rows, kind: str, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
         (q0, q1), (k0, k1) = q_rows, kv_rows
-        kernel, extra = self._kernel(mask)
+        kernel, extra = self._kernel(w, q_rows, kv_rows, kind)
+        return kernel.forward(
+            q[:, q0:q1], kv[0, :, k0:k1], kv[1, :, k0:k1], causal=kind == "causal", scale=self.scale, **extra
+        )
+
+    def _backward_call(self, w: BlockWork, q_rows, kv_rows, kind: str, q, do, stats, kv) -> tuple[Tensor, ...]:
+        (q0, q1), (k0, k1) = q_rows, kv_rows
+        kernel, extra = self._kernel(w, q_rows, kv_rows, kind)
         return kernel.backward(
             do[:, q0:q1],
             q[:, q0:q1],
@@ -100,18 +106,24 @@ class AttentionCall:
             **extra,
         )
 
-    def _kernel(self, mask: Tensor | None) -> tuple[BlockKernel, dict]:
-        """The kernel of one call and its extra arguments: softcapped logits always go to the reference kernel;
-        an explicit mask to the call's kernel when it ``takes_mask``, else to the reference kernel."""
+    def _kernel(self, w: BlockWork, q_rows, kv_rows, kind: str) -> tuple[BlockKernel, dict]:
+        """The kernel of one call and its extra arguments. Softcapped logits go to a kernel that ``takes_softcap``
+        (else the reference kernel); a ``"masked"`` tile to one that ``takes_mask`` (a boolean mask) or
+        ``takes_segments`` (flash-attn varlen sequences, Note [Tile segments] in :mod:`mesh_cp.core.masks`),
+        else to the reference kernel."""
+        kernel, extra = self.kernel, {}
         if self.softcap is not None:
-            return _REFERENCE, {"mask": mask, "softcap": self.softcap}
-        if mask is None:
-            return self.kernel, {}
-        return (self.kernel if getattr(self.kernel, "takes_mask", False) else _REFERENCE), {"mask": mask}
-
-    def _tile_mask(self, w: BlockWork, q_rows: tuple[int, int], kv_rows: tuple[int, int], kind: str) -> Tensor | None:
+            kernel = kernel if takes(kernel, "takes_softcap") else _REFERENCE
+            extra["softcap"] = self.softcap
         if kind != "masked":
-            return None
+            return kernel, extra
+        if takes(kernel, "takes_mask"):
+            return kernel, {**extra, "mask": self._tile_mask(w, q_rows, kv_rows)}
+        if takes(kernel, "takes_segments"):
+            return kernel, {**extra, "segments": self.plan.tile_segments(w, q_rows, kv_rows)}
+        return _REFERENCE, {**extra, "mask": self._tile_mask(w, q_rows, kv_rows)}
+
+    def _tile_mask(self, w: BlockWork, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> Tensor:
         q_pos, k_pos = self._global_positions(w.x, q_rows), self._global_positions(w.y, kv_rows)
         return visibility(self.doc_ids, q_pos, k_pos, causal=self.plan.causal, window=self.plan.mask.window)
 

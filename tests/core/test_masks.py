@@ -184,3 +184,58 @@ def test_simulator_times_every_rank_of_a_masked_plan() -> None:
     masked, full = simulate(plan, topology), simulate(plain, topology)
     assert masked.forward.compute < full.forward.compute
     assert masked.traffic == full.traffic  # a skipped block saves compute, not bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(1, 12), min_size=1, max_size=8), st.integers(0, 5),
+    st.integers(0, 40), st.integers(1, 12), st.integers(0, 40), st.integers(1, 12),
+    st.booleans(), st.one_of(st.none(), st.integers(1, 15)),
+)  # fmt: skip
+def test_tile_segments_are_the_visible_pairs_as_flash_attn_windows(
+    lengths, pad, q0, nq, k0, nk, causal, window
+) -> None:
+    """Read with flash-attn's varlen window rule (bottom-right anchored band, -1 no bound), a tile's segments see
+    exactly the pairs the mask leaves; every query of a segment sees a key; ranges are sorted and disjoint."""
+    from mesh_cp.core.masks import _tile_segments
+
+    window = window if causal else None
+    mask = AttentionMask.from_lengths([lengths], pad_left=[pad], window=window)
+    seq = max(pad + sum(lengths), q0 + nq, k0 + nk)
+    ids = document_ids(mask, 1, seq)[0].tolist()
+    (segments,) = _tile_segments(mask, (q0, q0 + nq), (k0, k0 + nk), seq, causal)
+    seen = set()
+    for a, b, c, d, left, right in segments:
+        shift = (d - c) - (b - a)
+        for i in range(b - a):
+            keys = [
+                j for j in range(d - c) if (left < 0 or j >= i + shift - left) and (right < 0 or j <= i + shift + right)
+            ]
+            assert keys, (a + i, segments)
+            seen |= {(q0 + a + i, k0 + c + j) for j in keys}
+    want = {
+        (i, j)
+        for i in range(q0, q0 + nq)
+        for j in range(k0, k0 + nk)
+        if ids[i] >= 0 and ids[i] == ids[j] and (not causal or j <= i) and (window is None or i - j < window)
+    }
+    assert seen == want
+    for earlier, later in zip(segments, segments[1:], strict=False):
+        assert earlier[1] <= later[0] and earlier[3] <= later[2]
+
+
+def test_tiles_never_straddle_the_halves_of_a_zigzag_chunk() -> None:
+    """Tiles are cut at TILE rows and at the boundary of a chunk's two halves, so each has consecutive global
+    positions (what the varlen segments need); a tile across the boundary is refused by tile_segments."""
+    import pytest
+
+    from mesh_cp.core import masks
+    from mesh_cp.core.layout import global_ranges
+
+    mask = AttentionMask.from_lengths([[5, 20, 7]])
+    where = {"seq_len": 32, "world": 2, "layout": "zigzag", "causal": True}
+    tiles = masks._block_tiles(mask, (1, (0, 16)), (0, (0, 16)), *where.values(), 6)
+    assert tiles and all(len(global_ranges(32, 2, 1, "zigzag", q)) == 1 for q, _, _ in tiles)
+    assert {q for q, _, _ in tiles} == {(0, 6), (6, 8), (8, 14), (14, 16)}
+    with pytest.raises(ValueError, match="consecutive global positions"):
+        masks.tile_segments(mask, (1, (4, 12)), (0, (0, 4)), **where)

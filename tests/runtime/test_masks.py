@@ -4,11 +4,14 @@ One spawned group per P (4, 6 and 8) runs every tile and both schedules on masks
 1 token, shorter than a chunk and longer than a shard, left and right padding, windows smaller and larger than a
 chunk, softcapped logits, causal (zig-zag) and bidirectional documents (contiguous), GQA, batch 2. Every rank
 compares its shard of the output, the lse (with ``-inf`` where a query attends nothing) and dq, dk, dv (a loss on
-out and on the lse) with the reference. Masked blocks are cut into tiles of 3 rows, so every kind of tile runs.
+out and on the lse) with the reference. Masked blocks are cut into tiles of 3 rows, so every kind of tile runs;
+at P = 4 and 6 every case also runs on a kernel that takes masked tiles only as flash-attn varlen sequences
+(Note [Tile segments]) and softcaps logits itself, as ``flash_attn`` does on CUDA.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import zlib
 
@@ -19,9 +22,11 @@ import torch.distributed as dist
 import mesh_cp
 from mesh_cp.core import AttentionMask, factorizations
 from mesh_cp.core.numerics import reference_attention
+from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.testing import spawn_gloo
 
 TOL = 1e-5
+REF = ReferenceKernel()
 HALF = 4  # tokens per half-chunk: a shard holds 2 * HALF, the sequence 2 * P * HALF
 
 
@@ -60,7 +65,46 @@ def cases(world: int, seed: int) -> dict[str, dict]:
     return all_cases if world != 8 else {k: all_cases[k] for k in ("packed causal", "window < chunk, packed")}
 
 
-def run_case(mesh, name: str, case: dict, schedule: str, seed: int) -> dict[str, float]:
+def segments_dense(segments: tuple, sq: int, sk: int) -> torch.Tensor:
+    """``(B, 1, Sq, Sk)`` boolean of flash-attn varlen sequences with windows (bottom-right aligned, ``-1``: no
+    bound), asserting the contract that every query of a sequence sees a key."""
+    mask = torch.zeros(len(segments), 1, sq, sk, dtype=torch.bool)
+    for b, row in enumerate(segments):
+        for q0, q1, k0, k1, left, right in row:
+            i, j = torch.arange(q1 - q0)[:, None], torch.arange(k1 - k0)[None, :]
+            shift = (k1 - k0) - (q1 - q0)
+            seen = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+            if left >= 0:
+                seen &= j >= i + shift - left
+            if right >= 0:
+                seen &= j <= i + shift + right
+            assert seen.any(1).all(), (q0, q1, k0, k1, left, right)
+            mask[b, 0, q0:q1, k0:k1] = seen
+    return mask
+
+
+class SegmentsKernel:
+    """A kernel that, like flash-attn, takes masked tiles only as varlen sequences and softcaps logits itself
+    (computed by the reference kernel on the dense equivalent)."""
+
+    name = "segments"
+    takes_segments = True
+    takes_softcap = True
+
+    def forward(self, q, k, v, *, causal, scale, segments=None, softcap=None):
+        mask = None if segments is None else segments_dense(segments, q.shape[1], k.shape[1])
+        assert not (causal and segments is not None)
+        return REF.forward(q, k, v, causal=causal, scale=scale, mask=mask, softcap=softcap)
+
+    def backward(self, do, q, k, v, lse, delta, *, causal, scale, lse_grad=False, segments=None, softcap=None):
+        mask = None if segments is None else segments_dense(segments, q.shape[1], k.shape[1])
+        return REF.backward(do, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, softcap=softcap)
+
+
+KERNELS = {"auto": "auto", "segments": SegmentsKernel()}
+
+
+def run_case(mesh, name: str, case: dict, schedule: str, seed: int, kernel="auto") -> dict[str, float]:
     batch, heads, kv_heads, dim, seq = 2, 4, 2, 8, 2 * mesh.size * HALF
     layout = case.get("layout", "zigzag")
     gen = torch.Generator().manual_seed(seed)
@@ -80,7 +124,9 @@ def run_case(mesh, name: str, case: dict, schedule: str, seed: int) -> dict[str,
         return mesh_cp.shard_sequence(t, mesh=mesh, dim=dim, layout=layout)
 
     local = [shard(t).requires_grad_() for t in (q, k, v)]
-    out, lse = mesh_cp.mesh_attn_func(*local, mesh=mesh, layout=layout, return_lse=True, schedule=schedule, **options)
+    out, lse = mesh_cp.mesh_attn_func(
+        *local, mesh=mesh, layout=layout, return_lse=True, schedule=schedule, kernel=kernel, **options
+    )
     objective(out, lse, shard(do), shard(dlse, dim=2)).backward()
     want_lse = shard(ref_lse.detach(), dim=2)
     same_empty = torch.equal(torch.isinf(lse), torch.isinf(want_lse))
@@ -94,6 +140,11 @@ def run_case(mesh, name: str, case: dict, schedule: str, seed: int) -> dict[str,
     return errors
 
 
+def kernels(world: int) -> tuple[str, ...]:
+    """The CPU kernel choice everywhere; the varlen-sequence path (Note [Tile segments]) at P = 4 and 6."""
+    return ("auto", "segments") if world != 8 else ("auto",)
+
+
 def masks_worker(rank: int, world: int) -> dict:
     import mesh_cp.core.masks
 
@@ -102,9 +153,10 @@ def masks_worker(rank: int, world: int) -> dict:
     for tile in factorizations(world):
         mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
         for name, case in cases(world, seed=world).items():
-            for schedule in ("overlap", "collective"):
-                key = f"P{world} {tile[0]}x{tile[1]} {schedule} {name}"
-                results[key] = run_case(mesh, name, case, schedule, seed=zlib.crc32(key.encode()) % 1000)
+            for schedule, kernel in itertools.product(("overlap", "collective"), kernels(world)):
+                key = f"P{world} {tile[0]}x{tile[1]} {schedule} {kernel} {name}"
+                seed = zlib.crc32(key.encode()) % 1000
+                results[key] = run_case(mesh, name, case, schedule, seed, kernel=KERNELS[kernel])
     return results
 
 
@@ -115,7 +167,7 @@ def mask_results(request) -> tuple[int, list[dict]]:
 
 def test_masked_attention_matches_single_process_reference(mask_results) -> None:
     world, results = mask_results
-    expected = len(factorizations(world)) * len(cases(world, world)) * 2
+    expected = len(factorizations(world)) * len(cases(world, world)) * 2 * len(kernels(world))
     for rank, result in enumerate(results):
         assert len(result) == expected, sorted(result)
         bad = {k: v for k, v in result.items() if max(v.values()) > TOL}
