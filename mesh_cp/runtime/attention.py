@@ -13,6 +13,7 @@ from mesh_cp.core.plan import AttentionShape, make_plan
 from mesh_cp.kernels import BlockKernel, resolve_kernel, takes
 from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.runtime.call import AttentionCall, Saved
+from mesh_cp.runtime.heads import hybrid_attention
 from mesh_cp.runtime.mesh import CPMesh
 
 
@@ -124,22 +125,24 @@ def mesh_attn_func(
     cast_to = autocast_dtype(q.device.type)
     if cast_to is not None:
         q, k, v = autocast_inputs((q, k, v), cast_to)
-    call = _prepare_call(
-        q,
-        k,
-        v,
-        mesh,
-        causal=bool(causal),
-        return_lse=bool(return_lse),
-        layout=("zigzag" if causal else "contiguous") if layout is None else layout,
-        softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None and q.dim() > 0 else softmax_scale,
-        kernel=kernel,
-        schedule=schedule,
-        backward=backward,
-        buffer_budget=buffer_budget,
-        mask=mask,
-        softcap=_check_softcap(softcap, kernel),
-    )
+    options = {
+        "causal": bool(causal),
+        "return_lse": bool(return_lse),
+        "layout": ("zigzag" if causal else "contiguous") if layout is None else layout,
+        "softmax_scale": q.shape[-1] ** -0.5 if softmax_scale is None and q.dim() > 0 else softmax_scale,
+        "kernel": kernel,
+        "schedule": schedule,
+        "backward": backward,
+        "buffer_budget": buffer_budget,
+        "mask": mask,
+        "softcap": _check_softcap(softcap, kernel),
+    }
+    if mesh.heads > 1:
+        attention_shape(q, k, v)
+        mesh.check_same_call(_signature(q, k, v, options))
+        out, lse = hybrid_attention(q, k, v, mesh, options, mesh_attn_func)
+        return (out, lse) if return_lse else out
+    call = _prepare_call(q, k, v, mesh, **options)
     # Under autocast the inputs are cast; autocast must not recast what the kernels compute in fp32.
     with torch.autocast(q.device.type, enabled=False) if cast_to is not None else contextlib.nullcontext():
         out, lse = MeshAttnFunc.apply(q, k, v, call)
@@ -169,23 +172,8 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, **options) -> A
         kernel_error = None
     except (ValueError, NotImplementedError, RuntimeError) as err:
         block_kernel, kernel_error = None, err
-    mesh.check_same_call(
-        {
-            "q shape": tuple(q.shape),
-            "k shape": tuple(k.shape),
-            "v shape": tuple(v.shape),
-            "dtypes": f"{q.dtype}, {k.dtype}, {v.dtype}",
-            "device type": q.device.type,
-            "requires grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-            **{name: options[name] for name in ("causal", "return_lse", "layout", "softmax_scale")},
-            **{name: options[name] for name in ("schedule", "backward")},
-            "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__qualname__),
-            "block kernel": getattr(block_kernel, "name", None) if kernel_error is None else "cannot run",
-            "buffer_budget": options["buffer_budget"],
-            "mask": None if options["mask"] is None else options["mask"].code(),
-            "softcap": options["softcap"],
-        }
-    )
+    block = getattr(block_kernel, "name", None) if kernel_error is None else "cannot run"
+    mesh.check_same_call({**_signature(q, k, v, options), "block kernel": block})
     if kernel_error is not None:
         raise kernel_error
     plan = make_plan(
@@ -214,6 +202,25 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, **options) -> A
 
 def _is_reference(kernel: object) -> bool:
     return kernel == "reference" or isinstance(kernel, ReferenceKernel)
+
+
+def _signature(q: Tensor, k: Tensor, v: Tensor, options: dict) -> dict[str, object]:
+    """What every rank of the CP group must call with (:meth:`CPMesh.check_same_call`)."""
+    kernel = options["kernel"]
+    return {
+        "q shape": tuple(q.shape),
+        "k shape": tuple(k.shape),
+        "v shape": tuple(v.shape),
+        "dtypes": f"{q.dtype}, {k.dtype}, {v.dtype}",
+        "device type": q.device.type,
+        "requires grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
+        **{name: options[name] for name in ("causal", "return_lse", "layout", "softmax_scale")},
+        **{name: options[name] for name in ("schedule", "backward")},
+        "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__qualname__),
+        "buffer_budget": options["buffer_budget"],
+        "mask": None if options["mask"] is None else options["mask"].code(),
+        "softcap": options["softcap"],
+    }
 
 
 def _check_softcap(softcap: float | None, kernel: object) -> float | None:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from mesh_cp.core.layout import rank_ranges
 from mesh_cp.core.plan import AttentionShape
 from mesh_cp.core.tiling import Tiling
 from mesh_cp.runtime.comm import all_gather
@@ -57,12 +58,26 @@ class CPMesh:
     debug: bool = False
     """Check the signature of every attention call across the CP group (see :meth:`check_same_call`), not
     only of calls whose signature is new on this rank. Costs one small all-gather and a host sync per call."""
+    heads: int = 1
+    """``u``: the head-parallel degree of the hybrid (Note [Head-parallel x mesh] in :mod:`mesh_cp.runtime.heads`);
+    ``1``: plain Mesh-Attention over the whole group."""
+    head_group: ProcessGroup | None = None
+    """With ``heads > 1``: the ``u`` consecutive CP ranks that exchange heads (all-to-all)."""
+    inner: CPMesh | None = None
+    """With ``heads > 1``: the mesh of the ``P / u`` ranks that hold the same heads, tiled :attr:`tiling`."""
     _seen: set[tuple[int, ...]] = field(default_factory=set, init=False, repr=False)
     """Call signatures already checked across the CP group."""
 
     @property
     def size(self) -> int:
-        return self.tiling.world
+        """``P``, the ranks of the CP group (``heads x`` the mesh's ranks)."""
+        return self.tiling.world * self.heads
+
+    def local_ranges(self, seq_len: int, layout: str) -> tuple[tuple[int, int], ...]:
+        """Global ``[start, stop)`` ranges of the tokens this rank holds of a sequence of ``seq_len``, in local
+        order: its chunk of the ``layout`` over ``P`` ranks, or with ``heads = u > 1`` its ``1/u`` piece of the
+        chunk its mesh rank holds in the ``layout`` over ``P / u`` (Note [Head-parallel x mesh])."""
+        return rank_ranges(seq_len, self.size, self.rank, layout, heads=self.heads)
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -74,6 +89,7 @@ class CPMesh:
         group: ProcessGroup,
         *,
         tile: tuple[int, int] | str,
+        heads: int = 1,
         topology: Topology | str | None = None,
         shape: AttentionShape | None = None,
         memory_budget: int | None = None,
@@ -81,6 +97,11 @@ class CPMesh:
         debug: bool = False,
     ) -> CPMesh:
         """Tile the CP process group ``group`` as ``tile = (a, b)`` (or ``"axb"``), ``a * b = group size``.
+
+        ``heads = u > 1``: the head-parallel x mesh hybrid (Note [Head-parallel x mesh] in
+        :mod:`mesh_cp.runtime.heads`): groups of ``u`` consecutive ranks exchange heads by all-to-all, and the
+        ``P / u`` ranks holding the same heads run Mesh-Attention tiled ``tile`` (``a * b = P / u``). ``tile=(1,
+        P / u)`` is USP (Ulysses x ring), ``heads=P`` with ``tile=(1, 1)`` is Ulysses.
 
         ``tile="auto"`` (or any tile with a ``topology``) is :func:`mesh_cp.auto_mesh`: the tile the cost model
         predicts fastest for ``topology`` (a :class:`mesh_cp.sim.Topology` or a preset name such as ``"h100"``)
@@ -104,35 +125,20 @@ class CPMesh:
         On NCCL, call ``torch.cuda.set_device(local_rank)`` before this: the checks run on the group's
         bound device, else on the current CUDA device.
         """
-        if group is None:
-            raise ValueError(
-                "group=None is not accepted: pass the context-parallel process group explicitly "
-                "(for example torch.distributed.group.WORLD, or the CP group of your DP x CP layout); "
-                "new_group(..., use_local_synchronization=True) returns None to ranks outside the group, "
-                "so call CPMesh.create only on the group's members"
-            )
-        if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
-            raise ValueError(
-                f"global rank {dist.get_rank()} is not a member of the CP group it passed (new_group returns "
-                f"GroupMember.NON_GROUP_MEMBER to ranks outside the group); call CPMesh.create only on the "
-                f"group's members, with the group they belong to"
-            )
-        if not isinstance(group, ProcessGroup):
-            raise ValueError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
-        if not dist.is_initialized():
-            raise ValueError("torch.distributed is not initialized; call init_process_group() first")
-        cp_rank = dist.get_rank(group)
-        if cp_rank < 0:
-            raise ValueError(
-                f"global rank {dist.get_rank()} is not a member of the CP group it passed "
-                f"(members {dist.get_process_group_ranks(group)}); pass the group this rank belongs to"
-            )
+        _check_cp_group(group)
         world = dist.get_world_size(group)
         if timeout is not None and not isinstance(timeout, datetime.timedelta):
             raise ValueError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
         if not isinstance(debug, bool):
             raise ValueError(f"debug must be True or False, got {debug!r}")
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or world % heads:
+            raise ValueError(
+                f"heads={heads!r} must be a positive divisor of the CP group size {world} (the head-parallel degree u "
+                f"of P = u x mesh ranks); heads=1 is plain Mesh-Attention"
+            )
         if tile == "auto" or topology is not None:
+            if heads != 1:
+                raise ValueError("tile='auto' chooses heads= too; pass heads= only with an explicit tile")
             from mesh_cp.auto import auto_mesh  # the cost model is loaded only for a topology
 
             return auto_mesh(
@@ -148,7 +154,7 @@ class CPMesh:
             raise ValueError(
                 "shape= and memory_budget= are what tile='auto' chooses from; give them with tile='auto' and topology="
             )
-        return cls.from_tiling(group, Tiling.parse(tile, world), timeout=timeout, debug=debug)
+        return cls.from_tiling(group, Tiling.parse(tile, world // heads), heads=heads, timeout=timeout, debug=debug)
 
     @classmethod
     def from_tiling(
@@ -156,6 +162,7 @@ class CPMesh:
         group: ProcessGroup,
         tiling: Tiling,
         *,
+        heads: int = 1,
         link_cost: tuple[float, float] = (1.0, 1.0),
         reason: str = "",
         timeout: datetime.timedelta | None = None,
@@ -163,15 +170,22 @@ class CPMesh:
     ) -> CPMesh:
         """The mesh of a concrete ``tiling`` of ``group`` (:meth:`create` checks the arguments and calls it;
         :func:`mesh_cp.auto_mesh` calls it with the tile, ``link_cost`` and ``reason`` the cost model gives).
-        Collective over ``group``: checks that every rank asked for the same tiling and ``debug``."""
-        if tiling.world != dist.get_world_size(group):
+        With ``heads = u > 1``, ``tiling`` tiles the ``P / u`` ranks of each head slice. Collective over ``group``:
+        checks that every rank asked for the same tiling, heads and ``debug``."""
+        world = dist.get_world_size(group)
+        if tiling.world * heads != world:
             raise ValueError(
-                f"tiling {tiling} is of {tiling.world} ranks, the CP group has {dist.get_world_size(group)}"
+                f"tiling {tiling} is of {tiling.world} ranks; with heads={heads} the CP group of {world} needs "
+                f"{world // heads if world % heads == 0 else world / heads} mesh ranks"
             )
-        _check_same_tile(group, tiling, debug)
+        _check_same_tile(group, tiling, heads, debug)
         global_ranks = tuple(dist.get_process_group_ranks(group))
         if timeout is None:
             timeout = group_timeout(group)
+        options = {"group": group, "tiling": tiling, "rank": dist.get_rank(group), "global_ranks": global_ranks}
+        options |= {"link_cost": link_cost, "reason": reason, "debug": debug, "heads": heads}
+        if heads > 1:
+            return cls._hybrid(options, timeout)
         # Every member creates its Q-group first, then its KV-group. Q-groups are disjoint, and so
         # are KV-groups, so the member-local handshakes cannot wait on each other.
         q_group = new_subgroups(
@@ -181,17 +195,26 @@ class CPMesh:
             group, [[global_ranks[r] for r in members] for members in tiling.kv_groups()], timeout=timeout
         )
         check_group = new_subgroups(group, [list(global_ranks)], timeout=timeout)
+        return cls(q_group=q_group, kv_group=kv_group, check_group=check_group, **options)
+
+    @classmethod
+    def _hybrid(cls, options: dict, timeout: datetime.timedelta | None) -> CPMesh:
+        """The head groups (consecutive ranks), the mesh groups (ranks ``i, i + u, ...``) and the mesh of this
+        rank's mesh group (Note [Head-parallel x mesh])."""
+        group, ranks, u, m = options["group"], options["global_ranks"], options["heads"], options["tiling"].world
+        head_group = new_subgroups(group, [[ranks[g * u + i] for i in range(u)] for g in range(m)], timeout=timeout)
+        mesh_group = new_subgroups(group, [[ranks[g * u + i] for g in range(m)] for i in range(u)], timeout=timeout)
+        inner = cls.from_tiling(
+            mesh_group, options["tiling"], link_cost=options["link_cost"], timeout=timeout, debug=options["debug"]
+        )
+        check_group = new_subgroups(group, [list(ranks)], timeout=timeout)
         return cls(
-            group=group,
-            q_group=q_group,
-            kv_group=kv_group,
-            tiling=tiling,
-            rank=dist.get_rank(group),
-            global_ranks=global_ranks,
-            link_cost=link_cost,
-            reason=reason,
+            q_group=inner.q_group,
+            kv_group=inner.kv_group,
             check_group=check_group,
-            debug=debug,
+            head_group=head_group,
+            inner=inner,
+            **options,
         )
 
     @classmethod
@@ -244,31 +267,67 @@ class CPMesh:
         self._seen.add(codes)
 
     def role_of(self, group_name: str) -> str | None:
-        """``"q"``, ``"kv"``, ``"cp"`` or ``"check"`` (:attr:`check_group`) for this mesh's process-group
-        names, ``None`` for others."""
-        for role, pg in (("q", self.q_group), ("kv", self.kv_group), ("cp", self.group), ("check", self.check_group)):
+        """``"q"``, ``"kv"``, ``"cp"``, ``"heads"`` (:attr:`head_group`), ``"mesh"`` (the inner mesh's group) or ``"check"`` (:attr:`check_group`, and the
+        inner mesh's) for this mesh's process-group names, ``None`` for others."""
+        inner_check = None if self.inner is None else self.inner.check_group
+        mesh_group = None if self.inner is None else self.inner.group
+        roles = (("q", self.q_group), ("kv", self.kv_group), ("cp", self.group), ("heads", self.head_group))
+        roles += (("mesh", mesh_group),)
+        for role, pg in (*roles, ("check", self.check_group), ("check", inner_check)):
             if pg is not None and pg.group_name == group_name:
                 return role
         return None
 
     def __str__(self) -> str:
+        if self.inner is not None:
+            heads = dist.get_process_group_ranks(self.head_group)
+            return f"CP(heads {self.heads} x {self.inner}) rank {self.rank}: head group {heads}"
         a, b = self.tile
         q = [self.global_ranks[r] for r in self.tiling.q_group(self.rank)]
         kv = [self.global_ranks[r] for r in self.tiling.kv_group(self.rank)]
         return f"CP({a}x{b}) rank {self.rank}: Q-group {q}, KV-group {kv}"
 
 
-def _check_same_tile(group: ProcessGroup, tiling: Tiling, debug: bool) -> None:
-    """Raise on every rank when the members of ``group`` asked for different tiles (or ``debug`` flags)."""
-    mine = torch.tensor([tiling.a, tiling.b, int(debug)], dtype=torch.int64, device=group_device(group))
-    tiles = [tuple(row) for row in all_gather(mine, group).tolist()]
-    if len({(a, b) for a, b, _ in tiles}) != 1:
-        listing = ", ".join(f"rank {r}: {a}x{b}" for r, (a, b, _) in enumerate(tiles))
+def _check_cp_group(group: ProcessGroup) -> None:
+    """Raise ``ValueError`` unless ``group`` is a process group this rank belongs to."""
+    if group is None:
         raise ValueError(
-            f"ranks of the CP group asked for different tiles ({listing}); pass the same tile on every rank"
+            "group=None is not accepted: pass the context-parallel process group explicitly "
+            "(for example torch.distributed.group.WORLD, or the CP group of your DP x CP layout); "
+            "new_group(..., use_local_synchronization=True) returns None to ranks outside the group, "
+            "so call CPMesh.create only on the group's members"
         )
-    if len({flag for _, _, flag in tiles}) != 1:
-        listing = ", ".join(f"rank {r}: {bool(flag)}" for r, (_, _, flag) in enumerate(tiles))
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"global rank {dist.get_rank()} is not a member of the CP group it passed (new_group returns "
+            f"GroupMember.NON_GROUP_MEMBER to ranks outside the group); call CPMesh.create only on the "
+            f"group's members, with the group they belong to"
+        )
+    if not isinstance(group, ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialized; call init_process_group() first")
+    cp_rank = dist.get_rank(group)
+    if cp_rank < 0:
+        raise ValueError(
+            f"global rank {dist.get_rank()} is not a member of the CP group it passed "
+            f"(members {dist.get_process_group_ranks(group)}); pass the group this rank belongs to"
+        )
+
+
+def _check_same_tile(group: ProcessGroup, tiling: Tiling, heads: int, debug: bool) -> None:
+    """Raise on every rank when the members of ``group`` asked for different tiles, heads or ``debug`` flags."""
+    mine = torch.tensor([tiling.a, tiling.b, heads, int(debug)], dtype=torch.int64, device=group_device(group))
+    tiles = [tuple(row) for row in all_gather(mine, group).tolist()]
+    if len({(a, b, u) for a, b, u, _ in tiles}) != 1:
+        listing = ", ".join(
+            f"rank {r}: {a}x{b}" + (f" heads={u}" if u != 1 else "") for r, (a, b, u, _) in enumerate(tiles)
+        )
+        raise ValueError(
+            f"ranks of the CP group asked for different tiles ({listing}); pass the same tile and heads on every rank"
+        )
+    if len({flag for *_, flag in tiles}) != 1:
+        listing = ", ".join(f"rank {r}: {bool(flag)}" for r, (*_, flag) in enumerate(tiles))
         raise ValueError(f"ranks of the CP group passed different debug= ({listing}); pass the same on every rank")
 
 
