@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import struct
 import zlib
 from collections.abc import Mapping
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mesh_cp.core.layout import rank_ranges
+from mesh_cp.core.layout import check_layout, rank_ranges
 from mesh_cp.core.plan import AttentionShape
 from mesh_cp.core.tiling import Tiling
 from mesh_cp.runtime.comm import all_gather
@@ -78,6 +79,12 @@ class CPMesh:
         order: its chunk of the ``layout`` over ``P`` ranks, or with ``heads = u > 1`` its ``1/u`` piece of the
         chunk its mesh rank holds in the ``layout`` over ``P / u`` (Note [Head-parallel x mesh])."""
         return rank_ranges(seq_len, self.size, self.rank, layout, heads=self.heads)
+
+    def seq_multiple(self, layout: str) -> int:
+        """The multiple every global sequence length must be for ``layout`` (pad to it): ``2P`` for zig-zag and
+        ``P`` for contiguous, and with ``heads = u`` also a multiple of ``2P / u`` (zig-zag over the mesh ranks)."""
+        parts = 2 * self.tiling.world if check_layout(layout) == "zigzag" else self.tiling.world
+        return math.lcm(parts, self.size)
 
     @property
     def tile(self) -> tuple[int, int]:
