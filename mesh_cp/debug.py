@@ -37,6 +37,10 @@ class CommRecord:
     group_name: str
     group_size: int
     bytes_sent: int
+    peers: tuple[int, ...] = ()
+    """Global ranks that receive :attr:`bytes_sent`, in equal shares: the destination of a send, the other
+    members for an all-to-all or broadcast, the next member for the ring algorithms of all-gather,
+    reduce-scatter and all-reduce."""
 
 
 def _nbytes(t) -> int:
@@ -91,6 +95,18 @@ _FUNCTIONAL_BOOKKEEPING = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
 """Functional ops that move no data."""
 
 
+def _peers(public: str, pg: ProcessGroup, args: tuple) -> tuple[int, ...]:
+    """The global ranks that receive what this rank sends in one op (:attr:`CommRecord.peers`)."""
+    members, me = torch.distributed.get_process_group_ranks(pg), pg.rank()
+    if public == "send":
+        return (members[args[2]],)
+    if public in ("all_to_all", "broadcast"):
+        return tuple(g for i, g in enumerate(members) if i != me)
+    if public in ("all_gather", "reduce_scatter", "all_reduce") and len(members) > 1:
+        return (members[(me + 1) % len(members)],)
+    return ()
+
+
 class CommCounter(TorchDispatchMode):
     """Records the bytes each communication op sends from this rank while active.
 
@@ -117,7 +133,8 @@ class CommCounter(TorchDispatchMode):
         if name not in _C10D:
             raise NotImplementedError(f"CommCounter does not know how many bytes c10d.{name} sends; add it")
         public, sent = _C10D[name]
-        self.records.append(CommRecord(public, pg.group_name, pg.size(), sent(args, pg.size(), pg.rank())))
+        nbytes = sent(args, pg.size(), pg.rank())
+        self.records.append(CommRecord(public, pg.group_name, pg.size(), nbytes, _peers(public, pg, args)))
 
     def _record_functional(self, name: str, args: tuple) -> None:
         if name not in _FUNCTIONAL:
@@ -126,7 +143,8 @@ class CommCounter(TorchDispatchMode):
 
         pg = _resolve_process_group(args[-1])
         public, sent = _FUNCTIONAL[name]
-        self.records.append(CommRecord(public, args[-1], pg.size(), sent(args, pg.size(), pg.rank())))
+        nbytes = sent(args, pg.size(), pg.rank())
+        self.records.append(CommRecord(public, args[-1], pg.size(), nbytes, _peers(public, pg, args)))
 
     def bytes_sent(self) -> int:
         return sum(r.bytes_sent for r in self.records)
@@ -137,6 +155,16 @@ class CommCounter(TorchDispatchMode):
         for r in self.records:
             totals[mesh.role_of(r.group_name) or "other"] += r.bytes_sent
         return dict(totals)
+
+    def bytes_by_link(self, node_of: Callable[[int], int]) -> dict[str, int]:
+        """Bytes sent to ranks on this rank's node (``"intra"``) and on other nodes (``"inter"``), with ``node_of``
+        mapping a global rank to its node (for example ``lambda r: r // ranks_per_node``)."""
+        me = node_of(torch.distributed.get_rank())
+        totals = {"intra": 0, "inter": 0}
+        for r in self.records:
+            for peer in r.peers:
+                totals["intra" if node_of(peer) == me else "inter"] += r.bytes_sent // len(r.peers)
+        return totals
 
     def reset(self) -> None:
         self.records.clear()
