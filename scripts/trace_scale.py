@@ -10,6 +10,12 @@ traced bytes are compared with ``AttentionPlan.bytes_sent``. At P <= 16 the same
 against real gloo ranks by the test suite (tests/runtime/test_exactness.py) and by
 scripts/bench_attention.py, so plan, trace and runtime agree.
 
+With ``--hybrid`` every head-parallel x mesh layout (``heads=u``, Note [Head-parallel x mesh]) is traced too, its
+all-to-all bytes compared with ``HybridPlan.a2a_bytes`` and its inner mesh's with the inner plan. ``CommCounter``
+also splits every rank's bytes by the node of the receiving rank (``--ranks-per-node`` consecutive ranks per node);
+over the traced ranks, the busiest one's inter-node bytes are reported per layout, and per kind (ring, plain mesh,
+USP = head-parallel with a ``1 x m`` ring, any hybrid) the layout whose busiest rank sends the fewest.
+
 The mesh is built directly from ``new_group`` calls: ``CPMesh.create``'s check that every rank asked
 for the same tile is a collective whose answer the fake backend cannot deliver.
 
@@ -30,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 import mesh_cp
-from mesh_cp.core import AttentionShape, Tiling, factorizations, make_plan
+from mesh_cp.core import AttentionShape, Tiling, factorizations
+from mesh_cp.core.hybrid import head_group_ranks, make_hybrid_plan, mesh_group_ranks, valid_heads
 
 PAPER = "Mesh-Attention paper, 256 GPUs: traffic -79.0% average, -85.4% best vs Ring-Attention"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -39,13 +46,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[64, 128, 256], help="CP group sizes P to trace")
-    p.add_argument("--ranks", type=int, nargs="+", default=[0], help="ranks to trace in every world")
+    p.add_argument(
+        "--ranks", type=int, nargs="+", default=[0], help="ranks to trace in every world (those >= P are skipped)"
+    )
     p.add_argument("--heads", type=int, default=8, help="query heads")
     p.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2], help="K/V head counts (8 = MHA at 8 heads)")
     p.add_argument("--head-dim", type=int, default=16, help="head dimension (bytes scale linearly with it)")
     p.add_argument("--seq-local", type=int, default=8, help="tokens per rank (even; bytes scale linearly)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of q, k, v")
     p.add_argument("--schedule", default="overlap", choices=["overlap", "collective"], help="mesh_attn_func schedule")
+    p.add_argument("--hybrid", action="store_true", help="also trace every head-parallel x mesh layout (heads=u)")
+    p.add_argument("--ranks-per-node", type=int, default=8, help="consecutive ranks per node, for inter-node bytes")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     return p.parse_args(argv)
 
@@ -64,34 +75,85 @@ def fake_mesh(world: int, rank: int, tiling: Tiling) -> mesh_cp.CPMesh:
     )
 
 
-def trace_rank(world: int, rank: int, shape: AttentionShape, dtype: torch.dtype, schedule: str) -> list[dict[str, Any]]:
-    """Bytes ``rank`` sends per phase and group, traced and planned, for every tile of ``world``."""
+def fake_hybrid_mesh(world: int, rank: int, heads: int, tiling: Tiling) -> mesh_cp.CPMesh:
+    """The head-parallel x mesh CP mesh of ``rank`` in a fake world: ``heads`` consecutive ranks per head group, the
+    ranks ``i, i + u, ...`` per mesh group, tiled ``tiling`` (Note [Head-parallel x mesh])."""
+    head_groups = {g: dist.new_group(list(head_group_ranks(world, heads, g * heads))) for g in range(tiling.world)}
+    mesh_groups = {i: mesh_group_ranks(world, heads, i) for i in range(heads)}
+    pgs = {i: dist.new_group(list(members)) for i, members in mesh_groups.items()}
+    inner = {}
+    for i, members in mesh_groups.items():
+        q_groups = {m: dist.new_group([members[r] for r in m]) for m in tiling.q_groups()}
+        kv_groups = {m: dist.new_group([members[r] for r in m]) for m in tiling.kv_groups()}
+        g = members.index(rank) if rank in members else 0
+        inner[i] = mesh_cp.CPMesh(
+            group=pgs[i],
+            q_group=q_groups[tiling.q_group(g)],
+            kv_group=kv_groups[tiling.kv_group(g)],
+            tiling=tiling,
+            rank=g,
+            global_ranks=members,
+        )
+    mine = inner[rank % heads]
+    return mesh_cp.CPMesh(
+        group=dist.group.WORLD,
+        q_group=mine.q_group,
+        kv_group=mine.kv_group,
+        tiling=tiling,
+        rank=rank,
+        global_ranks=tuple(range(world)),
+        heads=heads,
+        head_group=head_groups[rank // heads],
+        inner=mine,
+    )
+
+
+def layouts(world: int, shape: AttentionShape, hybrid: bool) -> list[tuple[int, Tiling]]:
+    """``(u, tiling)`` of every plain tile of ``world``, and with ``hybrid`` of every head-parallel split ``u > 1``
+    the shape allows with every tile of its ``world / u`` mesh ranks."""
+    out = [(1, Tiling(world=world, a=a, b=b)) for a, b in factorizations(world)]
+    for u in valid_heads(world, shape) if hybrid else ():
+        out += [(u, Tiling(world=world // u, a=a, b=b)) for a, b in factorizations(world // u)] if u > 1 else []
+    return out
+
+
+def label(u: int, tiling: Tiling) -> str:
+    return str(tiling) if u == 1 else f"u{u}:{tiling}"
+
+
+def trace_rank(
+    world: int, rank: int, shape: AttentionShape, dtype: torch.dtype, schedule: str, *, hybrid: bool, per_node: int
+) -> list[dict[str, Any]]:
+    """Bytes ``rank`` sends per phase and group (traced and planned) and per link class (traced, ``per_node``
+    consecutive ranks per node), for every tile of ``world`` and, with ``hybrid``, every head-parallel layout."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         rows = []
-        for a, b in factorizations(world):
-            tiling = Tiling(world=world, a=a, b=b)
-            mesh = fake_mesh(world, rank, tiling)
+        for u, tiling in layouts(world, shape, hybrid):
+            mesh = fake_mesh(world, rank, tiling) if u == 1 else fake_hybrid_mesh(world, rank, u, tiling)
             q = torch.randn(shape.batch, shape.seq_local, shape.heads, shape.head_dim, dtype=dtype, requires_grad=True)
-            k, v = (
-                torch.randn(
-                    shape.batch, shape.seq_local, shape.kv_heads, shape.head_dim, dtype=dtype, requires_grad=True
-                )
-                for _ in range(2)
-            )
+            kv_shape = (shape.batch, shape.seq_local, shape.kv_heads, shape.head_dim)
+            k, v = (torch.randn(kv_shape, dtype=dtype, requires_grad=True) for _ in range(2))
             counters = {"forward": mesh_cp.CommCounter(), "backward": mesh_cp.CommCounter()}
             with counters["forward"]:
                 out = mesh_cp.mesh_attn_func(q, k, v, mesh=mesh, causal=True, schedule=schedule)
             with counters["backward"]:
                 out.backward(torch.ones_like(out))
-            plan = make_plan(tiling, shape, causal=True, layout="zigzag", schedule=schedule)
+            plan = make_hybrid_plan(u, tiling, shape, causal=True, layout="zigzag", schedule=schedule)
+            planned = {ph: {g: plan.plan.bytes_sent(ph, g) for g in ("q", "kv")} for ph in counters}
+            for ph in planned:
+                planned[ph] |= {"heads": plan.a2a_bytes(ph)} if u > 1 else {}
+            links = [c.bytes_by_link(lambda r: r // per_node) for c in counters.values()]
             rows.append(
                 {
-                    "tile": str(tiling),
+                    "tile": label(u, tiling),
+                    "heads": u,
                     "traced": {ph: counters[ph].bytes_by_role(mesh) for ph in counters},
-                    "planned": {ph: {g: plan.bytes_sent(ph, g) for g in ("q", "kv")} for ph in counters},
+                    "planned": planned,
+                    "inter": sum(x["inter"] for x in links),
+                    "intra": sum(x["intra"] for x in links),
                 }
             )
         return rows
@@ -105,7 +167,8 @@ def summarize(world: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
         traced = row["traced"]
         row["total"] = sum(sum(by_role.values()) for by_role in traced.values())
         row["matches_plan"] = all(
-            {g: traced[ph].get(g, 0) for g in ("q", "kv")} == row["planned"][ph] and set(traced[ph]) <= {"q", "kv"}
+            {g: traced[ph].get(g, 0) for g in row["planned"][ph]} == row["planned"][ph]
+            and set(traced[ph]) <= set(row["planned"][ph])
             for ph in traced
         )
     ring = next(r for r in rows if r["tile"] == f"1x{world}")
@@ -115,12 +178,46 @@ def summarize(world: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"world": world, "rows": rows, "best": best["tile"], "best_vs_ring": best["vs_ring"]}
 
 
+def combine(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the traced ranks of one world and shape: per layout the most bytes and the most inter-node bytes any
+    traced rank sends, and per kind (ring, plain mesh, USP = head-parallel with a 1 x m ring, any hybrid) the layout
+    whose busiest rank sends the fewest inter-node bytes (then the fewest bytes)."""
+    worst: dict[str, dict[str, Any]] = {}
+    for summary in summaries:
+        for row in summary["rows"]:
+            seen = worst.setdefault(row["tile"], {"tile": row["tile"], "heads": row["heads"], "inter": 0, "total": 0})
+            seen["inter"], seen["total"] = max(seen["inter"], row["inter"]), max(seen["total"], row["total"])
+    rows = list(worst.values())
+    kinds = {
+        "ring": [r for r in rows if r["tile"] == f"1x{summaries[0]['world']}"],
+        "mesh": [r for r in rows if r["heads"] == 1],
+        "usp": [r for r in rows if r["heads"] > 1 and r["tile"].split(":")[1].startswith("1x")],
+        "hybrid": [r for r in rows if r["heads"] > 1],
+    }
+    first = summaries[0]
+    return {
+        "world": first["world"],
+        "kv_heads": first["kv_heads"],
+        "ranks": [s["rank"] for s in summaries],
+        "layouts": rows,
+        "least_inter": {kind: min(rs, key=lambda r: (r["inter"], r["total"])) for kind, rs in kinds.items() if rs},
+    }
+
+
+def print_combined(combined: dict[str, Any]) -> None:
+    print(f"\n-- P={combined['world']}, {combined['kv_heads']} KV heads: busiest of ranks {combined['ranks']} --")
+    for kind, best in combined["least_inter"].items():
+        print(
+            f"fewest inter-node bytes, {kind:>6}: {best['tile']:>10} {best['inter']:>14,d} (total {best['total']:,d})"
+        )
+
+
 def print_world(title: str, summary: dict[str, Any]) -> None:
     print(f"\n-- {title} --")
-    print(f"{'tile':>8} {'traced fwd+bwd':>16} {'= plan':>7} {'vs ring':>9}")
+    print(f"{'tile':>10} {'traced fwd+bwd':>16} {'inter-node':>14} {'= plan':>7} {'vs ring':>9}")
     for row in summary["rows"]:
         print(
-            f"{row['tile']:>8} {row['total']:>16,d} {'yes' if row['matches_plan'] else 'NO':>7} "
+            f"{row['tile']:>10} {row['total']:>16,d} {row['inter']:>14,d} {'yes' if row['matches_plan'] else 'NO':>7} "
             f"{100 * row['vs_ring']:>+8.1f}%"
         )
     print(f"best tile {summary['best']}: {100 * summary['best_vs_ring']:+.1f}% traffic vs ring 1x{summary['world']}")
@@ -129,7 +226,7 @@ def print_world(title: str, summary: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = DTYPES[args.dtype]
-    results = []
+    results, combined = [], []
     for kv_heads in args.kv_heads:
         shape = AttentionShape(
             batch=1,
@@ -140,16 +237,21 @@ def main(argv: list[str] | None = None) -> int:
             itemsize=torch.tensor([], dtype=dtype).element_size(),
         )
         for world in args.worlds:
-            for rank in args.ranks:
-                summary = summarize(world, trace_rank(world, rank, shape, dtype, args.schedule))
+            summaries = []
+            for rank in (r for r in args.ranks if r < world):
+                options = {"hybrid": args.hybrid, "per_node": args.ranks_per_node}
+                summary = summarize(world, trace_rank(world, rank, shape, dtype, args.schedule, **options))
                 summary |= {"rank": rank, "heads": args.heads, "kv_heads": kv_heads, "dtype": args.dtype}
                 print_world(f"P={world} rank {rank}, {args.heads} heads / {kv_heads} KV heads, {args.dtype}", summary)
-                results.append(summary)
+                summaries.append(summary)
+            combined.append(combine(summaries))
+            print_combined(combined[-1])
+            results += summaries
     print(f"\n{PAPER}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(
-            json.dumps({"paper": PAPER, "schedule": args.schedule, "results": results}, indent=2)
+            json.dumps({"paper": PAPER, "schedule": args.schedule, "results": results, "combined": combined}, indent=2)
         )
     return 0 if all(r["matches_plan"] for s in results for r in s["rows"]) else 1
 
