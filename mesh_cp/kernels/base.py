@@ -191,6 +191,7 @@ def backward_by_parts(
     *,
     causal: bool,
     scale: float,
+    **extra,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Exact block gradients for any ``delta`` from ``kernel``'s forward and its ``lse_grad=False`` backward.
 
@@ -200,11 +201,21 @@ def backward_by_parts(
     ``dq -= scale * delta * (P K)`` with ``P K`` from a forward with ``v = k`` (renormalised from the
     block's lse to the row's), and ``dk -= scale * P^T (delta * Q)``, the ``dv`` of a backward with
     ``dO = delta * Q``. Three kernel calls instead of one; results in the accumulator dtype.
+
+    ``extra`` goes to every call: ``segments`` (:mod:`mesh_cp.kernels.varlen`) keep the derivation, since a
+    masked ``p`` is ``0`` in all three; softcapped logits do not (``ds`` also carries the tanh derivative), so
+    a ``softcap`` raises ``NotImplementedError``. Rows in no segment need finite ``lse`` and ``delta``
+    (:func:`~mesh_cp.kernels.varlen.stats_on_segments`).
     """
+    if extra.get("softcap") is not None:
+        raise NotImplementedError(
+            f"kernel {kernel.name!r}: a gradient on the lse (return_lse=True) at head_dim {q.shape[-1]} goes by parts "
+            f"(Note [Gradient of the lse]), which does not hold for softcapped logits; use kernel='reference'"
+        )
     acc = acc_dtype(q.dtype)
     zero = torch.zeros_like(delta)
-    dq, dk, dv = kernel.backward(do, q, k, v, lse, zero, causal=causal, scale=scale)
-    pk, lse_pk = kernel.forward(q, k, k, causal=causal, scale=scale)
+    dq, dk, dv = kernel.backward(do, q, k, v, lse, zero, causal=causal, scale=scale, **extra)
+    pk, lse_pk = kernel.forward(q, k, k, causal=causal, scale=scale, **extra)
     weight = (delta.to(acc) * torch.exp(lse_pk.to(acc) - lse.to(acc))).transpose(1, 2).unsqueeze(-1)
     dq = dq.to(acc) - scale * weight * pk.to(acc)
     # dO = delta * Q / m, m a per-batch power of two >= max|delta|, keeps dO within q's range.
@@ -213,6 +224,6 @@ def backward_by_parts(
     _, exponent = torch.frexp(torch.where(top > 0, top, 1))
     m = torch.ldexp(torch.ones_like(top), exponent).reshape(batch, 1, 1, 1)
     do_q = (delta.to(acc).transpose(1, 2).unsqueeze(-1) * q.to(acc) / m).to(q.dtype)
-    _, _, pt_q = kernel.backward(do_q, q, k, v, lse, zero, causal=causal, scale=scale)
+    _, _, pt_q = kernel.backward(do_q, q, k, v, lse, zero, causal=causal, scale=scale, **extra)
     dk = dk.to(acc) - scale * m * pt_q.to(acc)
     return dq, dk, dv.to(acc)

@@ -14,13 +14,36 @@ unpadded. The op does not pad the head dim: its C++ requires ``D % 8 == 0`` and 
 ("this is ensured by padding", which ``F.scaled_dot_product_attention`` does before calling it), so
 this kernel pads with zeros and cuts the outputs back. ``cum_seq_q/k`` are undefined (``None``) for
 dense batches; the philox tensors are read only with dropout.
+
+Masked tiles go through the varlen form of the ops underneath (``aten._flash_attention_forward`` /
+``_flash_attention_backward``, which call ``mha_varlen_fwd`` / ``mha_varlen_bwd`` of PyTorch's
+``cuda/flash_attn/flash_api.cpp`` when ``cum_seq_q`` is given)::
+
+    (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale,
+     window_size_left, window_size_right, seqused_k, alibi_slopes[, block_table, num_splits])
+        -> (output, softmax_logsumexp, rng_state, unused, debug_attn_mask)
+    (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+     rng_state, unused, *, scale, window_size_left, window_size_right) -> (dq, dk, dv)
+
+(read from torch 2.13's schemas and meta functions, ``torch/_meta_registrations.py``, and from PyTorch's
+``flash_api.cpp`` / ``attention_backward.cu`` on main; outputs and arguments 13, 14 were ``philox_seed``,
+``philox_offset`` before, and ``block_table``, ``num_splits`` are newer keywords with defaults). ``query
+(total_q, H, D)``, ``key, value (total_k, Hkv, D)``, int32 ``cum_seq_*``, ``logsumexp (H, total_q)`` fp32 (the
+meta function says the same); an absent window is ``-1`` (``value_or(-1)``), and windows obey Note [Varlen
+windows] in :mod:`mesh_cp.kernels.varlen`. There is no softcap (the op passes ``softcap = 0``). The window
+keywords are passed only for a call with a bound side, after reading the op's schema: the 2.5.1 schema has them,
+but no 2.4 source was at hand, so a PyTorch without them refuses such a tile with the reason instead of
+ignoring the window.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
+from mesh_cp.kernels import varlen
 from mesh_cp.kernels.base import CudaOnlyKernel, backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -44,10 +67,70 @@ def _refused_width(padded: int, capability: tuple[int, int], what: str) -> str |
     return None
 
 
+def _op_parameters() -> frozenset[str]:
+    """Parameter names of ``aten._flash_attention_forward`` in this PyTorch."""
+    return frozenset(a.name for a in torch.ops.aten._flash_attention_forward.default._schema.arguments)
+
+
+def _window(window: tuple[int, int]) -> dict:
+    """The window keywords of a varlen op call: none for no bound (the op's default is ``-1``), else both sides."""
+    if window == (-1, -1):
+        return {}
+    if "window_size_left" not in _op_parameters():
+        raise NotImplementedError(
+            f"torch {torch.__version__}: aten._flash_attention_forward takes no window, which a masked tile with "
+            f"window {window} needs; use kernel='flash_attn' or 'reference', or a newer PyTorch"
+        )
+    return {"window_size_left": window[0], "window_size_right": window[1]}
+
+
+def _varlen_forward(call: varlen.VarlenCall, q: Tensor, k: Tensor, v: Tensor, *, scale: float):
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q,
+        k,
+        v,
+        call.cu_seqlens_q,
+        call.cu_seqlens_k,
+        call.max_seqlen_q,
+        call.max_seqlen_k,
+        0.0,
+        False,
+        False,
+        scale=scale,
+        **_window(call.window),
+    )
+    return out, lse
+
+
+def _varlen_backward(call: varlen.VarlenCall, do, q, k, v, out, lse, *, scale: float):
+    no_rng = torch.empty((), device=q.device, dtype=torch.int64)  # read only with dropout
+    return torch.ops.aten._flash_attention_backward(
+        do,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        call.cu_seqlens_q,
+        call.cu_seqlens_k,
+        call.max_seqlen_q,
+        call.max_seqlen_k,
+        0.0,
+        False,
+        no_rng,
+        no_rng,
+        scale=scale,
+        **_window(call.window),
+    )
+
+
 class CudaFlashKernel(CudaOnlyKernel):
     """``aten._scaled_dot_product_flash_attention`` and its backward, on CUDA tensors."""
 
     name = "cuda_flash"
+    takes_segments = True
+    """``forward`` and ``backward`` take ``segments`` (a masked tile as varlen sequences,
+    :mod:`mesh_cp.kernels.varlen`; then ``causal=False``)."""
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
@@ -68,10 +151,16 @@ class CudaFlashKernel(CudaOnlyKernel):
             return _refused_width(round_up(head_dim, HEAD_DIM_MULTIPLE), (major, minor), f"head_dim {head_dim}")
         return None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, segments: varlen.Segments | None = None
+    ) -> tuple[Tensor, Tensor]:
         dim = q.shape[-1]
         padded = round_up(dim, HEAD_DIM_MULTIPLE)
+        plan = None if segments is None else varlen.plan_for(q, k, segments, causal)
         q, k, v = (pad_head_dim(t, padded) for t in (q, k, v))
+        if plan is not None:
+            out, lse = varlen.forward(q, k, v, plan, functools.partial(_varlen_forward, scale=scale))
+            return out[..., :dim], lse
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale
         )
@@ -89,13 +178,22 @@ class CudaFlashKernel(CudaOnlyKernel):
         causal: bool,
         scale: float,
         lse_grad: bool = False,
+        segments: varlen.Segments | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         dim = q.shape[-1]
+        plan = None if segments is None else varlen.plan_for(q, k, segments, causal)
+        if plan is not None:
+            lse, delta = varlen.stats_on_segments(lse, delta, plan)
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
         # The delta column must fit the kernel's head dims too (at 192 on sm86/89/120 it does not).
         if lse_grad and _refused_width(round_up(dim + 1, HEAD_DIM_MULTIPLE), _capability(q.device), "delta column"):
-            return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale)
+            extra = {} if segments is None else {"segments": segments}
+            return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale, **extra)
         do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad, multiple=HEAD_DIM_MULTIPLE)
+        if plan is not None:
+            run = functools.partial(_varlen_backward, scale=scale)
+            dq, dk, dv = varlen.backward(do, q, k, v, out, lse.float().contiguous(), plan, run)
+            return dq[..., :dim], dk[..., :dim], dv[..., :dim]
         no_rng = torch.empty((), device=q.device, dtype=torch.int64)  # read only with dropout
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             do.transpose(1, 2),

@@ -20,17 +20,38 @@ mesh_cp calls ``flash_attn.flash_attn_interface._flash_attn_forward`` / ``_flash
                                  causal, window_size_left, window_size_right, softcap, alibi_slopes,
                                  deterministic, rng_state=None) -> softmax_d
 
-From 2.7 both are ``torch.library.custom_op`` s under torch >= 2.4 (their parameter names live in
+From 2.7 these (and the varlen pair below) are ``torch.library.custom_op`` s under torch >= 2.4 (their
+parameter names live in
 the op's schema, not in ``inspect.signature``), and the C++ requires ``head_dim % 8 == 0`` and
 ``<= 256`` in forward too (2.6.3 padded in C++ and returned ``out`` unpadded; its backward already
 required padded ``q, k, v, out``). So this kernel pads q, k, v, dO and out with zeros to a multiple
 of 8 itself for every version (``softmax_scale`` keeps the original head dim), cuts the results
 back, and is not offered above 256; a gradient on the lse at head_dim 256 goes by parts (Note
-[Gradient of the lse] in :mod:`mesh_cp.kernels.base`). ``dq, dk, dv`` are written into the buffers
-passed in, for both forms. ``softmax_lse`` is ``(B, H, Sq)`` fp32. ``deterministic`` follows
-``torch.are_deterministic_algorithms_enabled()``; no dropout (so ``rng_state`` is ``None``), no
-window, no softcap, no ALiBi. The form is chosen by the installed version and cross-checked against
-the parameter names where they can be read; a disagreement is refused rather than guessed.
+[Gradient of the lse] in :mod:`mesh_cp.kernels.base`; not with softcap, which then raises). ``dq, dk, dv``
+are written into the buffers passed in, for both forms. ``softmax_lse`` is ``(B, H, Sq)`` fp32.
+``deterministic`` follows ``torch.are_deterministic_algorithms_enabled()``; no dropout (so ``rng_state`` is
+``None``), no ALiBi. The form is chosen by the installed version and cross-checked against the parameter
+names where they can be read; a disagreement is refused rather than guessed.
+
+Masked tiles go through the varlen pair (read from ``flash_attn/flash_attn_interface.py`` at v2.6.3,
+v2.7.0, v2.7.3, v2.7.4.post1 and v2.8.3), whose parameters up to ``max_seqlen_k`` have the same places in every
+release (the window and the return tuple change as above)::
+
+    _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, <window>, softcap, alibi_slopes, return_softmax, block_table, leftpad_k,
+        seqused_k[, zero_tensors])    (zero_tensors from 2.7.3; returns as _flash_attn_forward above)
+    _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, <window>, softcap, alibi_slopes,
+        deterministic, rng_state=None[, zero_tensors])
+
+with ``q (total_q, H, D)``, ``k, v (total_k, Hkv, D)``, int32 ``cu_seqlens`` and ``softmax_lse (H, total_q)``
+fp32 (Note [Varlen windows] in :mod:`mesh_cp.kernels.varlen`, which also says how windows are passed).
+
+Softcap: ``softcap > 0`` makes the logits ``softcap * tanh(s * softmax_scale / softcap)`` in the forward
+(``set_params_fprop``: ``params.softcap = softmax_scale / softcap``, ``scale_softmax = softcap``) and the
+backward multiplies ``dS`` by the tanh derivative (``calculate_dtanh``). Every supported release has it in
+both directions (the backward came in 2.6.2, "backwards for softcapping (#1033)"); ``0.0`` turns it off.
+Builds with ``FLASHATTENTION_DISABLE_SOFTCAP`` refuse it from C++.
 
 flash-attn 3 (the ``flash_attn_interface`` module of the ``hopper/`` build) is not offered: it is
 built from source with no release that fixes its private ``_flash_attn_forward`` (34 parameters,
@@ -41,6 +62,7 @@ construction. On sm90 ``"auto"`` uses flash-attn 2 or ``cuda_flash``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from types import ModuleType
@@ -48,6 +70,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from mesh_cp.kernels import varlen
 from mesh_cp.kernels.base import backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
 
 MIN_VERSION = (2, 6, 3)
@@ -56,6 +79,12 @@ SPLIT_WINDOW_VERSION = (2, 7, 0)
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_MULTIPLE = 8
 MAX_HEAD_DIM = 256
+PRIVATE_FUNCTIONS = (
+    "_flash_attn_forward",
+    "_flash_attn_backward",
+    "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_backward",
+)
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -107,7 +136,7 @@ def load() -> tuple[ModuleType, str, bool]:
         )
     split = _version_tuple(version) >= SPLIT_WINDOW_VERSION
     expected = {"window_size_left", "window_size_right"} if split else {"window_size"}
-    for fn_name in ("_flash_attn_forward", "_flash_attn_backward"):
+    for fn_name in PRIVATE_FUNCTIONS:
         fn = getattr(interface, fn_name, None)
         if fn is None:
             raise RuntimeError(f"flash-attn {version} has no flash_attn_interface.{fn_name}")
@@ -120,11 +149,26 @@ def load() -> tuple[ModuleType, str, bool]:
     return interface, version, split
 
 
+def _softcap(softcap: float | None) -> float:
+    """flash-attn's ``softcap`` argument: ``0.0`` (off) for ``None``."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+    return float(softcap)
+
+
 class FlashAttnKernel:
-    """``flash_attn_interface._flash_attn_forward`` / ``_flash_attn_backward`` (flash-attn 2.6.3+, both
-    private-API forms; Note [flash-attn private API])."""
+    """``flash_attn_interface._flash_attn_forward`` / ``_flash_attn_backward`` and their varlen pair for masked
+    tiles (flash-attn 2.6.3+, both private-API forms; Note [flash-attn private API]).
+
+    Beyond :class:`~mesh_cp.kernels.BlockKernel`: ``segments`` (a masked tile as varlen sequences,
+    :mod:`mesh_cp.kernels.varlen`; then ``causal=False``) and ``softcap`` (logits ``c * tanh(s / c)``).
+    """
 
     name = "flash_attn"
+    takes_segments = True
+    takes_softcap = True
 
     def __init__(self, *, check_device: bool = True) -> None:
         self._fa, self.version, self._split_window = load()
@@ -157,27 +201,64 @@ class FlashAttnKernel:
             return str(err)
         return None
 
-    def _window(self) -> dict:
-        return {"window_size_left": -1, "window_size_right": -1} if self._split_window else {"window_size": (-1, -1)}
+    def _window(self, left: int = -1, right: int = -1) -> dict:
+        return (
+            {"window_size_left": left, "window_size_right": right}
+            if self._split_window
+            else {"window_size": (left, right)}
+        )
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        dim = q.shape[-1]
+    def _options(self, scale: float, softcap: float, window: tuple[int, int] = (-1, -1)) -> dict:
+        """The keyword arguments every call shares (no dropout, no ALiBi)."""
+        return {
+            "dropout_p": 0.0,
+            "softmax_scale": scale,
+            **self._window(*window),
+            "softcap": softcap,
+            "alibi_slopes": None,
+        }
+
+    def _out_lse(self, result: tuple) -> tuple[Tensor, Tensor]:
+        return (result[0], result[1]) if self._split_window else (result[0], result[5])
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        segments: varlen.Segments | None = None,
+        softcap: float | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        dim, cap = q.shape[-1], _softcap(softcap)
         padded = round_up(dim, HEAD_DIM_MULTIPLE)
+        plan = None if segments is None else varlen.plan_for(q, k, segments, causal)
         q, k, v = (pad_head_dim(t, padded).contiguous() for t in (q, k, v))
-        result = self._fa._flash_attn_forward(
+        if plan is not None:
+            out, lse = varlen.forward(q, k, v, plan, functools.partial(self._varlen_forward, scale=scale, softcap=cap))
+        else:
+            result = self._fa._flash_attn_forward(
+                q, k, v, causal=causal, **self._options(scale, cap), return_softmax=False
+            )
+            out, lse = self._out_lse(result)
+        return out[..., :dim], lse
+
+    def _varlen_forward(self, call: varlen.VarlenCall, q, k, v, *, scale: float, softcap: float):
+        result = self._fa._flash_attn_varlen_forward(
             q,
             k,
             v,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            **self._window(),
-            softcap=0.0,
-            alibi_slopes=None,
+            call.cu_seqlens_q,
+            call.cu_seqlens_k,
+            call.max_seqlen_q,
+            call.max_seqlen_k,
+            causal=False,
+            **self._options(scale, softcap, call.window),
             return_softmax=False,
         )
-        out, lse = (result[0], result[1]) if self._split_window else (result[0], result[5])
-        return out[..., :dim], lse
+        return self._out_lse(result)
 
     def backward(
         self,
@@ -191,31 +272,61 @@ class FlashAttnKernel:
         causal: bool,
         scale: float,
         lse_grad: bool = False,
+        segments: varlen.Segments | None = None,
+        softcap: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        dim = q.shape[-1]
+        dim, cap = q.shape[-1], _softcap(softcap)
+        plan = None if segments is None else varlen.plan_for(q, k, segments, causal)
+        if plan is not None:
+            lse, delta = varlen.stats_on_segments(lse, delta, plan)
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
         if lse_grad and round_up(dim + 1, HEAD_DIM_MULTIPLE) > MAX_HEAD_DIM:
-            return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale)
+            extra = {"segments": segments, "softcap": softcap}
+            return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale, **extra)
         do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad, multiple=HEAD_DIM_MULTIPLE)
         do, q, k, v, out = (t.contiguous() for t in (do, q, k, v, out))
+        lse = lse.float().contiguous()
+        if plan is not None:
+            run = functools.partial(self._varlen_backward, scale=scale, softcap=cap)
+            dq, dk, dv = varlen.backward(do, q, k, v, out, lse, plan, run)
+        else:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            self._fa._flash_attn_backward(
+                do,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                dq,
+                dk,
+                dv,
+                causal=causal,
+                **self._options(scale, cap),
+                deterministic=torch.are_deterministic_algorithms_enabled(),
+                rng_state=None,
+            )
+        return dq[..., :dim], dk[..., :dim], dv[..., :dim]
+
+    def _varlen_backward(self, call: varlen.VarlenCall, do, q, k, v, out, lse, *, scale: float, softcap: float):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        self._fa._flash_attn_backward(
+        self._fa._flash_attn_varlen_backward(
             do,
             q,
             k,
             v,
             out,
-            lse.float().contiguous(),
+            lse,
             dq,
             dk,
             dv,
-            dropout_p=0.0,
-            softmax_scale=scale,
-            causal=causal,
-            **self._window(),
-            softcap=0.0,
-            alibi_slopes=None,
+            call.cu_seqlens_q,
+            call.cu_seqlens_k,
+            call.max_seqlen_q,
+            call.max_seqlen_k,
+            causal=False,
+            **self._options(scale, softcap, call.window),
             deterministic=torch.are_deterministic_algorithms_enabled(),
             rng_state=None,
         )
-        return dq[..., :dim], dk[..., :dim], dv[..., :dim]
+        return dq, dk, dv

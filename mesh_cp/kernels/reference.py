@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.numerics import acc_dtype, expand_kv, fold_kv_grad, mask_causal
+from mesh_cp.kernels.varlen import Segments, segments_mask
 
 
 def _scores(
@@ -26,6 +27,14 @@ def _scores(
     return scores, raw
 
 
+def _with_segments(mask: Tensor | None, segments: Segments | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """``mask`` and the dense equivalent of ``segments`` (:func:`~mesh_cp.kernels.varlen.segments_mask`)."""
+    if segments is None:
+        return mask
+    seen = segments_mask(segments, q.shape[1], k.shape[1], device=q.device)
+    return seen if mask is None else mask & seen
+
+
 def _probabilities(scores: Tensor, lse: Tensor) -> Tensor:
     """``exp(s - lse)``, with ``0`` in rows that attend nothing (``lse = -inf``) instead of ``nan``."""
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
@@ -36,12 +45,15 @@ class ReferenceKernel:
     """``softmax(q k^T * scale) v`` written out, with its textbook backward.
 
     Beyond :class:`~mesh_cp.kernels.BlockKernel` it takes ``mask`` (boolean, broadcastable to
-    ``(B, Hq, Sq, Sk)``, ``True`` where a query attends a key) and ``softcap`` (logits ``c * tanh(s / c)``,
-    Gemma 2). A row that attends nothing gets ``out = 0`` and ``lse = -inf`` (what the LSE merge expects).
+    ``(B, Hq, Sq, Sk)``, ``True`` where a query attends a key), ``segments`` (a masked tile as flash-attn varlen
+    sequences, :mod:`mesh_cp.kernels.varlen`, applied as their dense mask, with ``mask`` if both are given) and
+    ``softcap`` (logits ``c * tanh(s / c)``, Gemma 2). A row that attends nothing gets ``out = 0`` and
+    ``lse = -inf`` (what the LSE merge expects).
     """
 
     name = "reference"
     takes_mask = True
+    takes_segments = True
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
@@ -58,7 +70,9 @@ class ReferenceKernel:
         scale: float,
         mask: Tensor | None = None,
         softcap: float | None = None,
+        segments: Segments | None = None,
     ) -> tuple[Tensor, Tensor]:
+        mask = _with_segments(mask, segments, q, k)
         scores, _ = _scores(q, k, causal=causal, scale=scale, mask=mask, softcap=softcap)
         lse = torch.logsumexp(scores, dim=-1)
         vh = expand_kv(v, q.shape[2]).to(scores.dtype).transpose(1, 2)
@@ -79,11 +93,13 @@ class ReferenceKernel:
         lse_grad: bool = False,
         mask: Tensor | None = None,
         softcap: float | None = None,
+        segments: Segments | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         # Reads delta directly, so any delta is exact (lse_grad changes nothing; Note [Gradient of the lse]).
         # p = exp(s - lse);  dv = p^T dO;  dp = dO v^T;  ds = p * (dp - delta);  dq = ds k;  dk = ds^T q
         # With softcap, s = c tanh(r / c) of the raw scores r, and dr = ds * (1 - (s / c)^2).
         heads, kv_heads = q.shape[2], k.shape[2]
+        mask = _with_segments(mask, segments, q, k)
         scores, capped = _scores(q, k, causal=causal, scale=scale, mask=mask, softcap=softcap)
         acc = scores.dtype
         p = _probabilities(scores, lse.to(acc))

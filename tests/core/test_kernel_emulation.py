@@ -2,14 +2,17 @@
 ``"auto"`` choice on emulated machines.
 
 - flash-attn 2.6.3, 2.7.x and 2.8.x: fakes of ``flash_attn_interface._flash_attn_forward`` /
-  ``_flash_attn_backward`` with the releases' exact signatures and return tuples (2.8's as
-  ``torch.library.custom_op`` s, as shipped), asserting what their C++ asserts (fp16/bf16, contiguous
-  last dim, ``head_dim % 8 == 0`` and ``<= 256`` where the release requires it), computing with the
-  reference math and forming ``delta = rowsum(dO * out)`` themselves as the real kernels do. They are
-  installed as ``sys.modules["flash_attn"]`` and drive :class:`FlashAttnKernel`.
+  ``_flash_attn_backward`` and ``_flash_attn_varlen_forward`` / ``_flash_attn_varlen_backward`` with the
+  releases' exact signatures and return tuples (2.8's as ``torch.library.custom_op`` s, as shipped),
+  asserting what their C++ asserts (fp16/bf16, contiguous last dim, ``head_dim % 8 == 0`` and ``<= 256``
+  where the release requires it, int32 ``cu_seqlens``, the ``(H, total_q)`` fp32 varlen lse), computing
+  with the reference math (softcap as ``softcap * tanh(s * scale / softcap)``, varlen windows as the C++
+  makes them: :func:`flash_window`) and forming ``delta = rowsum(dO * out)`` themselves as the real
+  kernels do. They are installed as ``sys.modules["flash_attn"]`` and drive :class:`FlashAttnKernel`.
 - ``cuda_flash`` and ``cuda_sdpa``: on ``meta`` tensors through the ops' real meta functions
-  (shapes, dtypes, schema), and numerically under a dispatch mode that implements the two CUDA op pairs
-  on CPU, reading every argument by its schema name (so a swapped argument changes the result).
+  (shapes, dtypes, schema), and numerically under a dispatch mode that implements the CUDA op pairs
+  (``cuda_flash``'s dense and varlen ones, ``cuda_sdpa``'s) on CPU, reading every argument by its schema
+  name (so a swapped argument changes the result).
 - ``kernel="auto"`` with monkeypatched CUDA availability, compute capability and flash-attn installs.
 """
 
@@ -57,16 +60,22 @@ def _check_qkv(q, k, v, *, multiple_of_8: bool) -> None:
 
 
 def _check_plain(dropout_p, softcap, alibi_slopes) -> None:
-    assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
+    assert dropout_p == 0.0 and alibi_slopes is None
+    assert isinstance(softcap, float) and softcap >= 0.0, softcap  # 0.0: off
 
 
-def _forward_math(q, k, v, softmax_scale, causal, window_size_left, window_size_right):
+def _cap(softcap: float) -> float | None:
+    """The reference kernel's softcap for flash-attn's (``0.0``: off)."""
+    return softcap if softcap > 0 else None
+
+
+def _forward_math(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap):
     assert (window_size_left, window_size_right) == (-1, -1)
-    out, lse = REF.forward(q, k, v, causal=causal, scale=softmax_scale)
+    out, lse = REF.forward(q, k, v, causal=causal, scale=softmax_scale, softcap=_cap(softcap))
     return out, lse.float()
 
 
-def _backward_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window, deterministic):
+def _backward_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window, deterministic, softcap):
     """flash-attn's mha_bwd: padded head dims, delta formed from dout and out, grads into dq, dk, dv."""
     _check_qkv(q, k, v, multiple_of_8=True)  # "head_size should be a multiple of 8"
     assert window == (-1, -1) and isinstance(deterministic, bool)
@@ -76,10 +85,88 @@ def _backward_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, c
     assert softmax_lse.is_contiguous()
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dq.dtype == q.dtype
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-    grads = REF.backward(dout, q, k, v, softmax_lse, delta, causal=causal, scale=softmax_scale)
+    grads = REF.backward(dout, q, k, v, softmax_lse, delta, causal=causal, scale=softmax_scale, softcap=_cap(softcap))
     for buf, grad in zip((dq, dk, dv), grads, strict=True):
         buf.copy_(grad)
     return delta.contiguous()
+
+
+# --- varlen: flash-attn's and ATen's, one math -------------------------------------------------------------
+
+
+def flash_window(sq: int, sk: int, max_seqlen_k: int, causal: bool, left: int, right: int) -> torch.Tensor:
+    """``(sq, sk)`` boolean: the keys each query of one varlen sequence sees, as the C++ makes them of ``causal``
+    and ``window_size`` (``mha_varlen_fwd/bwd`` clamp against ``max_seqlen_k``, ``set_params_fprop`` turns a
+    negative side beside a non-negative one into ``seqlen_k``, ``mask.h`` bounds ``j`` by
+    ``i + sk - sq - left .. i + sk - sq + right``); the same in 2.6.3 to 2.8.3 and PyTorch's copy."""
+    if causal:
+        right = 0
+    left, right = (-1 if side >= max_seqlen_k else side for side in (left, right))
+    if left < 0 and right < 0:
+        return torch.ones(sq, sk, dtype=torch.bool)
+    left, right = (max_seqlen_k if side < 0 else side for side in (left, right))
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    return (j >= i + sk - sq - left) & (j <= i + sk - sq + right)
+
+
+def _check_varlen_qkv(q, k, v, *, multiple_of_8: bool) -> None:
+    assert q.dim() == k.dim() == v.dim() == 3, "varlen tensors are (total, heads, head_dim)"
+    assert q.dtype in LOW, "FlashAttention only support fp16 and bf16 data type"
+    assert k.dtype == q.dtype and v.dtype == q.dtype, "query and key/value must have the same dtype"
+    assert all(t.stride(-1) == 1 for t in (q, k, v)), "Input tensor must have contiguous last dimension"
+    assert q.shape[-1] <= 256, "FlashAttention forward only supports head dimension at most 256"
+    if multiple_of_8:
+        assert q.shape[-1] % 8 == 0, "head_size must be a multiple of 8"
+    assert k.shape == v.shape and q.shape[-1] == k.shape[-1]
+    assert q.shape[1] % k.shape[1] == 0, "Number of heads in key/value must divide number of heads in query"
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k) -> list:
+    """``[(q0, q1, k0, k1)]`` of the sequences, asserting the C++ checks and that the grids cover them."""
+    bounds = []
+    for cu, total, most in ((cu_seqlens_q, total_q, max_seqlen_q), (cu_seqlens_k, total_k, max_seqlen_k)):
+        assert cu.dtype == torch.int32, "cu_seqlens must have dtype int32"
+        assert cu.dim() == 1 and cu.is_contiguous() and cu.numel() >= 2, "batch size must be positive"
+        values = cu.tolist()
+        assert values[0] == 0 and values[-1] == total, (values, total)
+        lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
+        assert min(lengths) >= 0 and max(lengths) <= most, (lengths, most)  # max_seqlen sizes the grids
+        bounds.append(values)
+    assert len(bounds[0]) == len(bounds[1]), "CHECK_SHAPE(cu_seqlens_k, batch_size + 1)"
+    (cq, ck) = bounds
+    return [(cq[n], cq[n + 1], ck[n], ck[n + 1]) for n in range(len(cq) - 1)]
+
+
+def varlen_forward_math(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap):
+    """``out (total_q, H, D)`` and ``lse (H, total_q)`` fp32 of the varlen forward, sequence by sequence; a query
+    that sees no key gets ``out = 0`` and ``lse = +inf`` (``softmax.h``)."""
+    out, lse = torch.zeros_like(q), torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    for a, b, c, d in _sequences(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
+        mask = flash_window(b - a, d - c, max_k, causal, *window)
+        rows = (q[None, a:b], k[None, c:d], v[None, c:d])
+        o, l_ = REF.forward(*rows, causal=False, scale=scale, mask=mask, softcap=_cap(softcap))
+        out[a:b], lse[:, a:b] = o[0], l_[0].float().masked_fill(torch.isneginf(l_[0]), float("inf"))
+    return out, lse
+
+
+def varlen_backward_math(dout, q, k, v, out, lse, grads, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap):
+    """mha_varlen_bwd: grads into ``grads = (dq, dk, dv)``, delta formed from dout and out; returns
+    ``softmax_d (H, total_q + 128 * batch)``."""
+    _check_varlen_qkv(q, k, v, multiple_of_8=True)  # "head_size should be a multiple of 8"
+    assert out.shape == dout.shape == q.shape and out.dtype == dout.dtype == q.dtype
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and all(g.dtype == q.dtype for g in grads)
+    delta = (dout.float() * out.float()).sum(-1).T
+    sequences = _sequences(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    softmax_d = torch.zeros(q.shape[1], q.shape[0] + 128 * len(sequences))
+    for n, (a, b, c, d) in enumerate(sequences):
+        mask = flash_window(b - a, d - c, max_k, causal, *window)
+        tensors = (dout[None, a:b], q[None, a:b], k[None, c:d], v[None, c:d], lse[None, :, a:b], delta[None, :, a:b])
+        seq_grads = REF.backward(*tensors, causal=False, scale=scale, mask=mask, softcap=_cap(softcap))
+        for buf, grad, (lo, hi) in zip(grads, seq_grads, ((a, b), (c, d), (c, d)), strict=True):
+            buf[lo:hi] = grad[0]
+        softmax_d[:, a + 128 * n : b + 128 * n] = delta[:, a:b]
+    return softmax_d
 
 
 def _round8(x: int) -> int:
@@ -92,7 +179,7 @@ def fa263_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softca
     assert return_softmax is False
     dim = q.shape[-1]
     q_p, k_p, v_p = (torch.nn.functional.pad(t, (0, _round8(dim) - dim)) for t in (q, k, v))
-    out_padded, lse = _forward_math(q_p, k_p, v_p, softmax_scale, causal, *window_size)
+    out_padded, lse = _forward_math(q_p, k_p, v_p, softmax_scale, causal, *window_size, softcap)
     rng_state = torch.empty(2, dtype=torch.int64)
     return out_padded[..., :dim], q_p, k_p, v_p, out_padded, lse, torch.empty(0, dtype=q.dtype), rng_state
 
@@ -120,7 +207,7 @@ def fa263_backward(
     assert q.shape[-1] == _round8(dout.shape[-1]), "head_size must be head_size_og rounded to a multiple of 8"
     dout = torch.nn.functional.pad(dout, (0, q.shape[-1] - dout.shape[-1]))  # 2.6.3 pads dout in C++
     softmax_d = _backward_math(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, tuple(window_size), deterministic
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, tuple(window_size), deterministic, softcap
     )
     return dq, dk, dv, softmax_d
 
@@ -141,7 +228,7 @@ def fa27_forward(
     _check_qkv(q, k, v, multiple_of_8=True)
     _check_plain(dropout_p, softcap, alibi_slopes)
     assert return_softmax is False
-    out, lse = _forward_math(q, k, v, softmax_scale, causal, window_size_left, window_size_right)
+    out, lse = _forward_math(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
     return out, lse, torch.empty(0, dtype=q.dtype), torch.empty(2, dtype=torch.int64)
 
 
@@ -167,32 +254,192 @@ def fa27_backward(
 ) -> torch.Tensor:
     _check_plain(dropout_p, softcap, alibi_slopes)
     window = (window_size_left, window_size_right)
-    return _backward_math(dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window, deterministic)
+    return _backward_math(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, softmax_scale, causal, window, deterministic, softcap
+    )
 
 
-# flash-attn >= 2.7 ships both as torch.library.custom_op (CUDA only; CPU here, own namespace).
+def _check_varlen_plain(return_softmax, block_table, leftpad_k, seqused_k) -> None:
+    assert return_softmax is False and block_table is None and leftpad_k is None and seqused_k is None
+
+
+def fa263_varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+    leftpad_k=None,
+    seqused_k=None,
+):
+    _check_varlen_qkv(q, k, v, multiple_of_8=False)  # 2.6.3 pads in C++
+    _check_plain(dropout_p, softcap, alibi_slopes)
+    _check_varlen_plain(return_softmax, block_table, leftpad_k, seqused_k)
+    dim = q.shape[-1]
+    q_p, k_p, v_p = (torch.nn.functional.pad(t, (0, _round8(dim) - dim)) for t in (q, k, v))
+    out_padded, lse = varlen_forward_math(
+        q_p,
+        k_p,
+        v_p,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+    )
+    rng_state = torch.empty(2, dtype=torch.int64)
+    return out_padded[..., :dim], q_p, k_p, v_p, out_padded, lse, torch.empty(0, dtype=q.dtype), rng_state
+
+
+def fa263_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
+    _check_plain(dropout_p, softcap, alibi_slopes)
+    assert isinstance(deterministic, bool)
+    assert q.shape[-1] == _round8(dout.shape[-1]), "head_size must be head_size_og rounded to a multiple of 8"
+    dout = torch.nn.functional.pad(dout, (0, q.shape[-1] - dout.shape[-1]))  # 2.6.3 pads dout in C++
+    sequences = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    window = tuple(window_size)
+    softmax_d = varlen_backward_math(
+        dout, q, k, v, out, softmax_lse, (dq, dk, dv), *sequences, softmax_scale, causal, window, softcap
+    )
+    return dq, dk, dv, softmax_d
+
+
+def fa27_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    return_softmax: bool = False,
+    block_table: torch.Tensor | None = None,
+    leftpad_k: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    zero_tensors: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_varlen_qkv(q, k, v, multiple_of_8=True)
+    _check_plain(dropout_p, softcap, alibi_slopes)
+    _check_varlen_plain(return_softmax, block_table, leftpad_k, seqused_k)
+    assert zero_tensors is False
+    window = (window_size_left, window_size_right)
+    out, lse = varlen_forward_math(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, softcap
+    )
+    return out, lse, torch.empty(0, dtype=q.dtype), torch.empty(2, dtype=torch.int64)
+
+
+def fa27_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: torch.Tensor | None,
+    dk: torch.Tensor | None,
+    dv: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    deterministic: bool,
+    rng_state: torch.Tensor | None = None,
+    zero_tensors: bool = False,
+) -> torch.Tensor:
+    _check_plain(dropout_p, softcap, alibi_slopes)
+    assert isinstance(deterministic, bool) and zero_tensors is False
+    sequences = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    window = (window_size_left, window_size_right)
+    return varlen_backward_math(
+        dout, q, k, v, out, softmax_lse, (dq, dk, dv), *sequences, softmax_scale, causal, window, softcap
+    )
+
+
+# flash-attn >= 2.7 ships all four as torch.library.custom_op (CUDA only; CPU here, own namespace).
 fa28_forward = torch.library.custom_op("mesh_cp_fake_fa28::_flash_attn_forward", mutates_args=(), device_types="cpu")(
     fa27_forward
 )
 fa28_backward = torch.library.custom_op(
     "mesh_cp_fake_fa28::_flash_attn_backward", mutates_args=("dq", "dk", "dv"), device_types="cpu"
 )(fa27_backward)
+fa28_varlen_forward = torch.library.custom_op(
+    "mesh_cp_fake_fa28::_flash_attn_varlen_forward", mutates_args=(), device_types="cpu"
+)(fa27_varlen_forward)
+fa28_varlen_backward = torch.library.custom_op(
+    "mesh_cp_fake_fa28::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"), device_types="cpu"
+)(fa27_varlen_backward)
 
 FAKES = {
-    "2.6.3": (fa263_forward, fa263_backward),
-    "2.7.4.post1": (fa27_forward, fa27_backward),
-    "2.8.3": (fa28_forward, fa28_backward),
+    "2.6.3": (fa263_forward, fa263_backward, fa263_varlen_forward, fa263_varlen_backward),
+    "2.7.4.post1": (fa27_forward, fa27_backward, fa27_varlen_forward, fa27_varlen_backward),
+    "2.8.3": (fa28_forward, fa28_backward, fa28_varlen_forward, fa28_varlen_backward),
 }
+PRIVATE_NAMES = (
+    "_flash_attn_forward",
+    "_flash_attn_backward",
+    "_flash_attn_varlen_forward",
+    "_flash_attn_varlen_backward",
+)
 
 
 def install_flash_attn(monkeypatch, version: str, api: str | None = None) -> None:
     """Make ``import flash_attn`` give a fake of ``version`` (with the private API of ``api``)."""
-    forward, backward = FAKES[api or version]
     package = types.ModuleType("flash_attn")
     package.__version__ = version
     package.__path__ = []
     interface = types.ModuleType("flash_attn.flash_attn_interface")
-    interface._flash_attn_forward, interface._flash_attn_backward = forward, backward
+    for name, fn in zip(PRIVATE_NAMES, FAKES[api or version], strict=True):
+        setattr(interface, name, fn)
     package.flash_attn_interface = interface
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
@@ -349,6 +596,68 @@ def _efficient_bwd(
     return (*(g.to(query.dtype).transpose(1, 2) for g in grads), None)
 
 
+def _flash_varlen_fwd(
+    query,
+    key,
+    value,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    return_debug_mask,
+    scale,
+    window_size_left=None,
+    window_size_right=None,
+    seqused_k=None,
+    alibi_slopes=None,
+    **later,  # block_table, num_splits (newer PyTorch)
+):
+    """``aten._flash_attention_forward`` in its varlen form (mha_varlen_fwd); mesh_cp's dense calls go through
+    ``_scaled_dot_product_flash_attention``."""
+    assert cum_seq_q is not None and cum_seq_k is not None
+    _check_varlen_qkv(query, key, value, multiple_of_8=True)  # "this is ensured by padding!"
+    assert dropout_p == 0.0 and return_debug_mask is False and seqused_k is None and alibi_slopes is None
+    assert all(v is None for v in later.values()), later
+    window = tuple(-1 if w is None else w for w in (window_size_left, window_size_right))  # value_or(-1)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale  # sdp::calculate_scale: the padded head dim
+    out, lse = varlen_forward_math(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale, is_causal, window, 0.0)
+    rng = torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
+    return out, lse, *rng, torch.empty(0, dtype=query.dtype)
+
+
+def _flash_varlen_bwd(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    scale,
+    window_size_left=None,
+    window_size_right=None,
+    **rng,  # rng_state, unused (philox_seed, philox_offset before): read only with dropout
+):
+    assert dropout_p == 0.0 and len(rng) == 2
+    window = tuple(-1 if w is None else w for w in (window_size_left, window_size_right))
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    grads = tuple(torch.empty_like(t) for t in (query, key, value))
+    sequences = (cum_seq_q, cum_seq_k, max_q, max_k)
+    # the op makes grad_out and out contiguous itself
+    varlen_backward_math(
+        grad_out.contiguous(), query, key, value, out.contiguous(), logsumexp, grads, *sequences, scale, is_causal,
+        window, 0.0,
+    )  # fmt: skip
+    return grads
+
+
 class EmulatedCudaAttention(TorchDispatchMode):
     """Runs the CUDA-only attention ops on CPU with the reference math, binding every argument by
     its name in the op's real schema; records which ops ran."""
@@ -358,6 +667,8 @@ class EmulatedCudaAttention(TorchDispatchMode):
         torch.ops.aten._scaled_dot_product_flash_attention_backward.default: _flash_bwd,
         torch.ops.aten._scaled_dot_product_efficient_attention.default: _efficient_fwd,
         torch.ops.aten._scaled_dot_product_efficient_attention_backward.default: _efficient_bwd,
+        torch.ops.aten._flash_attention_forward.default: _flash_varlen_fwd,
+        torch.ops.aten._flash_attention_backward.default: _flash_varlen_bwd,
     }
 
     def __init__(self) -> None:

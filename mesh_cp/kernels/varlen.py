@@ -1,0 +1,259 @@
+"""Masked tiles as flash-attn varlen sequences ("segments"): the contract, its dense equivalent, and the gather
+and scatter around the varlen calls of the fused kernels (``flash_attn`` and ``cuda_flash``).
+
+A :data:`Segment` ``(q0, q1, k0, k1, left, right)`` makes local query rows ``[q0, q1)`` and key rows
+``[k0, k1)`` of one batch row of a tile one varlen sequence (``sq = q1 - q0``, ``sk = k1 - k0``, both
+``>= 1``): its query ``i`` attends its key ``j`` iff ``(left < 0 or j >= i + sk - sq - left)`` and
+``(right < 0 or j <= i + sk - sq + right)``, flash-attn's ``window_size = (left, right)`` with ``-1`` for no
+bound and the band anchored at the bottom-right corner (the docstring of ``flash_attn_varlen_func``). Every
+query of a segment sees a key; in a batch row the segments' query ranges are sorted and disjoint, and so are
+their key ranges. :data:`Segments` holds one tuple per batch row (or one tuple for every row). Queries in no
+segment attend nothing in the tile (``out = 0``, ``lse = -inf``, ``dq = 0``); keys in none get ``dk = dv = 0``.
+
+Note [Varlen windows]
+~~~~~~~~~~~~~~~~~~~~~
+Read from flash-attn 2.6.3, 2.7.4.post1 and 2.8.3 (``csrc/flash_attn/flash_api.cpp``: ``mha_varlen_fwd``,
+``mha_varlen_bwd``, ``set_params_fprop``; ``src/mask.h``) and PyTorch's copy
+(``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``), all the same here. A call's window is not
+used as given:
+
+1. ``if (is_causal) window_size_right = 0``; then ``if (window_size_left >= max_seqlen_k) window_size_left = -1``
+   and the same for the right side.
+2. ``set_params_fprop``: a negative side beside a non-negative one becomes ``seqlen_k``, i.e. ``max_seqlen_k``
+   (both negative: no local mask at all).
+3. ``mask.h`` bounds query ``i`` of a sequence by ``i + sk - sq - left <= j <= i + sk - sq + right`` with the
+   sequence's own ``sk``, ``sq`` (``binfo.actual_seqlen_*``).
+
+So a side meant to be unbounded becomes the bound ``max_seqlen_k``, which cuts a query off from keys it should see
+when ``sq - 1 > max_seqlen_k`` (a right side), and a finite side ``>= max_seqlen_k`` is dropped. Every segment is
+therefore called with a canonical window first: a side that bounds nothing in its segment (``left >= sk - 1``,
+``right >= sq - 1``) becomes ``-1``, so every remaining bound is below ``sk - 1`` (left) or ``sq - 1`` (right).
+Segments are grouped by that window (one call takes one window), and a group with a bound side is called with
+``max_seqlen_k = max(max sk, max sq - 1)``: no side is dropped by step 1, and the bound step 2 gives an
+unbounded side (``max_seqlen_k >= sk`` on the left, ``>= sq - 1`` on the right) cuts no key. A group with no
+bound side gets its true ``max sk``. A larger ``max_seqlen_k`` is only an upper bound to the kernels: the
+forward reads each sequence's length from ``cu_seqlens_k``, and the backward launches
+``ceil(max_seqlen_k / kBlockN)`` key blocks of which those past a sequence's length return at once
+(``flash_bwd_kernel.h``: ``if (n_block * kBlockN >= binfo.actual_seqlen_k) return;``, in all three releases);
+``max_seqlen_k`` also sizes the split-KV path, taken only for ``max_seqlen_q == 1`` with GQA and no window (or
+a paged KV cache), where it is not raised. Row statistics come back unpadded: ``softmax_lse`` is
+``(num_heads, total_q)`` fp32 in the forward (the ``max_seqlen_q == 1`` GQA path too: ``flash_fwd_kernel.h`` writes
+it as ``(h, seqlen_q, b)`` there), and the backward reads it in that layout (``unpadded_lse``; PyTorch's meta
+function of ``_flash_attention_forward`` agrees). A query that sees no key would get
+``lse = +inf`` (``softmax.h``), not the ``-inf`` the LSE merge takes, so segments must not have one.
+
+The gather indices, ``cu_seqlens`` (int32) and ``max_seqlen`` of a tile are built on the host from the hashable
+segments, copied to the device in one transfer and cached; nothing reads a device tensor back.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Segment = tuple[int, int, int, int, int, int]
+"""``(q0, q1, k0, k1, left, right)``: one varlen sequence of a tile (module docstring)."""
+Segments = tuple[tuple[Segment, ...], ...]
+"""One tuple of segments per batch row, or one tuple for every row."""
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """One varlen kernel call: every sequence of a tile with the same canonical window."""
+
+    window: tuple[int, int]
+    """``(window_size_left, window_size_right)`` as the kernel takes it (Note [Varlen windows])."""
+    q_rows: Tensor
+    """int64 rows of the flattened ``(B * Sq)`` queries, sequence after sequence."""
+    k_rows: Tensor
+    """int64 rows of the flattened ``(B * Sk)`` keys."""
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """The varlen calls of a tile and where their rows go back to."""
+
+    calls: tuple[VarlenCall, ...]
+    q_back: Tensor
+    """``(B * Sq)`` int64: where each query's row is in the calls' outputs laid end to end (for a query in no
+    segment: their total, the row of zeros placed after them)."""
+    k_back: Tensor
+    """``(B * Sk)`` int64: the same for the keys' gradients."""
+    q_covered: Tensor
+    """``(B, 1, Sq)`` boolean: the query is in a segment."""
+
+
+def _check_segments(segments: Segments, batch: int, sq: int, sk: int) -> None:
+    """Raise ``ValueError`` naming the first segment that breaks the contract (module docstring)."""
+    if len(segments) not in (1, batch):
+        raise ValueError(f"segments has {len(segments)} rows, the batch has {batch} (pass one tuple per row, or one)")
+    for row, segs in enumerate(segments):
+        q_end = k_end = 0
+        for seg in segs:
+            if len(seg) != 6 or not all(isinstance(x, int) for x in seg):
+                raise ValueError(f"segment {seg!r} of row {row} is not six ints (q0, q1, k0, k1, left, right)")
+            q0, q1, k0, k1, left, right = seg
+            if not (q_end <= q0 < q1 <= sq and k_end <= k0 < k1 <= sk):
+                raise ValueError(
+                    f"segment {seg!r} of row {row}: query and key ranges must be non-empty, sorted and disjoint, "
+                    f"within the tile's {sq} queries and {sk} keys"
+                )
+            if left < -1 or right < -1:
+                raise ValueError(f"segment {seg!r} of row {row}: window sides are >= 0, or -1 for no bound")
+            if right >= 0 and right < (q1 - q0) - (k1 - k0):  # query 0 would see no key
+                raise ValueError(f"segment {seg!r} of row {row}: its first query sees no key (right < sq - sk)")
+            q_end, k_end = q1, k1
+
+
+def canonical_window(segment: Segment) -> tuple[int, int]:
+    """The window of ``segment`` with each side that bounds nothing in it made ``-1`` (Note [Varlen windows])."""
+    q0, q1, k0, k1, left, right = segment
+    return (-1 if left >= k1 - k0 - 1 else left, -1 if right >= q1 - q0 - 1 else right)
+
+
+def flash_max_seqlen_k(window: tuple[int, int], max_q: int, max_k: int) -> int:
+    """The ``max_seqlen_k`` of a call with canonical ``window`` whose sequences have at most ``max_q`` queries and
+    ``max_k`` keys: ``max_k``, raised to ``max_q - 1`` when a side is bound (Note [Varlen windows])."""
+    return max_k if window == (-1, -1) else max(max_k, max_q - 1)
+
+
+def varlen_plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int | None = None) -> VarlenPlan:
+    """The varlen calls of a tile of ``batch`` rows (default ``len(segments)``) of ``sq`` queries and ``sk`` keys,
+    on ``device``; built once per arguments (Note [Varlen windows]). Raises ``ValueError`` for segments that break
+    the contract."""
+    return _plan(segments, sq, sk, torch.device(device), len(segments) if batch is None else batch)
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int) -> VarlenPlan:
+    _check_segments(segments, batch, sq, sk)
+    rows = segments * batch if len(segments) == 1 else segments
+    groups: dict[tuple[int, int], list[tuple[int, Segment]]] = {}
+    for b, segs in enumerate(rows):
+        for seg in segs:
+            groups.setdefault(canonical_window(seg), []).append((b, seg))
+    q_parts, k_parts, shapes = [], [], []
+    for window, members in groups.items():
+        lengths = [(q1 - q0, k1 - k0) for _, (q0, q1, k0, k1, _, _) in members]
+        q_parts += [torch.arange(b * sq + s[0], b * sq + s[1]) for b, s in members]
+        k_parts += [torch.arange(b * sk + s[2], b * sk + s[3]) for b, s in members]
+        max_q, max_k = max(n for n, _ in lengths), max(n for _, n in lengths)
+        shapes.append((window, lengths, max_q, flash_max_seqlen_k(window, max_q, max_k)))
+    q_rows, k_rows = (torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for p in (q_parts, k_parts))
+    q_back, k_back = _inverse(q_rows, batch * sq), _inverse(k_rows, batch * sk)
+    cu = [torch.tensor(lengths).cumsum(0).T for _, lengths, _, _ in shapes]  # (2, n) per call
+    host = torch.cat([q_rows, k_rows, q_back, k_back, *(_with_zero(c).reshape(-1) for c in cu)])
+    dev = host.to(device)  # the one host-to-device copy
+    views = list(dev.split([len(q_rows), len(k_rows), len(q_back), len(k_back), *(2 * (c.shape[1] + 1) for c in cu)]))
+    q_rows, k_rows, q_back, k_back = views[:4]
+    calls, q_at, k_at = [], 0, 0
+    for (window, lengths, max_q, max_k), flat in zip(shapes, views[4:], strict=True):
+        cu_q, cu_k = flat.to(torch.int32).reshape(2, -1)
+        nq, nk = (sum(n[i] for n in lengths) for i in (0, 1))
+        calls.append(VarlenCall(window, q_rows[q_at : q_at + nq], k_rows[k_at : k_at + nk], cu_q, cu_k, max_q, max_k))
+        q_at, k_at = q_at + nq, k_at + nk
+    covered = (q_back < len(q_rows)).reshape(batch, 1, sq)
+    return VarlenPlan(tuple(calls), q_back, k_back, covered)
+
+
+def _with_zero(cumsum: Tensor) -> Tensor:
+    """``(2, n)`` cumulative lengths with a leading zero column: ``cu_seqlens_q`` and ``cu_seqlens_k``."""
+    return torch.cat([torch.zeros(2, 1, dtype=cumsum.dtype), cumsum], 1)
+
+
+def _inverse(rows: Tensor, size: int) -> Tensor:
+    """``(size,)`` int64: the position of each row in ``rows``, ``len(rows)`` for rows not in it."""
+    back = torch.full((size,), len(rows), dtype=torch.int64)
+    back[rows] = torch.arange(len(rows))
+    return back
+
+
+def segments_mask(segments: Segments, sq: int, sk: int, device: torch.device | str | None = None) -> Tensor:
+    """``(len(segments), 1, sq, sk)`` boolean: query ``i`` of the tile attends key ``j`` (the dense equivalent of
+    ``segments``, for the reference kernel and for tests). Raises ``ValueError`` for segments that break the
+    contract."""
+    return _segments_mask(segments, sq, sk).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _segments_mask(segments: Segments, sq: int, sk: int) -> Tensor:
+    _check_segments(segments, len(segments), sq, sk)
+    mask = torch.zeros(len(segments), 1, sq, sk, dtype=torch.bool)
+    for b, segs in enumerate(segments):
+        for q0, q1, k0, k1, left, right in segs:
+            i, j = torch.arange(q1 - q0)[:, None], torch.arange(k1 - k0)[None, :]
+            offset = i + (k1 - k0) - (q1 - q0)  # bottom-right anchored diagonal
+            seen = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+            if left >= 0:
+                seen &= j >= offset - left
+            if right >= 0:
+                seen &= j <= offset + right
+            mask[b, 0, q0:q1, k0:k1] = seen
+    return mask
+
+
+def plan_for(q: Tensor, k: Tensor, segments: Segments, causal: bool) -> VarlenPlan:
+    """The plan of a kernel call with ``q (B, Sq, ...)``, ``k (B, Sk, ...)`` and ``segments``; raises
+    ``ValueError`` when ``causal`` is asked too (the segments carry the whole mask)."""
+    if causal:
+        raise ValueError("causal=True with segments: the segments carry the whole mask; pass causal=False")
+    return varlen_plan(segments, q.shape[1], k.shape[1], q.device, q.shape[0])
+
+
+def stats_on_segments(lse: Tensor, delta: Tensor, plan: VarlenPlan) -> tuple[Tensor, Tensor]:
+    """``lse`` and ``delta`` ``(B, H, Sq)`` with ``0`` on queries in no segment, whose values are never read but
+    must stay finite in the constructions of Note [Gradient of the lse]."""
+    return tuple(torch.where(plan.q_covered, t, torch.zeros((), dtype=t.dtype, device=t.device)) for t in (lse, delta))
+
+
+def _rows(t: Tensor, index: Tensor) -> Tensor:
+    """Rows ``index`` of ``t (B, S, H, D)`` flattened to ``(B * S, H, D)``: contiguous ``(len(index), H, D)``."""
+    return t.reshape(-1, *t.shape[2:]).index_select(0, index)
+
+
+def _back(parts: list[Tensor], fill: Tensor, back: Tensor, dim: int) -> Tensor:
+    """The calls' outputs laid end to end along ``dim`` with ``fill`` after them, gathered by ``back``."""
+    return torch.cat([*parts, fill], dim).index_select(dim, back)
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, plan: VarlenPlan, run: Callable) -> tuple[Tensor, Tensor]:
+    """``(out (B, Sq, H, D), lse (B, H, Sq) fp32)`` of a tile from ``run(call, q, k, v) -> (out, lse)`` per call
+    (``(total_q, H, D)`` rows and ``(H, total_q)`` fp32 statistics); queries in no segment get ``0`` and ``-inf``."""
+    batch, sq, heads, dim = q.shape
+    outs, lses = [], []
+    for call in plan.calls:
+        out, lse = run(call, _rows(q, call.q_rows), _rows(k, call.k_rows), _rows(v, call.k_rows))
+        outs.append(out)
+        lses.append(lse)
+    out = _back(outs, q.new_zeros(1, heads, dim), plan.q_back, 0).reshape(batch, sq, heads, dim)
+    none = torch.full((heads, 1), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = _back(lses, none, plan.q_back, 1).reshape(heads, batch, sq).transpose(0, 1).contiguous()
+    return out, lse
+
+
+def backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, plan: VarlenPlan, run: Callable
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq (B, Sq, H, D)``, ``dk, dv (B, Sk, Hkv, D)`` of a tile from ``run(call, do, q, k, v, out, lse) -> (dq,
+    dk, dv)`` per call on its rows (``lse (H, total_q)`` fp32, contiguous); rows in no segment get ``0``. The
+    inputs are the padded ones of :func:`~mesh_cp.kernels.base.fused_backward_inputs`."""
+    batch, sq, heads, dim = q.shape
+    lse_rows = lse.float().transpose(0, 1).reshape(heads, batch * sq)
+    parts: tuple[list[Tensor], ...] = ([], [], [])
+    for call in plan.calls:
+        inputs = [_rows(t, call.q_rows) for t in (do, q)] + [_rows(t, call.k_rows) for t in (k, v)]
+        grads = run(call, *inputs, _rows(out, call.q_rows), lse_rows.index_select(1, call.q_rows))
+        for part, grad in zip(parts, grads, strict=True):
+            part.append(grad)
+    dq = _back(parts[0], q.new_zeros(1, heads, dim), plan.q_back, 0).reshape(q.shape)
+    zero_kv = k.new_zeros(1, *k.shape[2:])
+    dk, dv = (_back(p, zero_kv, plan.k_back, 0).reshape(k.shape) for p in parts[1:])
+    return dq, dk, dv
