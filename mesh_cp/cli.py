@@ -1,4 +1,5 @@
-"""The ``mesh-cp`` command: predicted traffic, memory and time of every tile, and the tile to use.
+"""The ``mesh-cp`` command: predicted traffic, memory and time of every tile, of the best head-parallel x mesh
+hybrid and USP split, and what to use.
 
 ::
 
@@ -23,7 +24,11 @@ from mesh_cp.sim import (
     PRESETS,
     SimResult,
     Topology,
+    best_of_kind,
+    choose_hybrid,
     choose_tile,
+    simulate_hybrid,
+    simulate_hybrids,
     simulate_tiles,
     simulate_ulysses,
     ulysses_unavailable,
@@ -162,14 +167,17 @@ def _plan_command(args: argparse.Namespace) -> int:
         )
     else:
         lines.append(f"{'ulysses':>9}  unavailable: {reason}")
-    tile, why = choose_tile(
+    lines += _hybrid_rows(args, shape, topology, ring)
+    _, _, why = choose_hybrid(
         args.world, shape, topology, causal=args.causal, backward=args.backward, memory_budget=args.memory_budget
     )
     lines += [
         "",
         "traffic: bytes sent by the rank that sends the most across nodes; memory: peak beyond the inputs"
         + (" ('!': over --memory-budget)" if args.memory_budget else ""),
-        f"chosen {why}",
+        "Ux(AxB): all-to-alls over heads in groups of U consecutive ranks, then tile AxB over the P/U ranks that "
+        "hold the same heads (Ux(1xM) is USP)",
+        "chosen " + why.replace("; ", "\n    "),
     ]
     print("\n".join(lines))
     if args.plot:
@@ -178,31 +186,65 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hybrid_rows(args: argparse.Namespace, shape: AttentionShape, topology: Topology, ring: float) -> list[str]:
+    """Rows of the fastest head-parallel x mesh hybrid and USP split (overlapped schedule), tagged at the end."""
+    options = {"causal": args.causal, "backward": args.backward}
+    results = simulate_hybrids(args.world, shape, topology, **options)
+    lines = []
+    for kind, tag in (("hybrid", "best hybrid"), ("usp", "best USP")):
+        best = best_of_kind(results, kind)
+        if best is None:
+            lines.append(f"{tag:>9}  unavailable: no head-parallel degree u > 1 fits P={args.world} and this shape")
+            continue
+        u, tiling = best
+        collective = simulate_hybrid(u, tiling, shape, topology, schedule="collective", **options)
+        row = _row(f"{u}x({tiling})", results[best], collective, ring, args.memory_budget)
+        lines.append(f"{row}  {tag}")
+    return lines
+
+
 # ----------------------------------------------------------------------------------------------
 # Plot
 
 
 def scaling(args: argparse.Namespace, topology: Topology) -> list[dict]:
-    """Ring and best tile for P = 4..1024 at the fixed global ``args.seq`` (P with seq % 2P skipped)."""
+    """Ring, best tile, the automatic choice among hybrids (:func:`choose_hybrid`) and the best USP split for
+    P = 4..1024 at the fixed global ``args.seq`` (P with seq % 2P skipped; ``"usp"`` is ``None`` without one)."""
     points = []
+    options = {"causal": args.causal, "backward": args.backward}
     for world in PLOT_WORLDS:
         if args.seq % (2 * world):
             continue
         shape = _shape(args, world)
         try:
-            tile, _ = choose_tile(
-                world, shape, topology, causal=args.causal, backward=args.backward, memory_budget=args.memory_budget
-            )
+            tile, _ = choose_tile(world, shape, topology, memory_budget=args.memory_budget, **options)
+            heads, inner, _ = choose_hybrid(world, shape, topology, memory_budget=args.memory_budget, **options)
         except ValueError:  # no tile fits the memory budget at this P
             continue
-        results = simulate_tiles(world, shape, topology, causal=args.causal, backward=args.backward)
-        ring = results[Tiling(world=world, a=1, b=world)]
-        points.append({"world": world, "tile": str(tile), "ring": ring, "best": results[tile]})
+        results = simulate_tiles(world, shape, topology, **options)
+        hybrids = simulate_hybrids(world, shape, topology, **options)
+        usp = best_of_kind(hybrids, "usp")
+        points.append(
+            {
+                "world": world,
+                "tile": str(tile),
+                "ring": results[Tiling(world=world, a=1, b=world)],
+                "best": results[tile],
+                "hybrid": hybrids[(heads, inner)],
+                "hybrid_label": str(inner) if heads == 1 else f"{heads}x({inner})",
+                "usp": None if usp is None else hybrids[usp],
+            }
+        )
     return points
 
 
+_CURVES = (("ring", "ring 1xP", "o"), ("best", "best tile", "s"), ("hybrid", "auto (with heads)", "^"))
+_CURVES += (("usp", "best USP", "v"),)
+
+
 def plot_scaling(args: argparse.Namespace, topology: Topology, path: Path) -> None:
-    """Write a PNG: traffic per rank and predicted speed-up over ring versus P, ring and best tile."""
+    """Write a PNG: traffic per rank and predicted speed-up over ring versus P: ring, best tile, the automatic
+    choice among head-parallel x mesh hybrids and the best USP split."""
     try:
         import matplotlib
     except ImportError as err:
@@ -214,23 +256,30 @@ def plot_scaling(args: argparse.Namespace, topology: Topology, path: Path) -> No
     if not points:
         raise ValueError(f"--plot: no P in {PLOT_WORLDS} divides seq {args.seq} by 2P with a tile within the budget")
     worlds = [p["world"] for p in points]
+    nan = float("nan")  # log axes: no 0, and no point where a curve has none
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for key, style in (("ring", "o-"), ("best", "s-")):
-        for part, line in (("total", style), ("inter", style[0] + "--")):
-            gib = [getattr(p[key].traffic, part) / 2**30 for p in points]
-            label = f"{key} {'inter-node' if part == 'inter' else part}"
-            left.plot(worlds, [g if g > 0 else float("nan") for g in gib], line, label=label)  # log axis: no 0
+    for key, name, marker in _CURVES:
+        for part, line in (("total", "-"), ("inter", "--")):
+            gib = [nan if p[key] is None else getattr(p[key].traffic, part) / 2**30 for p in points]
+            label = f"{name} {'inter-node' if part == 'inter' else part}"
+            left.plot(worlds, [g if g > 0 else nan for g in gib], marker + line, label=label)
     left.set(xscale="log", yscale="log", xlabel="P (CP ranks)", ylabel="GiB sent per rank (fwd+bwd)")
     left.set_title(f"traffic per rank, seq {args.seq}")
-    left.legend()
-    speedups = [p["ring"].time / p["best"].time for p in points]
-    right.plot(worlds, speedups, "s-", label="best tile (overlap)")
+    left.legend(fontsize=7)
     right.axhline(1.0, color="grey", linewidth=0.8, label="ring 1xP")
-    for world, speedup, p in zip(worlds, speedups, points, strict=True):
-        right.annotate(p["tile"], (world, speedup), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    for key, name, marker in _CURVES[1:]:
+        speedups = [nan if p[key] is None else p["ring"].time / p[key].time for p in points]
+        right.plot(worlds, speedups, marker + "-", label=f"{name} (overlap)")
+        labels = {"best": "tile", "hybrid": "hybrid_label"}
+        for world, speedup, p in zip(worlds, speedups, points, strict=True):
+            if key in labels:
+                offset = (0, 6) if key == "best" else (0, -12)
+                right.annotate(
+                    p[labels[key]], (world, speedup), textcoords="offset points", xytext=offset, ha="center", fontsize=7
+                )
     right.set(xscale="log", xlabel="P (CP ranks)", ylabel="predicted speed-up over ring")
     right.set_title(f"fwd+bwd time, {args.topology}, {args.heads}/{args.kv_heads} heads")
-    right.legend()
+    right.legend(fontsize=7)
     for ax in (left, right):
         ax.set_xticks(worlds, [str(w) for w in worlds])
     fig.tight_layout()
@@ -249,9 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan = commands.add_parser(
         "plan",
-        help="predict traffic, memory and time of every a x b tile and choose one",
-        description="Simulate every tile a x b of --world ranks (overlapped and collective schedules) and "
-        "DeepSpeed-Ulysses on a topology; print one row each and the chosen tile. Sizes are global.",
+        help="predict traffic, memory and time of every a x b tile and hybrid, and choose one",
+        description="Simulate every tile a x b of --world ranks (overlapped and collective schedules), "
+        "DeepSpeed-Ulysses, and the fastest head-parallel x mesh hybrid and USP split on a topology; print one row "
+        "each and the choice (tile and head-parallel ranks). Sizes are global.",
     )
     plan.add_argument("--world", type=positive_int, required=True, help="CP group size P")
     plan.add_argument(

@@ -96,7 +96,7 @@ class CPMesh:
         group: ProcessGroup,
         *,
         tile: tuple[int, int] | str,
-        heads: int = 1,
+        heads: int | None = None,
         topology: Topology | str | None = None,
         shape: AttentionShape | None = None,
         memory_budget: int | None = None,
@@ -108,9 +108,10 @@ class CPMesh:
         ``heads = u > 1``: the head-parallel x mesh hybrid (Note [Head-parallel x mesh] in
         :mod:`mesh_cp.runtime.heads`): groups of ``u`` consecutive ranks exchange heads by all-to-all, and the
         ``P / u`` ranks holding the same heads run Mesh-Attention tiled ``tile`` (``a * b = P / u``). ``tile=(1,
-        P / u)`` is USP (Ulysses x ring), ``heads=P`` with ``tile=(1, 1)`` is Ulysses.
+        P / u)`` is USP (Ulysses x ring), ``heads=P`` with ``tile=(1, 1)`` is Ulysses. ``None``: ``1`` with an
+        explicit tile; with ``tile="auto"`` the cost model chooses ``u`` too (``heads=1`` keeps it to plain meshes).
 
-        ``tile="auto"`` (or any tile with a ``topology``) is :func:`mesh_cp.auto_mesh`: the tile the cost model
+        ``tile="auto"`` (or any tile with a ``topology``) is :func:`mesh_cp.auto_mesh`: the layout the cost model
         predicts fastest for ``topology`` (a :class:`mesh_cp.sim.Topology` or a preset name such as ``"h100"``)
         and ``shape`` (the per-rank :class:`mesh_cp.core.AttentionShape` of the attention calls), within
         ``memory_budget`` bytes per rank, logged with why (logger ``mesh_cp``; also in :attr:`reason`). With a
@@ -138,24 +139,16 @@ class CPMesh:
             raise ValueError(f"timeout must be a datetime.timedelta or None, got {timeout!r}")
         if not isinstance(debug, bool):
             raise ValueError(f"debug must be True or False, got {debug!r}")
+        if tile == "auto" or topology is not None:
+            from mesh_cp.auto import auto_mesh  # the cost model is loaded only for a topology
+
+            options = {"shape": shape, "memory_budget": memory_budget, "timeout": timeout, "debug": debug}
+            return auto_mesh(group, topology=topology, tile=tile, heads=heads, **options)
+        heads = 1 if heads is None else heads
         if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or world % heads:
             raise ValueError(
                 f"heads={heads!r} must be a positive divisor of the CP group size {world} (the head-parallel degree u "
                 f"of P = u x mesh ranks); heads=1 is plain Mesh-Attention"
-            )
-        if tile == "auto" or topology is not None:
-            if heads != 1:
-                raise ValueError("tile='auto' chooses heads= too; pass heads= only with an explicit tile")
-            from mesh_cp.auto import auto_mesh  # the cost model is loaded only for a topology
-
-            return auto_mesh(
-                group,
-                topology=topology,
-                shape=shape,
-                tile=tile,
-                memory_budget=memory_budget,
-                timeout=timeout,
-                debug=debug,
             )
         if shape is not None or memory_budget is not None:
             raise ValueError(

@@ -8,6 +8,8 @@ go over its NIC. Each rank then computes the full-sequence attention of ``heads 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from mesh_cp.core import AttentionShape
 from mesh_cp.core.options import PHASES
 from mesh_cp.sim.model import PhaseResult, SimResult, Traffic
@@ -30,11 +32,13 @@ def ulysses_unavailable(world: int, shape: AttentionShape) -> str | None:
     return None
 
 
-def _all_to_all_seconds(piece: float, world: int, topology: Topology, rank: int) -> tuple[float, Traffic]:
-    """Time and traffic of a direct all-to-all sending ``piece`` bytes from ``rank`` to each peer."""
+def all_to_all_seconds(piece: float, members: Sequence[int], topology: Topology, rank: int) -> tuple[float, Traffic]:
+    """Time and traffic of a direct all-to-all among the CP ranks ``members`` sending ``piece`` bytes from
+    ``rank`` to each of its peers: those inside its node over its NVLink, the others over its NIC, both at once
+    (the slower link sets the time). Also the head group's all-to-alls of :mod:`mesh_cp.sim.hybrid`."""
     node = topology.node(rank)
-    intra_peers = sum(1 for g in range(world) if g != rank and topology.node(g) == node)
-    peers = {"intra": intra_peers, "inter": world - 1 - intra_peers}
+    intra_peers = sum(1 for g in members if g != rank and topology.node(g) == node)
+    peers = {"intra": intra_peers, "inter": len(members) - 1 - intra_peers}
     time = max(topology.transfer_time(link, n * piece, messages=n) if n else 0.0 for link, n in peers.items())
     return time, Traffic(intra=round(peers["intra"] * piece), inter=round(peers["inter"] * piece))
 
@@ -68,7 +72,7 @@ def simulate_ulysses(world: int, shape: AttentionShape, topology: Topology, *, c
         compute *= topology.backward_factor if phase == "backward" else 1.0
         comm, traffic = 0.0, Traffic()
         for piece in pieces:
-            seconds, sent = _all_to_all_seconds(piece, world, topology, rank)
+            seconds, sent = all_to_all_seconds(piece, range(world), topology, rank)
             comm, traffic = comm + seconds, traffic + sent
         phases[phase] = PhaseResult(time=comm + compute, compute=compute, traffic=traffic, memory=memory)
     return SimResult(name="ulysses", forward=phases["forward"], backward=phases["backward"])

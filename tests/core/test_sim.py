@@ -4,21 +4,32 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from mesh_cp.cli import main
-from mesh_cp.core import AttentionShape, Tiling, factorizations, make_plan
+from mesh_cp.core import AttentionShape, Tiling, factorizations, make_hybrid_plan, make_plan
 from mesh_cp.sim import (
     Topology,
+    Traffic,
+    all_to_all_seconds,
+    choose_hybrid,
     choose_tile,
+    describe_hybrid_links,
     describe_links,
     group_links,
+    hybrid_group_links,
+    hybrid_link_cost,
+    mesh_group_topology,
     plan_for_topology,
     rank_traffic,
+    ring_link_cost,
     simulate,
+    simulate_hybrid,
+    simulate_hybrids,
     simulate_ulysses,
     ulysses_unavailable,
 )
@@ -293,3 +304,120 @@ def test_cli_plot_writes_a_png(tmp_path, capsys: pytest.CaptureFixture[str]) -> 
     main(cli(1536, "--plot", str(path)))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert f"plot written to {path}" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------
+# Head-parallel x mesh hybrid
+
+
+def same_prediction(hybrid, plain) -> bool:
+    fields = ("time", "compute", "traffic", "memory")
+    return all(getattr(getattr(hybrid, p), f) == getattr(getattr(plain, p), f) for p in PHASES for f in fields)
+
+
+@pytest.mark.parametrize(("world", "rpn"), [(12, 4), (12, 3), (16, 4), (8, 16)])
+def test_one_head_parallel_rank_predicts_the_plain_mesh(world: int, rpn: int) -> None:
+    topology = topo(rpn=rpn, latency=1e-5)
+    s = shape(kv_heads=2)
+    for a, b in factorizations(world):
+        tiling = Tiling(world=world, a=a, b=b)
+        assert hybrid_link_cost(1, tiling, topology) == ring_link_cost(tiling, topology)
+        for schedule in ("overlap", "collective"):
+            hybrid = simulate_hybrid(1, tiling, s, topology, schedule=schedule)
+            plain = simulate(plan_for_topology(tiling, s, topology, schedule=schedule), topology)
+            assert same_prediction(hybrid, plain) and hybrid.a2a == Traffic() and hybrid.name == plain.name
+
+
+@pytest.mark.parametrize("rpn", [8, 2, 3])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_all_head_parallel_ranks_predict_ulysses(rpn: int, kv_heads: int) -> None:
+    topology = topo(rpn=rpn, latency=1e-5)
+    s = shape(kv_heads=kv_heads)
+    hybrid, ulysses = simulate_hybrid(8, Tiling(1, 1, 1), s, topology), simulate_ulysses(8, s, topology)
+    for phase in PHASES:
+        ours, theirs = getattr(hybrid, phase), getattr(ulysses, phase)
+        assert (ours.traffic, ours.time, ours.compute) == (theirs.traffic, pytest.approx(theirs.time), theirs.compute)
+        assert ours.mesh == Traffic() and ours.a2a == ours.traffic
+
+
+def test_all_to_all_counts_the_peers_of_the_group_only() -> None:
+    topology = topo(rpn=4, latency=1.0)
+    time, sent = all_to_all_seconds(10.0, range(4, 12), topology, 5)  # 3 peers in node 1, 4 in node 2
+    assert sent == Traffic(intra=30, inter=40)
+    assert time == pytest.approx(max(3 + 30 / 1e6, 4 + 40 / 1e6))
+    assert all_to_all_seconds(10.0, (5,), topology, 5) == (0.0, Traffic())
+
+
+def test_hybrid_groups_sit_on_the_nodes_their_ranks_do() -> None:
+    """P = 16, 4 ranks per node. u = 4: head groups fill a node and the mesh ranks are a node each (every ring hop
+    crosses); u = 2: two mesh ranks per node, so a 2 x 4 tile's Q ring stays inside; u = 8: head groups span two
+    nodes, so 4 of 7 all-to-all peers are across."""
+    topology, s = topo(rpn=4), shape(itemsize=4)
+    cases = {(4, (2, 2)): ("intra", "inter", "inter"), (2, (2, 4)): ("intra", "intra", "inter")}
+    cases[(8, (2, 1))] = ("inter", "inter", "intra")  # a KV ring of one rank moves nothing
+    for (u, ab), links in cases.items():
+        tiling = Tiling(16 // u, *ab)
+        assert tuple(hybrid_group_links(u, tiling, topology)[k] for k in ("heads", "q", "kv")) == links
+        result = simulate_hybrid(u, tiling, s, topology)
+        plan = make_hybrid_plan(u, tiling, s, causal=True, layout="zigzag")
+        for phase in PHASES:
+            got = getattr(result, phase)
+            assert got.a2a.total == plan.a2a_bytes(phase) and got.mesh.total == plan.plan.bytes_sent(phase)
+            assert got.traffic == got.a2a + got.mesh
+        assert (result.a2a.inter > 0) == (links[0] == "inter")
+    spread = simulate_hybrid(8, Tiling(2, 2, 1), s, topology).forward.a2a
+    assert spread.inter * 3 == spread.intra * 4
+    assert "head groups inside a node, Q ring across nodes, KV ring across nodes" in describe_hybrid_links(
+        4, Tiling(4, 2, 2), topology
+    )
+
+
+def test_mesh_groups_placed_differently_take_the_slowest() -> None:
+    """P = 12, u = 3, 4 ranks per node: head group {3, 4, 5} spans two nodes, and mesh group 0 (ranks 0, 3, 6, 9)
+    is placed unlike mesh group 1 (1, 4, 7, 10); the slowest of each counts."""
+    topology = topo(rpn=4, latency=1e-5)
+    views = {mesh_group_topology(topology, 3, 12, i).nodes for i in range(3)}
+    assert views == {(0, 0, 1, 2), (0, 1, 1, 2), (0, 1, 2, 2)}
+    s = shape(heads=6, kv_heads=6)
+    result = simulate_hybrid(3, Tiling(4, 2, 2), s, topology)
+    assert hybrid_group_links(3, Tiling(4, 2, 2), topology)["heads"] == "inter"
+    assert result.forward.a2a.inter > 0 and result.forward.time >= result.forward.a2a_time + result.forward.compute
+
+
+def test_choose_hybrid_with_one_head_parallel_rank_is_choose_tile() -> None:
+    topology = topo()
+    for heads, kv_heads in ((8, 8), (8, 2), (32, 1)):
+        s = shape(heads=heads, kv_heads=kv_heads)
+        tile, _ = choose_tile(16, s, topology)
+        u, tiling, reason = choose_hybrid(16, s, topology, heads=1)
+        assert (u, tiling) == (1, tile) and reason.startswith(f"tile {tile}: predicted")
+        assert "it is the best mesh" in reason and "the best USP" not in reason
+    with pytest.raises(ValueError, match="heads=3 head-parallel ranks do not divide the CP group size P=16"):
+        choose_hybrid(16, shape(), topology, heads=3)
+
+
+def test_choose_hybrid_searches_every_split_within_the_memory_budget() -> None:
+    topology, s = topo(rpn=4, latency=1e-5), shape(heads=8, kv_heads=8)
+    results = simulate_hybrids(16, s, topology)
+    assert {u for u, _ in results} == {1, 2, 4, 8}
+    assert len(results) == sum(len(factorizations(16 // u)) for u in (1, 2, 4, 8))
+    u, tiling, reason = choose_hybrid(16, s, topology)
+    best = min(results.values(), key=lambda r: r.time)
+    assert results[(u, tiling)].time == best.time
+    budget = sorted(r.memory for r in results.values())[len(results) // 2]
+    fits = [r for r in results.values() if r.memory <= budget]
+    u2, tiling2, reason2 = choose_hybrid(16, s, topology, memory_budget=budget)
+    assert results[(u2, tiling2)].memory <= budget and results[(u2, tiling2)].time == min(r.time for r in fits)
+    assert f"{len(results) - len(fits)} candidate(s) over the memory budget" in reason2
+    with pytest.raises(ValueError, match="below the peak of every tile of 16 ranks"):
+        choose_hybrid(16, s, topology, memory_budget=min(r.memory for r in results.values()) - 1)
+
+
+def test_cli_prints_the_best_hybrid_and_usp_split(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(cli(4096, "--ranks-per-node", "4")) == 0
+    out = capsys.readouterr().out
+    tagged = {line.split()[-2] + " " + line.split()[-1]: line for line in out.splitlines() if "  best " in line}
+    assert set(tagged) == {"best hybrid", "best USP"}
+    assert re.fullmatch(r"\d+x\(1x\d+\)", tagged["best USP"].split()[0])  # u x (1 x m): a ring of m
+    assert re.fullmatch(r"\d+x\(([2-9]|\d\d+)x\d+\)", tagged["best hybrid"].split()[0])  # a > 1: a mesh
+    assert "Ux(AxB): all-to-alls over heads" in out and "\n    the best USP tile 1x" in out

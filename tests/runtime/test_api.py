@@ -272,21 +272,39 @@ def test_tiling_of_the_mesh_is_the_core_tiling() -> None:
         Tiling.parse("3x3", 4)
 
 
+def _runs_exactly(mesh) -> bool | float:
+    """Whether causal attention over ``mesh`` matches the single-process reference (else the error)."""
+    from mesh_cp.core.numerics import reference_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 8 * mesh.size, 8, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    want, _ = reference_attention(q, k, v, causal=True)
+    local = [mesh_cp.shard_sequence(t, mesh=mesh, dim=1, layout="zigzag") for t in (q, k, v)]
+    got = mesh_cp.mesh_attn_func(*local, mesh=mesh, causal=True)
+    error = (got - mesh_cp.shard_sequence(want, mesh=mesh, dim=1, layout="zigzag")).abs().max().item()
+    return error < 1e-10 or error
+
+
 def auto_tile_worker(rank: int, world: int) -> dict:
     """``tile="auto"``: the cost model's choice, used exactly, with topology-ordered rings."""
     import torch.distributed as dist
 
     from mesh_cp.core import AttentionShape
-    from mesh_cp.sim import Topology, choose_tile
+    from mesh_cp.sim import Topology, choose_hybrid, choose_tile
 
     res: dict = {}
     # Two "nodes" of two ranks, inter-node links 20x slower: the Q ring of a 2x2 tile stays inside a node.
     topology = Topology(ranks_per_node=2, intra_bandwidth=2e10, inter_bandwidth=1e9, pairs_per_second=1e12)
     shape = AttentionShape(batch=1, seq_local=8192, heads=8, kv_heads=8, head_dim=64, itemsize=2)
-    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology, shape=shape)
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology, shape=shape, heads=1)
     expected, reason = choose_tile(world, shape, topology)
-    res["auto tile"] = (mesh.tiling == expected) or (mesh.tile, expected.shape)
+    res["auto tile"] = (mesh.tiling == expected and mesh.heads == 1) or (mesh.tile, expected.shape)
     res["reason"] = (mesh.reason == reason and reason.startswith(f"tile {expected}")) or mesh.reason
+    # Without heads=1 the choice spans head-parallel layouts too (hybrids, USP, Ulysses).
+    hybrid = mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology, shape=shape)
+    u, tiling, why = choose_hybrid(world, shape, topology)
+    res["auto layout"] = (hybrid.heads, hybrid.tiling, hybrid.reason) == (u, tiling, why) or (hybrid.heads, why)
+    res["auto layout runs"] = _runs_exactly(hybrid)
     fixed = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2), topology=topology)
     res["link cost"] = (fixed.link_cost[0] == 1.0 and fixed.link_cost[1] == 20.0) or fixed.link_cost
     expect_error(

@@ -1,0 +1,241 @@
+"""The head-parallel x mesh plan as data: groups, all-to-all bytes, refusals, and the claim the hybrid is for,
+checked through the cost model at 256 ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from mesh_cp.core import (
+    AttentionShape,
+    Tiling,
+    factorizations,
+    head_group_ranks,
+    hybrid_unavailable,
+    make_hybrid_plan,
+    make_plan,
+    mesh_group_ranks,
+    valid_heads,
+)
+from mesh_cp.sim import Topology, best_of_kind, choose_hybrid, choose_tile, hybrid_link_cost, simulate_hybrids
+
+PHASES = ("forward", "backward")
+
+
+def shape(*, seq_local: int = 8, heads: int = 8, kv_heads: int = 8, itemsize: int = 2) -> AttentionShape:
+    """Per-rank sizes of the inputs: ``seq_local = S / P`` tokens, all heads."""
+    return AttentionShape(batch=2, seq_local=seq_local, heads=heads, kv_heads=kv_heads, head_dim=16, itemsize=itemsize)
+
+
+# ----------------------------------------------------------------------------------------------
+# Groups
+
+
+@pytest.mark.parametrize(("world", "u"), [(8, 2), (12, 3), (16, 16), (6, 1)])
+def test_head_groups_and_mesh_groups_cross_once(world: int, u: int) -> None:
+    heads = {head_group_ranks(world, u, r) for r in range(world)}
+    meshes = {mesh_group_ranks(world, u, r) for r in range(world)}
+    for groups, size in ((heads, u), (meshes, world // u)):
+        assert sorted(r for g in groups for r in g) == list(range(world))  # a partition
+        assert all(len(g) == size for g in groups)
+    for r in range(world):
+        g, i = divmod(r, u)
+        head, mesh = head_group_ranks(world, u, r), mesh_group_ranks(world, u, r)
+        assert head == tuple(range(g * u, g * u + u))  # consecutive ranks: inside a node when u | ranks per node
+        assert head.index(r) == i and mesh.index(r) == g  # rank i of head group g, mesh rank g of mesh group i
+        assert set(head) & set(mesh) == {r}
+    assert head_group_ranks(8, 2, 5) == (4, 5) and mesh_group_ranks(8, 2, 5) == (1, 3, 5, 7)
+
+
+def test_group_helpers_refuse_bad_input() -> None:
+    with pytest.raises(ValueError, match="heads=3 head-parallel ranks do not divide the CP group size P=8"):
+        head_group_ranks(8, 3, 0)
+    with pytest.raises(ValueError, match="rank 8 is outside the CP group of size 8"):
+        mesh_group_ranks(8, 2, 8)
+    with pytest.raises(ValueError, match="heads must be a positive int, got 0"):
+        mesh_group_ranks(8, 0, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "u", "forward_c"),
+    [
+        (8, 8, 4, 3.0),  # MHA: 3/4 of q, k, v and out
+        (8, 4, 2, 1.5),  # GQA, u < kv_heads: K/V split, half a C each
+        (8, 2, 4, 2.25),  # GQA, u > kv_heads: K/V repeated to one head per rank
+        (8, 1, 8, 3.5),  # MQA: one query head and its (repeated) K/V head per rank
+    ],
+)
+def test_all_to_all_bytes_are_one_piece_per_peer(heads: int, kv_heads: int, u: int, forward_c: float) -> None:
+    s = shape(heads=heads, kv_heads=kv_heads)
+    c = s.chunk_elems * s.itemsize
+    plan = make_hybrid_plan(u, Tiling(world=2, a=1, b=2), s, causal=True, layout="zigzag")
+    # By hand: a rank sends each of its u - 1 peers, for its own S/P tokens, the heads that peer gets.
+    per_token_head = s.batch * s.seq_local * s.head_dim * s.itemsize
+    q_piece = (heads // u) * per_token_head
+    kv_piece = max(kv_heads // u, 1) * per_token_head  # one K/V head per peer when repeated
+    lse_piece = s.batch * (heads // u) * s.seq_local * 4  # fp32
+    by_hand = (u - 1) * (2 * q_piece + 2 * kv_piece)  # forward q, k, v, out; backward dO, dq, dk, dv
+    assert plan.a2a_bytes("forward") == by_hand == forward_c * c
+    assert plan.a2a_bytes("backward") == by_hand
+    assert plan.a2a_bytes("forward", lse=True) == plan.a2a_bytes("backward", lse=True) == by_hand + (u - 1) * lse_piece
+    assert [name for name, _ in plan.all_to_alls("forward", lse=True)] == ["q", "k", "v", "out", "lse"]
+    assert [name for name, _ in plan.all_to_alls("backward")] == ["dout", "dq", "dk", "dv"]
+    inner = plan.plan.shape
+    assert (inner.seq_local, inner.heads, inner.kv_heads) == (u * s.seq_local, heads // u, max(kv_heads // u, 1))
+    assert inner.chunk_elems == s.chunk_elems  # S/m tokens x H/u heads: the same C
+    for phase in PHASES:
+        assert plan.bytes_sent(phase) == plan.a2a_bytes(phase) + plan.plan.bytes_sent(phase)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("u", [1, 2, 4, 8])
+def test_bytes_follow_the_traffic_formula(heads: int, kv_heads: int, u: int) -> None:
+    """In fp32 every transfer is at the input's element size, so bytes = formula x C + statistics."""
+    s = shape(heads=heads, kv_heads=kv_heads, itemsize=4)
+    c = s.chunk_elems * s.itemsize
+    for a, b in factorizations(4):
+        for backward in ("regather", "reuse"):
+            plan = make_hybrid_plan(u, Tiling(world=4, a=a, b=b), s, causal=True, layout="zigzag", backward=backward)
+            r = plan.plan.shape.kv_ratio
+            assert r == max(kv_heads // u, 1) / (heads // u)  # r' = r while u | kv_heads, u / heads when repeated
+            for phase in PHASES:
+                formula = (2 + 2 * r) * (u - 1) / u + plan.plan.traffic_units(phase)
+                assert plan.traffic_units(phase) == pytest.approx(formula)
+                stats = plan.plan.stats_bytes_sent(phase)
+                assert plan.bytes_sent(phase) == pytest.approx(formula * c + stats, abs=1e-6)
+
+
+def test_one_head_parallel_rank_is_the_plain_plan() -> None:
+    s = shape(kv_heads=2)
+    for a, b in factorizations(6):
+        tiling = Tiling(world=6, a=a, b=b)
+        hybrid = make_hybrid_plan(1, tiling, s, causal=True, layout="zigzag", backward="reuse")
+        assert hybrid.plan == make_plan(tiling, s, causal=True, layout="zigzag", backward="reuse")
+        assert hybrid.world == 6 and hybrid.tiling == tiling
+        for phase in PHASES:
+            assert hybrid.all_to_alls(phase, lse=True) == () and hybrid.a2a_bytes(phase, lse=True) == 0
+            assert hybrid.bytes_sent(phase) == hybrid.plan.bytes_sent(phase)
+
+
+# ----------------------------------------------------------------------------------------------
+# Refusals
+
+
+REFUSALS = [
+    (
+        3,
+        Tiling(2, 1, 2),
+        shape(),
+        r"heads=3 head-parallel ranks do not divide the 8 query heads; choose u among \[1, 2\]",
+    ),
+    (6, Tiling(2, 1, 2), shape(heads=12, kv_heads=4), "heads=6 head-parallel ranks and the 4 K/V heads must divide"),
+    (
+        1,
+        Tiling(4, 2, 2),
+        shape(seq_local=3),
+        r"seq_len 12 \(3 per rank x P=4\) must be a multiple of P=4 and of 2\*m=8 for the zigzag layout over the "
+        r"m=4 mesh ranks; pad the sequence to 16",
+    ),
+    (0, Tiling(4, 2, 2), shape(), "heads .* must be a positive int, got 0"),
+    (2, (2, 2), shape(), "tiling must be a mesh_cp.core.Tiling"),
+]
+
+
+@pytest.mark.parametrize(("heads", "tiling", "s", "message"), REFUSALS)
+def test_refusals_name_the_value_and_the_fix(heads: int, tiling, s: AttentionShape, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_hybrid_plan(heads, tiling, s, causal=True, layout="zigzag")
+
+
+def test_valid_heads_and_odd_sequences() -> None:
+    assert valid_heads(16, shape(heads=8, kv_heads=8)) == (1, 2, 4, 8)
+    assert valid_heads(16, shape(heads=16, kv_heads=4)) == (1, 2, 4, 8, 16)  # 8, 16: K/V heads repeated
+    assert valid_heads(12, shape(heads=12, kv_heads=4)) == (1, 2, 4, 12)  # 3, 6 and 4: neither divides the other
+    odd = shape(seq_local=3)  # 3 tokens per rank: no zig-zag over P chunks, but one over P/2 chunks of 6
+    assert hybrid_unavailable(4, 1, odd) is not None and hybrid_unavailable(4, 2, odd) is None
+    assert hybrid_unavailable(4, 1, odd, layout="contiguous") is None
+
+
+# ----------------------------------------------------------------------------------------------
+# The claim, through the cost model: P = 256 ranks, 8 per node, head_dim 128
+
+
+def cluster_shape(kv_heads: int, seq_local: int) -> AttentionShape:
+    return AttentionShape(batch=1, seq_local=seq_local, heads=32, kv_heads=kv_heads, head_dim=128, itemsize=2)
+
+
+H100 = Topology.preset("h100", head_dim=128, ranks_per_node=8)
+
+
+@pytest.mark.parametrize("kv_heads", [32, 8])  # MHA and GQA 32:8
+def test_at_256_ranks_the_node_wide_hybrid_sends_less_across_nodes_than_usp(kv_heads: int) -> None:
+    """1M tokens (4096 per rank). With head groups filling a node (u = 8), the all-to-alls stay on NVLink and
+    the mesh of the 32 ranks that hold the same heads replaces USP's ring: fewer bytes across nodes than the best
+    USP split (any u), the best plain mesh and the ring. Attention is compute-bound here, so every candidate hides
+    its mesh traffic and the time the all-to-alls add (which overlap nothing) is all that separates them: under 1%.
+    """
+    s = cluster_shape(kv_heads, 4096)
+    results = simulate_hybrids(256, s, H100)
+    node_wide = min((k for k in results if k[0] == 8), key=lambda k: (results[k].time, results[k].traffic.inter))
+    hybrid, usp = results[node_wide], results[best_of_kind(results, "usp")]
+    mesh, ring = results[best_of_kind(results, "mesh")], results[(1, Tiling(256, 1, 256))]
+    assert node_wide[1].a > 1  # a mesh, not USP's ring
+    assert hybrid.a2a.inter == 0 and hybrid.mesh.intra == 0  # all-to-alls inside a node, the mesh across nodes
+    assert hybrid.traffic.inter < 0.6 * min(usp.traffic.inter, mesh.traffic.inter)
+    assert usp.traffic.inter < ring.traffic.inter
+    assert hybrid.time < min(usp.time, mesh.time) * 1.01
+    # Per head-parallel degree inside a node: the fastest tile of u never sends more across nodes, nor is slower,
+    # than u's USP split (a mesh never moves more than a ring of the same size).
+    for u in (2, 4, 8):
+        fastest = min((k for k in results if k[0] == u), key=lambda k: (results[k].time, results[k].traffic.inter))
+        ring_of_u = results[(u, Tiling(256 // u, 1, 256 // u))]
+        assert results[fastest].traffic.inter <= ring_of_u.traffic.inter and results[fastest].time <= ring_of_u.time
+
+
+@pytest.mark.parametrize("kv_heads", [32, 8])
+def test_at_256_ranks_the_choice_is_never_slower_than_the_best_plain_mesh(kv_heads: int) -> None:
+    for seq_local in (512, 1024, 2048, 4096, 8192):
+        s = cluster_shape(kv_heads, seq_local)
+        results = simulate_hybrids(256, s, H100)
+        u, tiling, reason = choose_hybrid(256, s, H100)
+        tile, _ = choose_tile(256, s, H100)
+        assert results[(u, tiling)].time <= results[(1, tile)].time
+        assert reason.startswith(f"tile {tiling}" + ("" if u == 1 else f" with heads={u}"))
+
+
+@pytest.mark.parametrize(("kv_heads", "seq_local"), [(32, 2048), (8, 512)])
+def test_at_256_ranks_the_hybrid_wins_where_communication_shows(kv_heads: int, seq_local: int) -> None:
+    """Where the mesh cannot hide its traffic (MHA at 2048 tokens per rank, GQA at 512), the choice is a hybrid
+    that is faster than the best plain mesh and the best USP split, with fewer bytes across nodes than either."""
+    s = cluster_shape(kv_heads, seq_local)
+    results = simulate_hybrids(256, s, H100)
+    u, tiling, reason = choose_hybrid(256, s, H100)
+    chosen, usp, mesh = (results[k] for k in ((u, tiling), best_of_kind(results, "usp"), best_of_kind(results, "mesh")))
+    assert (u, tiling.a) == (8, {32: 4, 8: 2}[kv_heads])  # head groups fill a node; a mesh over the rest
+    assert chosen.time < min(usp.time, mesh.time)
+    assert chosen.traffic.inter < min(usp.traffic.inter, mesh.traffic.inter)
+    assert "it is the best hybrid" in reason and "the best USP" in reason and "Ulysses unavailable" in reason
+
+
+def test_auto_mesh_builds_the_chosen_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What :func:`mesh_cp.auto_mesh` asks the runtime for (the mesh construction itself is stubbed out)."""
+    auto = pytest.importorskip("mesh_cp.auto")
+    monkeypatch.setattr(auto.dist, "get_world_size", lambda group: 256)
+    monkeypatch.setattr(auto.dist, "get_rank", lambda group: 1)
+    monkeypatch.setattr(auto.CPMesh, "from_tiling", classmethod(lambda cls, group, tiling, **kw: (group, tiling, kw)))
+    group, s = object(), cluster_shape(32, 2048)
+    for heads in (None, 1):  # None: every split; 1: plain meshes only, as choose_tile picks and explains them
+        u, tiling, reason = choose_hybrid(256, s, H100, heads=heads)
+        if heads == 1:
+            tiling, reason = choose_tile(256, s, H100)
+        options = {"heads": u, "link_cost": hybrid_link_cost(u, tiling, H100), "reason": reason}
+        built = auto.auto_mesh(group, topology="h100", shape=s, heads=heads)
+        assert built == (group, tiling, options | {"timeout": None, "debug": False})
+    assert built[1] == choose_tile(256, s, H100)[0]
+    fixed = auto.auto_mesh(group, topology=H100, tile="2x8", heads=16)
+    assert fixed[1] == Tiling(16, 2, 8) and fixed[2]["heads"] == 16 and fixed[2]["reason"] == ""
+    with pytest.raises(ValueError, match="heads=3 must be a positive divisor of the CP group size 256"):
+        auto.auto_mesh(group, topology=H100, tile="2x8", heads=3)
