@@ -256,9 +256,10 @@ def bench_inputs(cfg: dict[str, Any], rank: Rank) -> tuple[torch.Tensor, ...]:
 
 @dataclass
 class Config:
-    """One (tile, schedule) pair and what was measured on it."""
+    """One (layout, schedule) pair and what was measured on it."""
 
-    tile: tuple[int, int]
+    tile: tuple[int, int, int]
+    """``(u, a, b)``: ``u`` head-parallel ranks around an ``a x b`` mesh (``u = 1``: a plain mesh)."""
     schedule: str
     mesh: mesh_cp.CPMesh
     skipped: str | None = None
@@ -267,7 +268,8 @@ class Config:
 
     @property
     def name(self) -> str:
-        return f"{self.tile[0]}x{self.tile[1]}/{self.schedule}"
+        u, a, b = self.tile
+        return f"{'' if u == 1 else f'u{u}:'}{a}x{b}/{self.schedule}"
 
     def report(self) -> dict[str, Any]:
         return {
@@ -336,9 +338,9 @@ def run_benchmark(cfg: dict[str, Any], rank: Rank, rates: dict[str, float]) -> l
         pairs_per_second=1.0,
     )
     configs = []
-    for a, b in cfg["tiles"]:
-        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(a, b), topology=topology)
-        configs += [Config(tile=(a, b), schedule=s, mesh=mesh) for s in cfg["schedules"]]
+    for u, a, b in cfg["tiles"]:
+        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(a, b), heads=u, topology=topology)
+        configs += [Config(tile=(u, a, b), schedule=s, mesh=mesh) for s in cfg["schedules"]]
 
     def step(c: Config) -> None:
         out = mesh_cp.mesh_attn_func(q, k, v, mesh=c.mesh, causal=True, schedule=c.schedule)

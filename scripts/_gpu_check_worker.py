@@ -474,24 +474,28 @@ def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> list
     if job.world == 4:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         groups.append((2, pairs[rank // 2]))
-    meshes: dict[tuple[int, tuple[int, int]], object] = {}
+    meshes: dict[tuple[int, tuple[int, int], int], object] = {}
 
-    def mesh_of(p: int, tile: tuple[int, int], group) -> object:
+    def mesh_of(p: int, tile: tuple[int, int], group, heads: int = 1) -> object:
         """The mesh, created on first use (a case may run first in a restarted group)."""
-        if (p, tile) not in meshes:
-            meshes[(p, tile)] = mesh_cp.CPMesh.create(group, tile=tile)
-        return meshes[(p, tile)]
+        if (p, tile, heads) not in meshes:
+            meshes[(p, tile, heads)] = mesh_cp.CPMesh.create(group, tile=tile, heads=heads)
+        return meshes[(p, tile, heads)]
 
     cases: list[Case] = []
-    tiled: list[tuple[int, tuple[int, int], object]] = []
+    tiled: list[tuple[int, tuple[int, int], object, int]] = []
     for p, group in groups:
-        for tile in [(a, p // a) for a in range(1, p + 1) if p % a == 0]:
-            tiled.append((p, tile, group))
+        # Every tile of P, and with 2 head-parallel ranks (Note [Head-parallel x mesh]) every tile of P / 2.
+        layouts = [(1, (a, p // a)) for a in range(1, p + 1) if p % a == 0]
+        layouts += [(2, (a, p // 2 // a)) for a in range(1, p // 2 + 1) if p % 2 == 0 and p // 2 % a == 0]
+        for heads, tile in layouts:
+            tiled.append((p, tile, group, heads))
+            label = f"{tile[0]}x{tile[1]}" + (f" heads={heads}" if heads > 1 else "")
 
-            def create(p=p, tile=tile, group=group) -> Verdict:
-                return Verdict(True, str(mesh_of(p, tile, group)))
+            def create(p=p, tile=tile, group=group, heads=heads) -> Verdict:
+                return Verdict(True, str(mesh_of(p, tile, group, heads)))
 
-            cases.append(Case(section, f"{job.label} P={p} {tile[0]}x{tile[1]} CPMesh.create", create))
+            cases.append(Case(section, f"{job.label} P={p} {label} CPMesh.create", create))
         if p > 1:
 
             def mismatch(group=group, p=p) -> Verdict:
@@ -505,14 +509,16 @@ def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> list
 
             cases.append(Case(section, f"{job.label} P={p} tiles differ across ranks: refused", mismatch))
     for schedule in ("collective", "overlap"):
-        for p, tile, group in tiled:
+        for p, tile, group, heads in tiled:
             for dtype_name in job.dtypes:
 
-                def attention(p=p, tile=tile, group=group, dtype=DTYPES[dtype_name], schedule=schedule) -> Verdict:
-                    return mesh_attention_verdict(mesh_of(p, tile, group), job, device, dtype, p, schedule)
+                def attention(
+                    p=p, tile=tile, group=group, heads=heads, dtype=DTYPES[dtype_name], schedule=schedule
+                ) -> Verdict:
+                    return mesh_attention_verdict(mesh_of(p, tile, group, heads), job, device, dtype, p, schedule)
 
-                name = f"{job.label} P={p} {tile[0]}x{tile[1]} {dtype_name} {schedule}"
-                cases.append(Case(section, name, attention))
+                label = f"{tile[0]}x{tile[1]}" + (f" heads={heads}" if heads > 1 else "")
+                cases.append(Case(section, f"{job.label} P={p} {label} {dtype_name} {schedule}", attention))
     return cases
 
 

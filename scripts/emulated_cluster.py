@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from mesh_cp.core import AttentionShape, Tiling
-from mesh_cp.sim import Topology, plan_for_topology, simulate
+from mesh_cp.sim import Topology, simulate_hybrid
 
 WORLD = 16
 RANKS_PER_NODE = 4
@@ -77,8 +77,24 @@ REFERENCE = (
 # Command line
 
 
-def parse_tiles(text: str) -> list[tuple[int, int]]:
-    tiles = [Tiling.parse(t, WORLD).shape for t in text.split(",") if t.strip()]
+def parse_layout(text: str) -> tuple[int, int, int]:
+    """``"AxB"`` (a plain mesh) or ``"uU:AxB"`` (``U`` head-parallel ranks around an ``A x B`` mesh of ``WORLD / U``
+    ranks; Note [Head-parallel x mesh]) as ``(U, A, B)``."""
+    heads, _, tile = text.strip().rpartition(":")
+    if heads and not (
+        heads.startswith("u") and heads[1:].isdigit() and int(heads[1:]) >= 1 and WORLD % int(heads[1:]) == 0
+    ):
+        raise ValueError(f"{text!r}: the head-parallel prefix is uU: with U dividing {WORLD}, as in u4:1x4")
+    u = int(heads[1:]) if heads else 1
+    return (u, *Tiling.parse(tile, WORLD // u).shape)
+
+
+def layout_label(u: int, a: int, b: int) -> str:
+    return f"{a}x{b}" if u == 1 else f"u{u}:{a}x{b}"
+
+
+def parse_tiles(text: str) -> list[tuple[int, int, int]]:
+    tiles = [parse_layout(t) for t in text.split(",") if t.strip()]
     if not tiles or len(set(tiles)) != len(tiles):
         raise ValueError(f"--tiles needs distinct tiles, got {text!r}")
     return tiles
@@ -93,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tiles",
         default="1x16,4x4,8x2,2x8",
-        help=f"comma-separated mesh tiles AxB with A*B = {WORLD}; 1x{WORLD} is Ring-Attention (the speed-up baseline)",
+        help=f"comma-separated mesh tiles AxB with A*B = {WORLD}, or uU:AxB with U head-parallel ranks around a mesh of "
+        f"A*B = {WORLD}/U (u4:1x4 is USP); 1x{WORLD} is Ring-Attention (the speed-up baseline)",
     )
     p.add_argument("--schedules", default="collective,overlap", help="comma-separated mesh_attn_func schedules")
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward rounds per configuration")
@@ -476,7 +493,7 @@ def print_settings(args: argparse.Namespace) -> None:
         f"KV chunk {mib(kv_chunk_bytes(args))} MiB"
     )
     print(
-        f"tiles {', '.join(f'{a}x{b}' for a, b in args.tiles)}; schedules {', '.join(args.schedules)}; "
+        f"tiles {', '.join(layout_label(*t) for t in args.tiles)}; schedules {', '.join(args.schedules)}; "
         f"{args.warmup} warm-up + {args.repeats} timed round(s)",
         flush=True,
     )
@@ -519,7 +536,7 @@ def summarize(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per configuration: time statistics, bytes per rank, and speed-ups over the ring."""
     rows = []
     for c in configs:
-        row = {"tile": f"{c['tile'][0]}x{c['tile'][1]}", "schedule": c["schedule"], "skipped": c["skipped"]}
+        row = {"tile": layout_label(*c["tile"]), "schedule": c["schedule"], "skipped": c["skipped"]}
         if c["skipped"] is None:
             per_rank = c["per_rank"]
             roles = sorted({role for r in per_rank for role in r["bytes_by_role"]})
@@ -622,9 +639,9 @@ def predict(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology
     )
     for row in rows:
         if row["skipped"] is None:
-            tiling = Tiling.parse(row["tile"], WORLD)
-            plan = plan_for_topology(tiling, shape, topo, causal=True, layout="zigzag", schedule=row["schedule"])
-            row["predicted_s"] = simulate(plan, topo).time
+            u, a, b = parse_layout(row["tile"])
+            tiling = Tiling(world=WORLD // u, a=a, b=b)
+            row["predicted_s"] = simulate_hybrid(u, tiling, shape, topo, causal=True, schedule=row["schedule"]).time
             row["prediction_error"] = row["predicted_s"] / row["median_s"] - 1
 
 
@@ -654,7 +671,7 @@ def write_json(
         "settings": {
             "world": WORLD,
             "ranks_per_node": RANKS_PER_NODE,
-            "tiles": [f"{a}x{b}" for a, b in args.tiles],
+            "tiles": [layout_label(*t) for t in args.tiles],
             "schedules": args.schedules,
             "repeats": args.repeats,
             "warmup": args.warmup,
