@@ -54,6 +54,7 @@ class ReferenceKernel:
     name = "reference"
     takes_mask = True
     takes_segments = True
+    takes_softcap = True
 
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:

@@ -11,7 +11,6 @@ from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.numerics import SUPPORTED_DTYPES, autocast_dtype, autocast_inputs, document_ids
 from mesh_cp.core.plan import AttentionShape, make_plan
 from mesh_cp.kernels import BlockKernel, resolve_kernel, takes
-from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.runtime.call import AttentionCall, Saved
 from mesh_cp.runtime.heads import hybrid_attention
 from mesh_cp.runtime.mesh import CPMesh
@@ -200,10 +199,6 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, **options) -> A
     )
 
 
-def _is_reference(kernel: object) -> bool:
-    return kernel == "reference" or isinstance(kernel, ReferenceKernel)
-
-
 def _signature(q: Tensor, k: Tensor, v: Tensor, options: dict) -> dict[str, object]:
     """What every rank of the CP group must call with (:meth:`CPMesh.check_same_call`)."""
     kernel = options["kernel"]
@@ -228,7 +223,7 @@ def _check_softcap(softcap: float | None, kernel: object) -> float | None:
         return None
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    if kernel != "auto" and not takes(kernel, "takes_softcap") and not _is_reference(kernel):
+    if kernel != "auto" and not takes(kernel, "takes_softcap"):
         name = kernel if isinstance(kernel, str) else type(kernel).__name__
         raise NotImplementedError(
             f"kernel {name!r} does not softcap logits; softcap {softcap} runs on kernel='flash_attn' (CUDA), "
