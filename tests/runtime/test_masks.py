@@ -172,3 +172,16 @@ def test_masked_attention_matches_single_process_reference(mask_results) -> None
         assert len(result) == expected, sorted(result)
         bad = {k: v for k, v in result.items() if max(v.values()) > TOL}
         assert not bad, f"rank {rank}: {bad}"
+
+
+def test_softcap_needs_a_kernel_that_softcaps() -> None:
+    """Named kernels that cannot softcap logits refuse it with the ones that can; 'auto' runs it anywhere."""
+    from mesh_cp.runtime.attention import _check_softcap
+
+    for kernel in ("auto", "reference", "flash_attn", SegmentsKernel()):
+        assert _check_softcap(30, kernel) == 30.0
+    for kernel in ("cpu_flash", "cuda_flash", "cuda_sdpa"):
+        with pytest.raises(NotImplementedError, match=f"kernel '{kernel}' does not softcap logits.*'flash_attn'"):
+            _check_softcap(30.0, kernel)
+    with pytest.raises(ValueError, match="softcap must be a positive number"):
+        _check_softcap(0, "auto")
