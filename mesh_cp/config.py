@@ -3,6 +3,8 @@
 ::
 
     "mesh_attention": {"enabled": true, "cp_size": 4, "tile": "2x2", "schedule": "overlap"}
+    "mesh_attention": {"enabled": true, "cp_size": 8, "heads": 2, "tile": "2x2"}   # head-parallel x mesh
+    "mesh_attention": {"enabled": true, "cp_size": 8, "tile": "auto", "topology": "h100", "seq_len": 131072}
 
 Pure Python (no torch): read by the DeepSpeed adapter and by the Hugging Face ``Trainer`` given a
 DeepSpeed config; :meth:`mesh_cp.runtime.parallel.DataContextParallel.from_config` builds the layout.
@@ -10,6 +12,7 @@ DeepSpeed config; :meth:`mesh_cp.runtime.parallel.DataContextParallel.from_confi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -29,9 +32,16 @@ class MeshConfig:
     """Switch Mesh-Attention on (``False``: the block is ignored)."""
     cp_size: int | None = None
     """Ranks per context-parallel group (consecutive ranks); must divide the world size."""
+    heads: int | None = None
+    """``u``, the head-parallel degree of the head-parallel x mesh hybrid (Note [Head-parallel x mesh] in
+    :mod:`mesh_cp.runtime.heads`): groups of ``u`` consecutive CP ranks exchange heads by all-to-all and
+    ``tile`` tiles the ``cp_size / u`` ranks that then hold the same heads; ``u`` must divide ``cp_size`` and
+    the model's query heads. ``1``: plain Mesh-Attention. Left out (``None``): 1 with a tile, and with ``"tile":
+    "auto"`` chosen by the cost model with the tile (``heads`` given: the tile for that ``u``), as
+    :meth:`mesh_cp.CPMesh.create`'s ``heads=None``."""
     tile: str | None = None
-    """``"AxB"`` with ``A * B = cp_size``, or ``"auto"`` (needs ``topology`` and ``seq_len``); default the most
-    square tile."""
+    """``"AxB"`` with ``A * B = cp_size / heads``, or ``"auto"`` (needs ``topology`` and ``seq_len``); default the
+    most square tile."""
     schedule: Schedule = "overlap"
     """``"overlap"`` or ``"collective"`` (:func:`mesh_cp.mesh_attn_func`)."""
     backward: Backward = "regather"
@@ -44,7 +54,7 @@ class MeshConfig:
 
     def __post_init__(self) -> None:
         _check_type("enabled", self.enabled, bool)
-        for name in ("cp_size", "seq_len"):
+        for name in ("cp_size", "seq_len", "heads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f'"{BLOCK}": "{name}" must be a positive integer, got {value!r}')
@@ -82,6 +92,7 @@ class MeshConfig:
         :meth:`tile_for`'s)."""
         if self.cp_size is None:
             raise ValueError(f'"{BLOCK}": "enabled": true needs "cp_size" (ranks per context-parallel group)')
+        self._check_heads()
         if self.tile == "auto":
             missing = [k for k in ("topology", "seq_len") if getattr(self, k) is None]
             if missing:
@@ -90,16 +101,54 @@ class MeshConfig:
                     f'(for example "topology": "h100", "seq_len": 131072), or give a tile such as "2x2"'
                 )
         elif self.tile is not None:
-            Tiling.parse(self.tile, self.cp_size)
+            self._check_tile()
         if self.topology is not None:
             from mesh_cp.sim.topology import Topology
 
             Topology.preset(self.topology)
-        if self.seq_len is not None and self.seq_len % (2 * self.cp_size):
+        if self.seq_len is not None and self.seq_len % self.seq_multiple:
+            why = (
+                "2 * cp_size"
+                if self.mesh_ranks == self.cp_size
+                else f"lcm(cp_size, 2 * cp_size / heads) (each of the {self.mesh_ranks} mesh ranks' two equal "
+                f"half-chunks cut into {self.heads} pieces)"
+            )
             raise ValueError(
-                f'"{BLOCK}": "seq_len" {self.seq_len} must be a multiple of 2 * cp_size = {2 * self.cp_size} '
+                f'"{BLOCK}": "seq_len" {self.seq_len} must be a multiple of {why} = {self.seq_multiple} '
                 f"(the zig-zag layout gives every rank two equal half-chunks)"
             )
+
+    def _check_heads(self) -> None:
+        """``heads`` divides ``cp_size``."""
+        if self.heads is not None and self.cp_size % self.heads:
+            divisors = [d for d in range(1, self.cp_size + 1) if self.cp_size % d == 0]
+            raise ValueError(
+                f'"{BLOCK}": "heads" {self.heads} does not divide "cp_size" {self.cp_size}: the head-parallel '
+                f"degree splits each CP group into groups of heads ranks; choose one of {divisors}"
+            )
+
+    def _check_tile(self) -> None:
+        try:
+            Tiling.parse(self.tile, self.mesh_ranks)
+        except ValueError as err:
+            if self.mesh_ranks == self.cp_size:
+                raise
+            raise ValueError(
+                f'"{BLOCK}": "tile" {self.tile} must tile cp_size / heads = {self.cp_size} / {self.heads} = '
+                f"{self.mesh_ranks} mesh ranks: {err}"
+            ) from None
+
+    @property
+    def mesh_ranks(self) -> int:
+        """The ranks the tile tiles: ``cp_size / heads`` (``cp_size`` when ``heads`` is left out)."""
+        return self.cp_size // (self.heads or 1)
+
+    @property
+    def seq_multiple(self) -> int:
+        """The multiple a sequence length must be (zig-zag layout): ``2 * cp_size``, with ``heads`` the lcm of
+        ``cp_size`` and ``2 * cp_size / heads`` (:meth:`mesh_cp.CPMesh.seq_multiple`; ``2 * cp_size`` is a
+        multiple of it for every ``heads``, so it serves ``"tile": "auto"`` choosing them)."""
+        return math.lcm(2 * self.mesh_ranks, self.cp_size)
 
     def tile_for(self, world: int) -> str | tuple[int, int]:
         """The tile to build, after checking that ``cp_size`` divides ``world``."""
@@ -108,7 +157,7 @@ class MeshConfig:
             raise ValueError(
                 f'"{BLOCK}": "cp_size" {self.cp_size} does not divide the {world} ranks; choose one of {divisors}'
             )
-        return self.tile or most_square_tile(self.cp_size)
+        return self.tile or most_square_tile(self.mesh_ranks)
 
     @property
     def attention_options(self) -> dict[str, str]:

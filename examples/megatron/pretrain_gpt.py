@@ -6,7 +6,9 @@ On CPU (8 gloo processes, TP 2 x CP 4 on a 2x2 mesh, 8192-token sequences)::
         --config configs/megatron_cpu_demo.yaml
 
 Megatron-core only (``GPTModel``, ``parallel_state``, ``GPTDataset``, ``get_batch_on_this_cp_rank``);
-the layer spec is :func:`mesh_cp.integrations.megatron.get_gpt_layer_mesh_spec`. The text is the Python
+the layer spec is :func:`mesh_cp.integrations.megatron.get_gpt_layer_mesh_spec`. ``--cp-heads u`` (config key
+``cp_heads``, default 1) runs the head-parallel x mesh hybrid on Megatron's own zig-zag layout (Note [Hybrid on
+Megatron's layout] in :mod:`mesh_cp.integrations.megatron.heads`): ``--tile`` then tiles ``CP / u`` ranks. The text is the Python
 standard library's source read from this machine, tokenized by megatron-core's byte-level tokenizer into
 a Megatron indexed dataset (nothing is downloaded). Each step every DP replica takes its own
 ``--micro-batch`` samples; each CP rank holds their zig-zag chunks ``r`` and ``2CP-1-r``; the loss is
@@ -56,6 +58,7 @@ DEFAULTS = dict(
     tp=1,
     cp=None,
     tile="square",
+    cp_heads=1,
     ranks_per_node=None,
     topology=None,
     seq_len=8192,
@@ -90,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, help="context-parallel size (default: world / TP, so DP = 1)")
     p.add_argument(
         "--tile", help="mesh tile AxB with A*B = CP; 'square' (node-local when ranks per node known) or 'auto'"
+    )
+    p.add_argument(
+        "--cp-heads",
+        type=int,
+        help="head-parallel ranks per CP group (the head-parallel x mesh hybrid: groups of this many consecutive CP "
+        "ranks exchange heads, --tile tiles CP / cp-heads; must divide CP and the heads per TP rank)",
     )
     p.add_argument("--ranks-per-node", type=int, help="GPUs per node (default: torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--topology", help="cluster preset for --tile auto (h100, a100; default h100)")
@@ -240,7 +249,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
             head_dim=args.hidden // args.heads,
             itemsize=2 if cuda else 4,
         )
-    layout = MeshLayout.from_parallel_state(tile=tile, ranks_per_node=ranks_per_node, **auto)
+    layout = MeshLayout.from_parallel_state(tile=tile, heads=args.cp_heads, ranks_per_node=ranks_per_node, **auto)
     lines = [None] * world
     dist.all_gather_object(lines, str(layout))
     main_rank = rank == 0

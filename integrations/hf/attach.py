@@ -18,6 +18,7 @@ from mesh_cp.core.options import check_layout, check_option
 from mesh_cp.integrations.hf.attention import NAME, register
 from mesh_cp.runtime.batch import document_positions
 from mesh_cp.runtime.device_checks import check_on_device
+from mesh_cp.runtime.heads import check_heads
 from mesh_cp.runtime.mesh import CPMesh
 
 LENGTH_DEPENDENT_ROPE: tuple[str, ...] = ("dynamic", "longrope")
@@ -46,6 +47,10 @@ def attach(
     ``schedule`` and ``backward`` of :func:`mesh_cp.mesh_attn_func`; ``layout`` is how :func:`shard_batch`
     sharded the sequence). Returns ``model``; attaching again replaces the earlier attachment.
 
+    ``mesh`` may be a head-parallel x mesh hybrid (``CPMesh.create(group, tile=..., heads=u)``): shard the batch
+    with :func:`shard_batch` / :class:`ShardingCollator` over the same mesh (they follow its layout), and every
+    layer's query heads must split over ``u`` and its K/V heads split or repeat (checked here).
+
     Checked, so that a model is exact or refused by name:
 
     - the switch happened: ``_attn_implementation`` is ``"mesh_cp"`` on the model and every sub-model (a model
@@ -64,11 +69,12 @@ def attach(
 
     models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
     _refuse_temperature_tuning(models)
+    layers = [(name, m) for name, m in model.named_modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
+    _check_head_counts(layers, mesh)  # before the switch: a refused model is left as it was
     register()
     _detach(model)
     model.set_attn_implementation(NAME)
     _check_switched(models)
-    layers = [(name, m) for name, m in model.named_modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layers (modules with is_causal) to attach to")
     attached = _Attachment(mesh, layout, {"schedule": schedule, "backward": backward}, layers)
@@ -89,6 +95,22 @@ def _check_attach_arguments(model: torch.nn.Module, mesh: CPMesh, schedule: str,
     check_layout(layout)
     if not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+
+
+def _check_head_counts(layers: list[tuple[str, torch.nn.Module]], mesh: CPMesh) -> None:
+    """With head-parallel ranks (``mesh.heads > 1``), every layer's query heads must split over them and its K/V
+    heads split or repeat (:func:`mesh_cp.runtime.heads.check_heads`); refused here, before any forward."""
+    if mesh.heads == 1:
+        return
+    for name, layer in layers:
+        heads = getattr(layer.config, "num_attention_heads", None)
+        if not isinstance(heads, int):
+            continue  # checked by the attention call itself
+        kv_heads = getattr(layer.config, "num_key_value_heads", None) or heads
+        try:
+            check_heads(mesh, heads, kv_heads)
+        except ValueError as err:
+            raise ValueError(f"{name} ({type(layer).__name__}): {err}") from None
 
 
 def _refuse_temperature_tuning(models: list[torch.nn.Module]) -> None:
@@ -198,7 +220,7 @@ class _Attachment:
         """What :meth:`check_positions` compares with; ``None`` when no positions can fit (a length the layout
         does not take, or a mask for another number of rows)."""
         seq = seq_local * self.mesh.size
-        if seq % (2 * self.mesh.size if self.layout == "zigzag" else self.mesh.size):
+        if seq % self.mesh.seq_multiple(self.layout):
             return None
         device = position_ids.device
         if mask is not None and mask.documents is not None:

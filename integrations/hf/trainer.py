@@ -31,6 +31,10 @@ def mesh_cp_trainer_class():
     line) leave ``parallel`` out: the trainer builds it from the config's ``"mesh_attention"`` block
     (:class:`mesh_cp.config.MeshConfig`), and DeepSpeed's gradient mean over all ranks is exact at
     every ZeRO stage for the same reason.
+
+    The head-parallel x mesh hybrid comes either way: ``DataContextParallel.create(group, cp_size=..., tile=...,
+    heads=u)`` as ``parallel``, or ``"heads": u`` in the block; the collator pads to the mesh's
+    :meth:`~mesh_cp.CPMesh.seq_multiple` and shards in its layout.
     """
     from transformers import Trainer
 

@@ -17,15 +17,20 @@ from torch import Tensor
 
 import mesh_cp
 from mesh_cp.core import AttentionShape
+from mesh_cp.core.layout import local_positions
 from mesh_cp.core.masks import AttentionMask
+from mesh_cp.integrations.megatron.heads import CP_COMM_TYPES, comm_type_heads, megatron_hybrid_attention
 from mesh_cp.integrations.megatron.mesh import build_mesh
 from mesh_cp.runtime.device_checks import check_on_device
+from mesh_cp.runtime.heads import check_heads
 from mesh_cp.runtime.mesh import CPMesh
 
 SUPPORTED_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
 """Mask types the mesh computes itself: causal over global positions, or none (full attention)."""
-SUPPORTED_CP_COMM_TYPES = (None, "p2p")
-"""``cp_comm_type`` values accepted (Megatron-LM's default is ``"p2p"``); the mesh tile decides the traffic."""
+SUPPORTED_CP_COMM_TYPES = tuple(CP_COMM_TYPES)
+"""``cp_comm_type`` values accepted (Megatron-LM's default is ``"p2p"``): ``None`` and ``"p2p"`` run the spec's mesh,
+``"a2a"`` and ``"a2a+p2p"`` the head-parallel x mesh hybrid they are (:data:`~mesh_cp.integrations.megatron.heads.
+CP_COMM_TYPES`)."""
 
 
 def _cp_group(pg_collection) -> dist.ProcessGroup:
@@ -72,7 +77,8 @@ class MaskCheck:
             raise NotImplementedError(self.MESSAGE)
         if self._last is not None and self._last[0]() is mask and self._last[1] == mask._version:
             return
-        rows = mesh_cp.position_ids(seq, mesh=mesh, layout="zigzag", device=mask.device)
+        # Megatron's zig-zag over all P CP ranks, also under head-parallel ranks (Note [Hybrid on Megatron's layout]).
+        rows = torch.tensor(local_positions(seq, mesh.size, mesh.rank, "zigzag"), device=mask.device)
         expected = rows[:, None] < torch.arange(seq, device=mask.device)[None, :]
         same = (mask == expected).all()
         kind = (tuple(mask.shape), mask.device, mask.dtype)
@@ -103,6 +109,11 @@ class MeshProvider:
     and the overlapped schedule's move order; its ``ranks_per_node`` is rescaled to CP ranks per node."""
     shape: AttentionShape | None = None
     """Per-rank attention shape, for ``tile="auto"``."""
+    heads: int | None = None
+    """``u``, the head-parallel degree of the head-parallel x mesh hybrid (``tile`` then tiles ``CP / u`` ranks;
+    Note [Hybrid on Megatron's layout]); ``None``: what the layers' ``cp_comm_type`` asks for (``"a2a+p2p"``:
+    ``hierarchical_context_parallel_sizes[0]``, ``"a2a"``: the CP size), else 1 (``tile="auto"``: the cost
+    model's choice)."""
     mesh: CPMesh | None = None
     """A mesh built beforehand (for example by :class:`MeshLayout`); then the fields above are unused."""
     _meshes: dict = field(default_factory=dict, repr=False)
@@ -111,27 +122,42 @@ class MeshProvider:
     """Reads the documents of ``packed_seq_params`` (shared by the layers: once per step, not per layer)."""
     """Checks the ``attention_mask`` the layers get (shared by them: a mask is checked once, not per layer)."""
 
-    def mesh_for(self, cp_group: dist.ProcessGroup) -> CPMesh:
-        """The mesh over ``cp_group`` (created on first use, collective over the group)."""
+    def mesh_for(self, cp_group: dist.ProcessGroup, *, comm_heads: int | None = None, comm: str = "") -> CPMesh:
+        """The mesh over ``cp_group`` (created on first use, collective over the group). ``comm_heads``: the
+        head-parallel degree the layer's ``cp_comm_type`` asks for (``comm`` names it), which :attr:`heads` and a
+        pinned :attr:`mesh` must agree with."""
         ranks = tuple(dist.get_process_group_ranks(cp_group))
+        if comm_heads is not None and self.heads is not None and self.heads != comm_heads:
+            raise ValueError(
+                f"{comm} asks for heads={comm_heads} but the layer spec's MeshProvider has heads={self.heads}; give "
+                f"the same (heads= of get_gpt_layer_mesh_spec / MeshLayout.from_parallel_state) or leave one out"
+            )
+        heads = comm_heads if comm_heads is not None else self.heads
         if self.mesh is not None:
             if self.mesh.global_ranks != ranks:
                 raise ValueError(
                     f"the mesh tiles global ranks {list(self.mesh.global_ranks)} but this layer's CP group is "
                     f"{list(ranks)}; build the mesh over the model's CP group (MeshLayout.from_parallel_state)"
                 )
+            if heads is not None and self.mesh.heads != heads:
+                raise ValueError(
+                    f"{comm or 'the MeshProvider'} asks for heads={heads} but the mesh it was given has heads="
+                    f"{self.mesh.heads}; build it with heads={heads} (MeshLayout.from_parallel_state(heads={heads}))"
+                )
             return self.mesh
         # Keyed by the group object (kept alive by the key): a re-initialized parallel_state makes new
         # groups over the same ranks, which need a new mesh.
-        if cp_group not in self._meshes:
-            self._meshes[cp_group] = build_mesh(
+        key = (cp_group, heads)
+        if key not in self._meshes:
+            self._meshes[key] = build_mesh(
                 cp_group,
                 tile=self.tile,
+                heads=heads,
                 ranks_per_node=self.ranks_per_node,
                 topology=self.topology,
                 shape=self.shape,
             )
-        return self._meshes[cp_group]
+        return self._meshes[key]
 
 
 class MeshCoreAttention(MegatronModule):
@@ -160,7 +186,7 @@ class MeshCoreAttention(MegatronModule):
         super().__init__(config=config)
         if mesh_options:
             raise ValueError(f"unknown MeshCoreAttention options {sorted(mesh_options)}; the options are mesh_provider")
-        _refuse_unsupported(config, attention_dropout, attn_mask_type, cp_comm_type)
+        _refuse_unsupported(config, attention_dropout, attn_mask_type)
         if not isinstance(mesh_provider, MeshProvider):
             raise ValueError(
                 f"mesh_provider must be a MeshProvider, got {type(mesh_provider).__name__}; "
@@ -175,7 +201,11 @@ class MeshCoreAttention(MegatronModule):
                 f"config.context_parallel_size {config.context_parallel_size} differs from the CP group's size "
                 f"{cp_group.size()}; build the TransformerConfig with the CP size of parallel_state"
             )
-        self.mesh = mesh_provider.mesh_for(cp_group)
+        heads, comm = comm_type_heads(cp_comm_type, config)
+        self.mesh = mesh_provider.mesh_for(cp_group, comm_heads=heads, comm=comm)
+        if self.mesh.heads > 1:  # this rank's heads (after TP) must split over the head-parallel ranks
+            tp = config.tensor_model_parallel_size
+            check_heads(self.mesh, config.num_attention_heads // tp, max(1, config.num_query_groups // tp))
         self.mask_check = mesh_provider.mask_check
         self.head_dim = config.kv_channels
         # Megatron's apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
@@ -214,9 +244,11 @@ class MeshCoreAttention(MegatronModule):
         if self.window is not None:
             mask = AttentionMask(documents=None if mask is None else mask.documents, window=self.window)
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
-        out = mesh_cp.mesh_attn_func(
-            q, k, v, mesh=self.mesh, causal=causal, softmax_scale=self.softmax_scale, layout="zigzag", mask=mask
-        )
+        options = {"causal": causal, "softmax_scale": self.softmax_scale, "mask": mask}
+        if self.mesh.heads > 1:  # Note [Hybrid on Megatron's layout]
+            out = megatron_hybrid_attention(q, k, v, mesh=self.mesh, **options)
+        else:
+            out = mesh_cp.mesh_attn_func(q, k, v, mesh=self.mesh, layout="zigzag", **options)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     def _check_mask(self, mask: Tensor, causal: bool, seq_local: int, batch: int) -> None:
@@ -302,11 +334,11 @@ def _packed_mask(params, seq: int, batch: int) -> AttentionMask:
 
 
 def _refuse_unsupported(
-    config: TransformerConfig, attention_dropout: float | None, attn_mask_type: AttnMaskType, cp_comm_type: str | None
+    config: TransformerConfig, attention_dropout: float | None, attn_mask_type: AttnMaskType
 ) -> None:
     """Refuse, by name and with the setting to change, what :class:`MeshCoreAttention` cannot compute
-    exactly: dropout, a softmax other than vanilla, a mask other than causal or none,
-    and TransformerEngine's CP communication settings."""
+    exactly: dropout, a softmax other than vanilla, a mask other than causal or none (``cp_comm_type`` is
+    :func:`~mesh_cp.integrations.megatron.heads.comm_type_heads`'s)."""
     dropout = config.attention_dropout if attention_dropout is None else attention_dropout
     if dropout:
         raise NotImplementedError(
@@ -321,14 +353,4 @@ def _refuse_unsupported(
         raise NotImplementedError(
             f"attn_mask_type {attn_mask_type.name} is not supported by mesh_cp; it computes "
             f"{[t.name for t in SUPPORTED_MASK_TYPES]} itself (padding and arbitrary masks are not supported)"
-        )
-    if cp_comm_type not in SUPPORTED_CP_COMM_TYPES:
-        raise NotImplementedError(
-            f"cp_comm_type {cp_comm_type!r} selects TransformerEngine's CP communication; with mesh_cp the "
-            f"mesh tile decides it: leave cp_comm_type at {SUPPORTED_CP_COMM_TYPES[1]!r} (or None)"
-        )
-    if getattr(config, "hierarchical_context_parallel_sizes", None):
-        raise NotImplementedError(
-            f"hierarchical_context_parallel_sizes {config.hierarchical_context_parallel_sizes} is for "
-            f"TransformerEngine's a2a+p2p CP; with mesh_cp leave it unset and choose the mesh tile"
         )

@@ -41,6 +41,7 @@ def build_mesh(
     cp_group: dist.ProcessGroup,
     *,
     tile: tuple[int, int] | str = "square",
+    heads: int | None = None,
     ranks_per_node: int | None = None,
     topology=None,
     shape: AttentionShape | None = None,
@@ -50,27 +51,30 @@ def build_mesh(
     With ``ranks_per_node`` (or a topology) the CP ranks per node are counted from the global ranks, a
     ``"square"`` tile keeps Q-groups inside a node, and an explicit tile whose Q-groups cross nodes is
     logged as a warning (the Q ring then runs over the inter-node network).
+
+    ``heads = u > 1``: the head-parallel x mesh hybrid (Note [Hybrid on Megatron's layout] in
+    :mod:`mesh_cp.integrations.megatron.heads`): groups of ``u`` consecutive CP ranks exchange heads, and
+    ``tile`` tiles the ``CP / u`` ranks holding the same heads (``"square"``: the most square, node-local when the
+    ranks per node are known). ``None``: 1, or with ``tile="auto"`` the cost model's choice (as
+    :meth:`mesh_cp.CPMesh.create`).
     """
     if cp_group is None:
         raise ValueError("cp_group=None is not accepted: pass Megatron's context-parallel group")
     cp_size = dist.get_world_size(cp_group)
-    ranks = tuple(dist.get_process_group_ranks(cp_group))
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or cp_size % heads):
+        divisors = [d for d in range(1, cp_size + 1) if cp_size % d == 0]
+        raise ValueError(f"heads={heads!r} must divide the CP size {cp_size} (one of {divisors}); 1 is a plain mesh")
     if topology is not None:
         from mesh_cp.sim import Topology
 
         if isinstance(topology, str):
             topology = Topology.preset(topology, ranks_per_node=ranks_per_node or 8)
         ranks_per_node = ranks_per_node or topology.ranks_per_node
-    per_node = cp_ranks_per_node(ranks, ranks_per_node) if ranks_per_node else None
-    if ranks_per_node and per_node is None:
-        logger.warning(
-            "mesh_cp: CP group %s does not hold the same number of consecutive ranks on every node of %d GPUs; "
-            "Q-groups are not placed by node",
-            list(ranks),
-            ranks_per_node,
-        )
+    per_node = _cp_ranks_per_node(cp_group, ranks_per_node)
     if tile == "square":
-        tile = node_local_tile(cp_size, per_node) if per_node else most_square_tile(cp_size)
+        u = heads or 1
+        mesh_per_node = _mesh_ranks_per_node(per_node, u, cp_size)
+        tile = node_local_tile(cp_size // u, mesh_per_node) if mesh_per_node else most_square_tile(cp_size // u)
     cp_topology = replace(topology, ranks_per_node=per_node) if topology is not None and per_node else None
     if tile == "auto" and cp_topology is None:
         raise ValueError(
@@ -78,16 +82,59 @@ def build_mesh(
             "ranks_per_node places every CP rank on a node, and shape= (per-rank AttentionShape)"
         )
     # shape= is read by tile='auto' only (CPMesh.create refuses it with another tile and no topology).
-    mesh = CPMesh.create(cp_group, tile=tile, topology=cp_topology, **({"shape": shape} if tile == "auto" else {}))
+    options = {"shape": shape} if tile == "auto" else {}
+    mesh = CPMesh.create(cp_group, tile=tile, heads=heads, topology=cp_topology, **options)
     if per_node:
-        a = mesh.tile[0]
-        if per_node < cp_size and per_node % a:
-            logger.warning(
-                "mesh_cp: tile %dx%d puts Q-groups of %d CP ranks across nodes of %d CP ranks; tile %s keeps them "
-                "inside a node",
-                *mesh.tile,
-                a,
-                per_node,
-                "x".join(map(str, node_local_tile(cp_size, per_node))),
-            )
+        _warn_across_nodes(mesh, per_node)
     return mesh
+
+
+def _cp_ranks_per_node(cp_group: dist.ProcessGroup, ranks_per_node: int | None) -> int | None:
+    """How many consecutive CP ranks share a node of ``ranks_per_node`` GPUs; ``None`` when unknown or uneven
+    (logged)."""
+    if not ranks_per_node:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(cp_group))
+    per_node = cp_ranks_per_node(ranks, ranks_per_node)
+    if per_node is None:
+        logger.warning(
+            "mesh_cp: CP group %s does not hold the same number of consecutive ranks on every node of %d GPUs; "
+            "Q-groups are not placed by node",
+            list(ranks),
+            ranks_per_node,
+        )
+    return per_node
+
+
+def _mesh_ranks_per_node(per_node: int | None, heads: int, cp_size: int) -> int | None:
+    """How many consecutive ranks of each mesh group (CP ranks ``i, u + i, ...`` with ``heads = u``; the CP group
+    itself when ``u = 1``) share a node of ``per_node`` consecutive CP ranks; ``None`` when unknown, or when head
+    groups cross nodes."""
+    if not per_node or heads == 1 or per_node >= cp_size:
+        return per_node
+    return per_node // heads if per_node % heads == 0 else None
+
+
+def _warn_across_nodes(mesh: CPMesh, per_node: int) -> None:
+    """Log head groups (``mesh.heads`` consecutive CP ranks) or Q-groups that cross nodes of ``per_node`` CP ranks:
+    their all-to-all or ring then runs over the inter-node network."""
+    cp_size, u = mesh.size, mesh.heads
+    if per_node < cp_size and per_node % u:
+        logger.warning(
+            "mesh_cp: head groups of %d consecutive CP ranks cross nodes of %d CP ranks (their all-to-all runs over "
+            "the inter-node network); choose heads dividing %d",
+            u,
+            per_node,
+            per_node,
+        )
+        return
+    mesh_per_node, mesh_ranks, a = _mesh_ranks_per_node(per_node, u, cp_size), cp_size // u, mesh.tile[0]
+    if mesh_per_node < mesh_ranks and mesh_per_node % a:
+        logger.warning(
+            "mesh_cp: tile %dx%d puts Q-groups of %d mesh ranks across nodes of %d mesh ranks; tile %s keeps them "
+            "inside a node",
+            *mesh.tile,
+            a,
+            mesh_per_node,
+            "x".join(map(str, node_local_tile(mesh_ranks, mesh_per_node))),
+        )

@@ -21,6 +21,7 @@ def get_gpt_layer_mesh_spec(
     *,
     mesh: CPMesh | None = None,
     tile: tuple[int, int] | str = "square",
+    heads: int | None = None,
     ranks_per_node: int | None = None,
     topology=None,
     shape: AttentionShape | None = None,
@@ -31,8 +32,10 @@ def get_gpt_layer_mesh_spec(
 
     ``base_spec`` (default: ``get_gpt_layer_local_spec(**local_spec_options)``, for example
     ``normalization="RMSNorm"``) is copied and only its self-attention's ``core_attention`` swapped.
-    ``mesh`` pins a prebuilt mesh; otherwise the first layer builds one over the CP group with ``tile``,
-    ``ranks_per_node``, ``topology`` and ``shape`` (see :class:`MeshProvider`), and all layers share it.
+    ``mesh`` pins a prebuilt mesh; otherwise the first layer builds one over the CP group with ``tile``, ``heads``
+    (the head-parallel degree; ``None``: what Megatron's ``cp_comm_type`` asks for, else 1, or with ``tile="auto"``
+    the cost model's choice), ``ranks_per_node``,
+    ``topology`` and ``shape`` (see :class:`MeshProvider`), and all layers share it.
     """
     if base_spec is not None and local_spec_options:
         raise ValueError(f"pass base_spec or local spec options {sorted(local_spec_options)}, not both")
@@ -43,7 +46,9 @@ def get_gpt_layer_mesh_spec(
             "base_spec has no submodules.self_attention.submodules.core_attention slot; pass a transformer layer "
             "spec such as get_gpt_layer_local_spec()"
         )
-    provider = MeshProvider(tile=tile, ranks_per_node=ranks_per_node, topology=topology, shape=shape, mesh=mesh)
+    provider = MeshProvider(
+        tile=tile, heads=heads, ranks_per_node=ranks_per_node, topology=topology, shape=shape, mesh=mesh
+    )
     attention.submodules.core_attention = ModuleSpec(module=MeshCoreAttention, params={"mesh_provider": provider})
     return spec
 
@@ -67,17 +72,20 @@ class MeshLayout:
         cls,
         *,
         tile: tuple[int, int] | str = "square",
+        heads: int | None = None,
         ranks_per_node: int | None = None,
         topology=None,
         shape: AttentionShape | None = None,
     ) -> MeshLayout:
         """Read the sizes from ``parallel_state`` (initialized beforehand) and build the mesh over its CP
-        group (collective over every CP group at once); arguments as for :func:`build_mesh`."""
+        group (collective over every CP group at once); arguments as for :func:`build_mesh` (``heads > 1``: the
+        head-parallel x mesh hybrid on Megatron's own layout, Note [Hybrid on Megatron's layout])."""
         if not parallel_state.model_parallel_is_initialized():
             raise ValueError("call megatron.core.parallel_state.initialize_model_parallel(...) first")
         mesh = build_mesh(
             parallel_state.get_context_parallel_group(),
             tile=tile,
+            heads=heads,
             ranks_per_node=ranks_per_node,
             topology=topology,
             shape=shape,
@@ -101,12 +109,20 @@ class MeshLayout:
         return self.mesh.tiling
 
     def __str__(self) -> str:
-        a, b = self.mesh.tile
+        mesh = self.mesh if self.mesh.inner is None else self.mesh.inner  # the a x b mesh this rank is in
+        a, b = mesh.tile
         pp = f"-PP({self.pp})" if self.pp > 1 else ""
-        q = [self.mesh.global_ranks[r] for r in self.mesh.tiling.q_group(self.mesh.rank)]
-        kv = [self.mesh.global_ranks[r] for r in self.mesh.tiling.kv_group(self.mesh.rank)]
+        q = [mesh.global_ranks[r] for r in mesh.tiling.q_group(mesh.rank)]
+        kv = [mesh.global_ranks[r] for r in mesh.tiling.kv_group(mesh.rank)]
         node = f", {self.ranks_per_node} ranks per node" if self.ranks_per_node else ""
-        return f"TP({self.tp})-CP({a}x{b})-DP({self.dp}){pp} rank {self.rank}: Q-group {q}, KV-group {kv}{node}"
+        if self.mesh.inner is None:
+            return f"TP({self.tp})-CP({a}x{b})-DP({self.dp}){pp} rank {self.rank}: Q-group {q}, KV-group {kv}{node}"
+        u = self.mesh.heads
+        heads = list(self.mesh.global_ranks[self.mesh.rank // u * u : self.mesh.rank // u * u + u])
+        return (
+            f"TP({self.tp})-CP({u} heads x {a}x{b})-DP({self.dp}){pp} rank {self.rank}: head group {heads}, "
+            f"Q-group {q}, KV-group {kv}{node}"
+        )
 
 
 def _default_spec(**options) -> ModuleSpec:

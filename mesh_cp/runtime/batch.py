@@ -170,7 +170,8 @@ def _one_run(attention_mask: Tensor, shape: torch.Size) -> Tensor:
 
 
 class ShardingCollator:
-    """``DataLoader`` collate function: right-pad examples to a length the layout accepts, shift labels
+    """``DataLoader`` collate function: right-pad examples to a length the layout accepts
+    (:meth:`CPMesh.seq_multiple`, times ``pad_to_multiple_of``), shift labels
     on the full sequences, and return this CP rank's shard, ready for ``model(**batch)``.
 
     Every rank of a CP group must see the same examples (same sampler seed, no DP split inside the
@@ -203,8 +204,7 @@ class ShardingCollator:
         self.mesh, self.pad_token_id, self.layout = mesh, pad_token_id, check_layout(layout)
         self.device = None if device is None else torch.device(device)
         self.packed = bool(packed)
-        parts = 2 * mesh.size if layout == "zigzag" else mesh.size
-        self.multiple = math.lcm(parts, pad_to_multiple_of)
+        self.multiple = math.lcm(mesh.seq_multiple(self.layout), pad_to_multiple_of)
 
     def __call__(self, examples: Sequence[Mapping[str, Sequence[int]] | Sequence[int]]) -> dict[str, Tensor]:
         ids = [torch.as_tensor(e["input_ids"] if isinstance(e, Mapping) else e, dtype=torch.long) for e in examples]

@@ -44,10 +44,13 @@ class DataContextParallel:
     dp_rank: int
 
     @classmethod
-    def create(cls, group: dist.ProcessGroup, *, cp_size: int, tile, **mesh_options) -> DataContextParallel:
-        """Split ``group`` into ``size / cp_size`` replicas of ``cp_size`` consecutive ranks; ``tile`` and
-        ``mesh_options`` (``topology``, ``shape``, ``memory_budget``, ``timeout``, ``debug``) go to
-        :meth:`CPMesh.create`."""
+    def create(
+        cls, group: dist.ProcessGroup, *, cp_size: int, tile, heads: int | None = None, **mesh_options
+    ) -> DataContextParallel:
+        """Split ``group`` into ``size / cp_size`` replicas of ``cp_size`` consecutive ranks; ``tile``, ``heads``
+        (the head-parallel degree of the hybrid: ``tile`` then tiles ``cp_size / heads`` ranks; ``None``: 1, or
+        chosen by ``tile="auto"``) and ``mesh_options`` (``topology``, ``shape``, ``memory_budget``, ``timeout``,
+        ``debug``) go to :meth:`CPMesh.create`."""
         if group is None:
             raise ValueError("group=None is not accepted: pass the process group to split (e.g. dist.group.WORLD)")
         world = dist.get_world_size(group)
@@ -63,7 +66,7 @@ class DataContextParallel:
         dp_size = world // cp_size
         cp_group = new_subgroups(group, [ranks[d * cp_size : (d + 1) * cp_size] for d in range(dp_size)])
         dp_group = new_subgroups(group, [ranks[c::cp_size] for c in range(cp_size)])
-        mesh = CPMesh.create(cp_group, tile=tile, **mesh_options)
+        mesh = CPMesh.create(cp_group, tile=tile, heads=heads, **mesh_options)
         return cls(mesh=mesh, group=group, dp_group=dp_group, dp_size=dp_size, dp_rank=dp_rank)
 
     @classmethod
@@ -77,7 +80,7 @@ class DataContextParallel:
         group = dist.group.WORLD if group is None else group
         tile = config.tile_for(dist.get_world_size(group))
         options = {"topology": config.topology, "shape": shape} if tile == "auto" or config.topology else {}
-        return cls.create(group, cp_size=config.cp_size, tile=tile, **options)
+        return cls.create(group, cp_size=config.cp_size, tile=tile, heads=config.heads, **options)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         """Sum gradients over CP and average them over DP (one all-reduce over all DP x CP ranks)."""

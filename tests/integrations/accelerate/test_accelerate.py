@@ -78,3 +78,11 @@ def test_trainer_with_dp_by_cp_equals_single_process(tmp_path: Path) -> None:
     errors = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) params err ([0-9.e+-]+)", stdout)}
     assert sorted(errors) == [0, 1, 2, 3], stdout[-2000:]
     assert max(errors.values()) <= 1e-5, errors
+
+
+def test_cp_heads_option_defaults_to_a_plain_mesh() -> None:
+    """``--cp-heads`` (the head-parallel x mesh hybrid) sits beside ``--tile``, 1 unless given."""
+    from examples.accelerate import finetune
+
+    assert finetune.parse_args([]).cp_heads == 1
+    assert finetune.parse_args(["--cp", "8", "--cp-heads", "2", "--tile", "2x2"]).cp_heads == 2

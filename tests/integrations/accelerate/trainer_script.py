@@ -2,7 +2,7 @@
 or with ``--deepspeed CONFIG`` under the deepspeed launcher (test_deepspeed.py), where the Trainer builds
 the layout from the config's ``"mesh_attention"`` block.
 
-DP 2 x CP 2 (tile 1x2) trains a tiny Llama for 2 epochs of 3 SGD steps on ragged examples; the result must
+DP 2 x CP 2 (tile 1x2; with ``--cp-heads 2`` the head-parallel x mesh hybrid, 2 heads x tile 1x1) trains a tiny Llama for 2 epochs of 3 SGD steps on ragged examples; the result must
 equal single-process training on the same global batches (both replicas' examples, right-padded, mean token
 loss), each epoch in the order of the replicas' ``DistributedSampler`` reshuffled for it. The script also
 asserts, from the examples the collator saw, that every rank of a CP group saw the same examples, that each
@@ -49,11 +49,12 @@ def reference_batch(data: list[dict], sampler_order: list[list[int]], step: int)
     return ids, mask
 
 
-def main(output_dir: str, deepspeed: str | None) -> None:
+def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
     gloo_exit_workaround()  # before accelerate or the Trainer makes the process group
+    tile = (1, 2 // cp_heads)
     if deepspeed is None:
         PartialState()  # the process group, from accelerate launch
-        layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=(1, 2))
+        layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=tile, heads=cp_heads)
     else:
         layout = None  # the Trainer builds it from the config's "mesh_attention" block
     torch.manual_seed(0)
@@ -92,7 +93,7 @@ def main(output_dir: str, deepspeed: str | None) -> None:
             model=model, args=args, train_dataset=data, parallel=layout, pad_token_id=0, data_collator=collator
         )
     layout = trainer.parallel
-    assert layout.dp_size == dp_size and layout.mesh.tile == (1, 2), layout
+    assert layout.dp_size == dp_size and (layout.mesh.tile, layout.mesh.heads) == (tile, cp_heads), layout
     trainer.train()
     try:
         trainer.evaluate(data)
@@ -131,6 +132,8 @@ def main(output_dir: str, deepspeed: str | None) -> None:
         trained = [p if (full := safe_get_full_fp32_param(p)) is None else full for p in trainer.model.parameters()]
     err = max((p - q).abs().max().item() for p, q in zip(trained, reference.parameters(), strict=True))
     print(f"rank {dist.get_rank()} params err {err:.3e}", flush=True)
+    dist.barrier()  # end the gloo run as gloo_exit_workaround asks: a process may abort at exit otherwise
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -138,5 +141,6 @@ if __name__ == "__main__":
     parser.add_argument("output_dir")
     parser.add_argument("--deepspeed", default=None, help="DeepSpeed config with a mesh_attention block")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    parser.add_argument("--cp-heads", type=int, default=1, help="head-parallel ranks of the CP group (tile 1 x 2/u)")
     cli = parser.parse_args()
-    main(cli.output_dir, cli.deepspeed)
+    main(cli.output_dir, cli.deepspeed, cli.cp_heads)

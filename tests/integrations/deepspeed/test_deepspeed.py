@@ -1,6 +1,7 @@
 """DeepSpeed with a ``"mesh_attention"`` config block against training without CP.
 
-On 4 gloo ranks, for ZeRO stages 0-3 and the layouts CP 4 (2x2) and DP 2 x CP 2 (1x2), a tiny Llama
+On 4 gloo ranks, for ZeRO stages 0-3 and the layouts CP 4 (2x2) and DP 2 x CP 2 (1x2), and at ZeRO 2 for the
+head-parallel x mesh hybrid CP 4 = 2 heads x 1x2 (``"heads": 2``), a tiny Llama
 trained 3 steps through :func:`mesh_cp.integrations.deepspeed.initialize` ends with the parameters of
 the same model trained in one process with ``torch.optim.SGD`` (momentum 0.9) on the same global batches (the mean of
 the replicas' token-mean losses); the losses are printed side by side. A model that is not a Hugging
@@ -163,7 +164,12 @@ def deepspeed_worker(rank: int, world: int) -> dict:
         for stage in range(4):
             losses, params = train_mesh(tiny_llama(), ds_config(stage, cp_size, tile), data, hf_logits)
             results["cases"][(name, stage)] = (losses, ref_losses, _max_err(params, reference.parameters()))
+    # The head-parallel x mesh hybrid from the block: CP 4 = 2 heads x tile 1x2, ZeRO 2.
     data = batches(1)
+    reference = tiny_llama()
+    ref_losses = train_reference(reference, data, hf_loss)
+    losses, params = train_mesh(tiny_llama(), ds_config(2, 4, "1x2", heads=2), data, hf_logits)
+    results["cases"][("CP4(2 heads x 1x2)", 2)] = (losses, ref_losses, _max_err(params, reference.parameters()))
     torch.manual_seed(0)
     gpt = TinyGPT()
     reference = copy.deepcopy(gpt)
@@ -241,6 +247,8 @@ def _bad_blocks(world: int) -> dict:
     expect_error(errors, "auto", ValueError, r"needs \['topology', 'seq_len'\]", lambda: start(cp_size=4, tile="auto"))
     expect_error(errors, "seq_len", ValueError, r'"seq_len" 100 must be a multiple of 2 \* cp_size = 8',
                  lambda: start(cp_size=4, seq_len=100))  # fmt: skip
+    expect_error(errors, "heads 3", ValueError, r'"heads" 3 does not divide "cp_size" 4.*choose one of \[1, 2, 4\]',
+                 lambda: start(cp_size=4, heads=3))  # fmt: skip
     expect_error(errors, "mpu", ValueError, r"\['mpu'\] cannot be used", lambda: start(cp_size=4, mpu=object()))
     expect_error(errors, "training_data", ValueError, r"\['training_data'\] cannot be used",
                  lambda: start(cp_size=4, training_data=[1]))  # fmt: skip
@@ -258,7 +266,7 @@ def test_every_zero_stage_trains_like_no_cp(deepspeed_results: list[dict]) -> No
         for step, (mine, ref) in enumerate(zip(losses, ref_losses, strict=True), start=1):
             print(f"{name:<18} {stage:>4} {step:>4} {mine:>14.8f} {ref:>14.8f} {err if step == STEPS else '':>10}")
     for rank, result in enumerate(deepspeed_results):
-        assert len(result["cases"]) == 9
+        assert len(result["cases"]) == 10
         for case, (losses, ref_losses, err) in result["cases"].items():
             assert len(losses) == STEPS, case
             assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) <= TOL, (rank, case)
@@ -267,7 +275,7 @@ def test_every_zero_stage_trains_like_no_cp(deepspeed_results: list[dict]) -> No
 
 def test_bad_blocks_stop_before_training(deepspeed_results: list[dict]) -> None:
     for result in deepspeed_results:
-        assert len(result["errors"]) == 9
+        assert len(result["errors"]) == 10
         assert all(v is True for v in result["errors"].values()), result["errors"]
 
 
@@ -314,16 +322,17 @@ def test_example_under_both_launchers_and_resume_equals_not_stopping(tmp_path: P
 
 
 def test_trainer_with_deepspeed_flag_equals_single_process(tmp_path: Path) -> None:
-    """``--deepspeed`` with the shipped Trainer config (ZeRO 3), its block set to DP 2 x CP 2 (1x2)."""
+    """``--deepspeed`` with the shipped Trainer config (ZeRO 3), its block set to DP 2 x CP 2 as the head-parallel
+    x mesh hybrid (``"heads": 2``, tile 1x1: the trainer builds the hybrid from the block)."""
     config = json.loads((ROOT / "configs" / "ds_mesh_cp.json").read_text())
-    config["mesh_attention"] |= {"cp_size": 2, "tile": "1x2"}
+    config["mesh_attention"] |= {"cp_size": 2, "heads": 2, "tile": "1x1"}
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
     script = str(ROOT / "tests" / "integrations" / "accelerate" / "trainer_script.py")
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port", "29624", script]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [*cmd, str(tmp_path / "out"), "--deepspeed", str(path)],
+        [*cmd, str(tmp_path / "out"), "--deepspeed", str(path), "--cp-heads", "2"],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,7 +2,8 @@
 
 Tiny random-weight Llama (MHA and GQA), Qwen2 and Mistral: at P = 4 (tiles 2x2 and 1x4) and P = 2,
 logits, loss and every parameter gradient match the stock model to 1e-5 (fp32), and so do the
-parameters after 3 SGD steps with momentum. Right padding is exact; left padding, model-level padding masks and
+parameters after 3 SGD steps with momentum; so does the head-parallel x mesh hybrid (2 heads x tiles 1x2 and
+2x1, packed documents, the collator's padding). Right padding is exact; left padding, model-level padding masks and
 sliding windows are refused with their reason. Every keyword the attention gets is handled exactly
 (``is_causal=False``, attention sinks) or refused by name (packed batches, unknown keywords); a model whose
 layers bypass the attention interface is refused; autocast and ``copy.deepcopy`` of an attached model work.
@@ -24,7 +25,7 @@ pytest.importorskip("transformers")
 import mesh_cp  # noqa: E402
 from mesh_cp.core import factorizations  # noqa: E402
 from mesh_cp.testing import expect_error, spawn_gloo  # noqa: E402
-from mesh_cp.testing.models import VOCAB, tiny_causal_lms  # noqa: E402
+from mesh_cp.testing.models import VOCAB, tiny_causal_lms, tiny_config  # noqa: E402
 
 TOL = 1e-5
 SEQ = 48
@@ -677,8 +678,62 @@ def test_autocast_deepcopy_and_host_reads(world4) -> None:
         assert two == four == 0, f"rank {rank}: host reads per step: {two} with 2 layers, {four} with 4"
 
 
+def heads_section(rank: int, world: int) -> dict:
+    """The head-parallel x mesh hybrid (CP 4 = 2 heads x 2 mesh ranks) through DataContextParallel: MHA (K/V heads
+    split) on tile 1x2 and packed GQA on tile 2x1 match the stock model; the collator pads to the hybrid's multiple;
+    a model whose heads do not split is refused at attach."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from mesh_cp.integrations import hf
+
+    results: dict = {}
+    for tile, name, documents in (((1, 2), "llama", None), ((2, 1), "llama-gqa", [[1, 5, 13, 2, 20, 3]])):
+        parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=4, tile=tile, heads=2)
+        label = f"{name}{' packed' if documents else ''} heads 2 x {tile[0]}x{tile[1]}"
+        results |= compare(label, tiny_causal_lms()[name], parallel.mesh, documents=documents)
+    mesh = parallel.mesh
+    # 34 tokens: the hybrid pads to lcm(P, 2P/u) = 4 (36, 9 per rank) where the plain mesh pads to 2P = 8.
+    gen = torch.Generator().manual_seed(7)
+    examples = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=gen).tolist()} for n in (34, 21)]
+    batch = hf.ShardingCollator(mesh, pad_token_id=0)(examples)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa")
+    loss = hf.attach(copy.deepcopy(ref), mesh)(**batch).loss.detach()
+    dist.all_reduce(loss, group=mesh.group)
+    padded = torch.zeros(2, 36, dtype=torch.long)
+    real = torch.zeros_like(padded)
+    for row, e in enumerate(examples):
+        padded[row, : len(e["input_ids"])], real[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"]), 1
+    ref_loss = ref(input_ids=padded, attention_mask=real, labels=padded.masked_fill(real == 0, -100)).loss
+    results["collator shape"] = tuple(batch["input_ids"].shape)
+    results["collator loss"] = abs(loss.item() - ref_loss.item())
+    ulysses = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(1, 1), heads=4)
+    two_heads = tiny_config("LlamaConfig", num_attention_heads=2, num_key_value_heads=2)
+    expect_error(
+        results,
+        "heads that do not split refused",
+        ValueError,
+        r"model\.layers\.0\.self_attn \(LlamaAttention\): 2 query heads cannot be split over heads=4",
+        lambda: hf.attach(AutoModelForCausalLM.from_config(two_heads), ulysses),
+    )
+    return results
+
+
+def test_head_parallel_hybrid_matches_single_process_sdpa(world4) -> None:
+    for rank, res in enumerate(section(world4, "heads")):
+        assert res.pop("collator shape") == (2, 9), res
+        assert res.pop("heads that do not split refused") is True, res
+        metrics = ("logits", "loss", "grads", "params after 3 steps")
+        cases = ("llama heads 2 x 1x2", "llama-gqa packed heads 2 x 2x1")
+        assert set(res) == {f"{c} {m}" for c in cases for m in metrics} | {"collator loss"}, sorted(res)
+        bad = {k: v for k, v in res.items() if not v <= TOL}
+        assert not bad, f"rank {rank}: errors above {TOL}: {bad}"
+
+
 WORLD4_SECTIONS = {
     "models": hf_worker,
+    "heads": heads_section,
     "dp_cp": dp_cp_worker,
     "collator": collator_worker,
     "keywords": keywords_section,

@@ -1,8 +1,9 @@
 """Megatron-core GPT with Mesh-Attention core attention under TP x CP(a x b) x DP, against TP1 x CP1.
 
 One process trains the reference (TP1 x CP1, the mesh spec on one rank, whose attention is checked
-against plain causal SDPA); one group of 8 gloo ranks trains TP2 x CP2(1x2) x DP2, TP1 x CP4(2x2) x DP2
-and TP2 x CP4(2x2) x DP1 on the same global batches, with learned absolute and RoPE position
+against plain causal SDPA); one group of 8 gloo ranks trains TP2 x CP2(1x2) x DP2, TP1 x CP4(2x2) x DP2,
+TP2 x CP4(2x2) x DP1 and the head-parallel x mesh hybrid TP2 x CP4(2 heads x 2x1) x DP1 (Megatron's
+``cp_comm_type="a2a+p2p"``, on Megatron's own zig-zag layout) on the same global batches, with learned absolute and RoPE position
 embeddings. After each of 3 SGD steps the global loss and gradient norm, and after the last every
 rank's parameter shards, equal the reference within 1e-5 (fp32). The same group checks the layout
 printout, node placement of Q-groups, the CP group taken from ``pg_collection``, and every refusal.
@@ -32,8 +33,9 @@ STEPS = 3
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "rope, packed rows, window on layer 1")
 DOCUMENTS = (1, 7, 3, 12, 6)
 """Document lengths of every packed row (29 of 32 tokens; the rest is padding)."""
-LAYOUTS = ((2, 2, (1, 2)), (1, 4, (2, 2)), (2, 4, (2, 2)))
-"""(TP, CP, tile) on 8 ranks; DP = 8 / (TP * CP)."""
+LAYOUTS = ((2, 2, (1, 2), 1), (1, 4, (2, 2), 1), (2, 4, (2, 2), 1), (2, 4, (2, 1), 2))
+"""(TP, CP, tile, heads) on 8 ranks; DP = 8 / (TP * CP). heads 2: the head-parallel x mesh hybrid through Megatron's
+cp_comm_type "a2a+p2p" with hierarchical_context_parallel_sizes [2, 2] (1 K/V head per TP rank, repeated)."""
 
 
 def _config(tp: int, cp: int, **overrides):
@@ -60,8 +62,9 @@ def _global_batches() -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(STEPS)]
 
 
-def train(position_embedding: str, tp: int, cp: int, tile) -> dict:
-    """3 SGD steps of a tiny GPT under the current parallel_state; global losses, grad norms, parameters."""
+def train(position_embedding: str, tp: int, cp: int, tile, heads: int = 1) -> dict:
+    """3 SGD steps of a tiny GPT under the current parallel_state; global losses, grad norms, parameters. With
+    ``heads > 1`` the layers get Megatron's ``cp_comm_type="a2a+p2p"`` and the layout's mesh that hybrid."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -69,12 +72,14 @@ def train(position_embedding: str, tp: int, cp: int, tile) -> dict:
     from examples.megatron import training
     from mesh_cp.integrations import megatron as mcp
 
-    layout = mcp.MeshLayout.from_parallel_state(tile=tile)
+    layout = mcp.MeshLayout.from_parallel_state(tile=tile, heads=heads)
     packed = "packed" in position_embedding
-    window = {"window_size": (4, 0), "window_attn_skip_freq": 2} if packed else {}  # layer 1 sees 5 keys
+    overrides = {"window_size": (4, 0), "window_attn_skip_freq": 2} if packed else {}  # layer 1 sees 5 keys
+    if heads > 1:
+        overrides |= {"cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [heads, cp // heads]}
     torch.manual_seed(0)  # the full weights, split over TP by use_cpu_initialization
     model = GPTModel(
-        config=_config(tp, cp, **window),
+        config=_config(tp, cp, **overrides),
         transformer_layer_spec=layout.layer_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
@@ -250,12 +255,13 @@ def mesh_worker(rank: int, world: int, reference: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     results: dict = {}
-    for tp, cp, tile in LAYOUTS:
+    for tp, cp, tile, heads in LAYOUTS:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
         tp_rank = ps.get_tensor_model_parallel_rank()
-        name = f"TP{tp} x CP{cp}({tile[0]}x{tile[1]}) x DP{world // (tp * cp)}"
+        mesh = f"{heads} heads x " if heads > 1 else ""
+        name = f"TP{tp} x CP{cp}({mesh}{tile[0]}x{tile[1]}) x DP{world // (tp * cp)}"
         for pos in POSITION_EMBEDDINGS:
-            run, ref = train(pos, tp, cp, tile), reference[pos]
+            run, ref = train(pos, tp, cp, tile, heads), reference[pos]
             model = run["model"]
             results[(name, pos)] = {
                 "layout": run["layout"],
@@ -268,7 +274,7 @@ def mesh_worker(rank: int, world: int, reference: dict) -> dict:
                     for n, p in model.named_parameters()
                 ),
             }
-        if (tp, cp) == (2, 4):
+        if (tp, cp, heads) == (2, 4, 1):
             results |= _checks(rank, world)
         ps.destroy_model_parallel()
     return results
@@ -353,7 +359,7 @@ def _checks(rank: int, world: int) -> dict:
         r"attn_mask_type padding",
         lambda: attention(mask_type=AttnMaskType.padding),
     )
-    expect_error(out, "cp_comm_type", NotImplementedError, r"cp_comm_type 'a2a'", lambda: attention(cp_comm_type="a2a"))
+    _comm_type_checks(out, attention, layout)
     expect_error(out, "cp size", ValueError, r"context_parallel_size 2 differs .* 4", lambda: attention(_config(2, 2)))
     expect_error(
         out,
@@ -399,6 +405,38 @@ def _checks(rank: int, world: int) -> dict:
     return out
 
 
+def _comm_type_checks(out: dict, attention, layout) -> None:
+    """Megatron's cp_comm_type under TP2 x CP4: "a2a+p2p" with hierarchical sizes [u, m] is the hybrid with heads=u
+    (and must agree with a given mesh), "a2a" is heads=CP (refused here: 2 heads per TP rank do not split over 4);
+    what has no exact mapping is refused by name with the fix."""
+    import torch.distributed as dist
+
+    from mesh_cp.integrations import megatron as mcp
+
+    a2a_p2p = _config(2, 4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2])
+    hybrid = attention(a2a_p2p, provider=mcp.MeshProvider(tile=(1, 2)), cp_comm_type="a2a+p2p")
+    out["a2a+p2p mesh"] = (hybrid.mesh.heads, hybrid.mesh.tile, dist.get_process_group_ranks(hybrid.mesh.head_group))
+    expect_error(out, "a2a+p2p against a plain mesh", ValueError,
+                 r"cp_comm_type 'a2a\+p2p' with hierarchical_context_parallel_sizes \[2, 2\] asks for heads=2 but the "
+                 r"mesh it was given has heads=1; build it with heads=2",
+                 lambda: attention(a2a_p2p, cp_comm_type="a2a+p2p"))  # fmt: skip
+    expect_error(out, "a2a+p2p against provider heads", ValueError, r"asks for heads=2 but the layer spec's MeshProvider has heads=4",
+                 lambda: attention(a2a_p2p, provider=mcp.MeshProvider(heads=4), cp_comm_type="a2a+p2p"))  # fmt: skip
+    wrong_sizes = _config(2, 4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 4])
+    expect_error(out, "a2a+p2p sizes", NotImplementedError, r"needs hierarchical_context_parallel_sizes \[a2a, p2p\] with "
+                 r"a2a \* p2p = CP size 4, got \[2, 4\]",
+                 lambda: attention(wrong_sizes, cp_comm_type="a2a+p2p"))  # fmt: skip
+    expect_error(out, "a2a heads", ValueError, r"2 query heads cannot be split over heads=4",
+                 lambda: attention(provider=mcp.MeshProvider(), cp_comm_type="a2a"))  # fmt: skip
+    expect_error(out, "hierarchical sizes without a2a+p2p", NotImplementedError,
+                 r"hierarchical_context_parallel_sizes \[2, 2\] is read by cp_comm_type 'a2a\+p2p' only",
+                 lambda: attention(_config(2, 4, hierarchical_context_parallel_sizes=[2, 2])))  # fmt: skip
+    expect_error(out, "cp_comm_type", NotImplementedError, r"cp_comm_type 'all_gather' selects TransformerEngine",
+                 lambda: attention(cp_comm_type="all_gather"))  # fmt: skip
+    expect_error(out, "heads 3", ValueError, r"heads=3 must divide the CP size 4 \(one of \[1, 2, 4\]\)",
+                 lambda: mcp.build_mesh(layout.mesh.group, heads=3))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return spawn_gloo(reference_worker, 1)[0]
@@ -427,15 +465,15 @@ def test_mask_is_checked_without_a_host_sync_per_layer_or_step(reference) -> Non
 
 
 def test_layouts_equal_tp1_cp1(reference, mesh_results) -> None:
-    head = f"{'layout':<24}{'pos. emb.':<18}{'loss step 1..3':<30}{'grad norm step 1..3':<30}"
+    head = f"{'layout':<34}{'pos. emb.':<18}{'loss step 1..3':<30}{'grad norm step 1..3':<30}"
     lines = [head + "max |loss err| |norm err| |param err|"]
     for pos in POSITION_EMBEDDINGS:
         ref = reference[pos]
-        lines.append(f"{'TP1 x CP1 (reference)':<24}{pos:<18}{_fmt(ref['losses']):<30}{_fmt(ref['norms']):<30}-")
+        lines.append(f"{'TP1 x CP1 (reference)':<34}{pos:<18}{_fmt(ref['losses']):<30}{_fmt(ref['norms']):<30}-")
     for key in sorted({k for k in mesh_results[0] if isinstance(k, tuple)}):
         runs = [r[key] for r in mesh_results]
         errs = {e: max(r[e] for r in runs) for e in ("loss err", "norm err", "param err")}
-        row = f"{key[0]:<24}{key[1]:<18}{_fmt(runs[0]['losses']):<30}{_fmt(runs[0]['norms']):<30}"
+        row = f"{key[0]:<34}{key[1]:<18}{_fmt(runs[0]['losses']):<30}{_fmt(runs[0]['norms']):<30}"
         lines.append(row + " ".join(f"{v:.1e}" for v in errs.values()))
         assert all(v <= TOL for v in errs.values()), (key, errs)
     print("\n" + "\n".join(lines))
@@ -460,7 +498,13 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
             k: v for k, v in res.items() if isinstance(v, bool | str) and k not in ("layout str", "--spec loss finite")
         }
         failed = {k: v for k, v in refusals.items() if v is not True}
-        assert len(refusals) == 12 and not failed, failed
+        assert len(refusals) == 18 and not failed, failed
+        cp_ranks = [rank % 2 + 2 * c for c in range(4)]  # TP2 x CP4: head groups of CP ranks {0, 1} and {2, 3}
+        first = rank // 2 // 2 * 2
+        assert res["a2a+p2p mesh"] == (2, (1, 2), cp_ranks[first : first + 2]), res["a2a+p2p mesh"]
+    # rank 5 = tp 1 + 2 * cp 2 under 2 heads x 2x1: head group CP ranks {2, 3}, mesh group CP ranks {0, 2}.
+    hybrid = mesh_results[5][("TP2 x CP4(2 heads x 2x1) x DP1", "rope")]["layout"]
+    assert hybrid == "TP(2)-CP(2 heads x 2x1)-DP(1) rank 5: head group [5, 7], Q-group [1, 5], KV-group [5]", hybrid
     # rank 5 = tp 1 + 2 * cp 2: CP group [1, 3, 5, 7], Q-group CP ranks {2, 3}, KV-group CP ranks {0, 2}.
     assert (
         mesh_results[5]["layout str"] == "TP(2)-CP(2x2)-DP(1) rank 5: Q-group [5, 7], KV-group [1, 5], 4 ranks per node"
@@ -506,3 +550,14 @@ def test_pretrain_script_learns_and_resumes(tmp_path: Path) -> None:
     assert sorted(again) == [3, 4], again
     for s in (3, 4):
         assert again[s] == pytest.approx(losses[s], abs=1e-6), (s, again, losses)
+
+
+def test_pretrain_script_takes_cp_heads_beside_tile(tmp_path: Path) -> None:
+    """``--cp-heads`` / config key ``cp_heads`` (the head-parallel x mesh hybrid), 1 unless given."""
+    from examples.megatron import pretrain_gpt
+
+    config = tmp_path / "hybrid.yaml"
+    config.write_text("cp: 4\ncp_heads: 2\ntile: 1x2\n")
+    assert pretrain_gpt.parse_args([]).cp_heads == 1
+    assert pretrain_gpt.parse_args(["--config", str(config)]).cp_heads == 2
+    assert pretrain_gpt.parse_args(["--config", str(config), "--cp-heads", "4"]).cp_heads == 4
