@@ -12,7 +12,6 @@ DeepSpeed config; :meth:`mesh_cp.runtime.parallel.DataContextParallel.from_confi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -107,14 +106,8 @@ class MeshConfig:
 
             Topology.preset(self.topology)
         if self.seq_len is not None and self.seq_len % self.seq_multiple:
-            why = (
-                "2 * cp_size"
-                if self.mesh_ranks == self.cp_size
-                else f"lcm(cp_size, 2 * cp_size / heads) (each of the {self.mesh_ranks} mesh ranks' two equal "
-                f"half-chunks cut into {self.heads} pieces)"
-            )
             raise ValueError(
-                f'"{BLOCK}": "seq_len" {self.seq_len} must be a multiple of {why} = {self.seq_multiple} '
+                f'"{BLOCK}": "seq_len" {self.seq_len} must be a multiple of 2 * cp_size = {self.seq_multiple} '
                 f"(the zig-zag layout gives every rank two equal half-chunks)"
             )
 
@@ -145,10 +138,9 @@ class MeshConfig:
 
     @property
     def seq_multiple(self) -> int:
-        """The multiple a sequence length must be (zig-zag layout): ``2 * cp_size``, with ``heads`` the lcm of
-        ``cp_size`` and ``2 * cp_size / heads`` (:meth:`mesh_cp.CPMesh.seq_multiple`; ``2 * cp_size`` is a
-        multiple of it for every ``heads``, so it serves ``"tile": "auto"`` choosing them)."""
-        return math.lcm(2 * self.mesh_ranks, self.cp_size)
+        """The multiple a sequence length must be (zig-zag layout): ``2 * cp_size``, whatever ``heads``
+        (:meth:`mesh_cp.CPMesh.seq_multiple`)."""
+        return 2 * self.cp_size
 
     def tile_for(self, world: int) -> str | tuple[int, int]:
         """The tile to build, after checking that ``cp_size`` divides ``world``."""

@@ -21,7 +21,7 @@ consecutive CP ranks, and Q-groups stay inside a node when ``a`` divides ``R / T
 The head-parallel x mesh hybrid: ``MeshLayout.from_parallel_state(tile=(1, 2), heads=2)`` (or ``heads=`` of
 :func:`get_gpt_layer_mesh_spec`) exchanges heads in groups of ``heads`` consecutive CP ranks and tiles the ``CP /
 heads`` ranks holding the same heads, on Megatron's own zig-zag layout (``get_batch_on_this_cp_rank`` and its RoPE
-unchanged: Note [Hybrid on Megatron's layout] in :mod:`mesh_cp.integrations.megatron.heads`). Megatron's own
+unchanged: Note [Head-parallel x mesh] in :mod:`mesh_cp.runtime.heads`). Megatron's own
 ``cp_comm_type="a2a+p2p"`` with ``hierarchical_context_parallel_sizes=[u, m]`` runs as ``heads=u``, and ``"a2a"``
 as ``heads=CP``; ``"all_gather"`` is refused.
 

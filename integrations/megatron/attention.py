@@ -19,7 +19,7 @@ import mesh_cp
 from mesh_cp.core import AttentionShape
 from mesh_cp.core.layout import local_positions
 from mesh_cp.core.masks import AttentionMask
-from mesh_cp.integrations.megatron.heads import CP_COMM_TYPES, comm_type_heads, megatron_hybrid_attention
+from mesh_cp.integrations.megatron.heads import CP_COMM_TYPES, comm_type_heads
 from mesh_cp.integrations.megatron.mesh import build_mesh
 from mesh_cp.runtime.device_checks import check_on_device
 from mesh_cp.runtime.heads import check_heads
@@ -77,7 +77,7 @@ class MaskCheck:
             raise NotImplementedError(self.MESSAGE)
         if self._last is not None and self._last[0]() is mask and self._last[1] == mask._version:
             return
-        # Megatron's zig-zag over all P CP ranks, also under head-parallel ranks (Note [Hybrid on Megatron's layout]).
+        # Megatron's zig-zag over all P CP ranks, also under head-parallel ranks (Note [Head-parallel x mesh]).
         rows = torch.tensor(local_positions(seq, mesh.size, mesh.rank, "zigzag"), device=mask.device)
         expected = rows[:, None] < torch.arange(seq, device=mask.device)[None, :]
         same = (mask == expected).all()
@@ -111,7 +111,7 @@ class MeshProvider:
     """Per-rank attention shape, for ``tile="auto"``."""
     heads: int | None = None
     """``u``, the head-parallel degree of the head-parallel x mesh hybrid (``tile`` then tiles ``CP / u`` ranks;
-    Note [Hybrid on Megatron's layout]); ``None``: what the layers' ``cp_comm_type`` asks for (``"a2a+p2p"``:
+    Note [Head-parallel x mesh]); ``None``: what the layers' ``cp_comm_type`` asks for (``"a2a+p2p"``:
     ``hierarchical_context_parallel_sizes[0]``, ``"a2a"``: the CP size), else 1 (``tile="auto"``: the cost
     model's choice)."""
     mesh: CPMesh | None = None
@@ -245,10 +245,8 @@ class MeshCoreAttention(MegatronModule):
             mask = AttentionMask(documents=None if mask is None else mask.documents, window=self.window)
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))
         options = {"causal": causal, "softmax_scale": self.softmax_scale, "mask": mask}
-        if self.mesh.heads > 1:  # Note [Hybrid on Megatron's layout]
-            out = megatron_hybrid_attention(q, k, v, mesh=self.mesh, **options)
-        else:
-            out = mesh_cp.mesh_attn_func(q, k, v, mesh=self.mesh, layout="zigzag", **options)
+        # Megatron's zig-zag over the CP group is mesh_cp's, with or without head-parallel ranks.
+        out = mesh_cp.mesh_attn_func(q, k, v, mesh=self.mesh, layout="zigzag", **options)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     def _check_mask(self, mask: Tensor, causal: bool, seq_local: int, batch: int) -> None:

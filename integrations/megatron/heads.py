@@ -1,36 +1,15 @@
-"""The head-parallel x mesh hybrid on Megatron's own zig-zag layout, and Megatron's ``cp_comm_type`` mapped to it.
+"""Megatron's ``cp_comm_type`` mapped to mesh_cp's head-parallel x mesh hybrid.
 
-Note [Hybrid on Megatron's layout]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Megatron fixes where tokens are: ``get_batch_on_this_cp_rank`` gives CP rank ``r`` of ``P`` the half-chunks ``r``
-and ``2P-1-r`` of ``2P``, and its RoPE (``get_pos_emb_on_this_cp_rank``) rotates them there. mesh_cp's hybrid
-layout (Note [Head-parallel x mesh] in :mod:`mesh_cp.runtime.heads`) differs, but it need not be asked for: with
-``P = u x m``, the ``u`` CP ranks ``g*u .. g*u+u-1`` of head group ``g`` hold, in Megatron's layout, the half-chunks
-``g*u .. g*u+u-1`` (their first halves: half-chunk ``g`` of ``2m``) and ``2P-u-g*u .. 2P-1-g*u`` (their second
-halves, in reverse rank order: half-chunk ``2m-1-g`` of ``2m``), which is exactly the zig-zag chunk of mesh rank
-``g`` of ``m``. So after the head all-to-all (each rank's ``S/P`` tokens, in head-group rank order) a local
-reordering gives mesh rank ``g`` its chunk in the inner mesh's zig-zag order::
-
-    gathered  [r0: first, second | r1: first, second | ... | r(u-1): first, second]
-    ordered   [r0 first, r1 first, ..., r(u-1) first, r(u-1) second, ..., r0 second]
-
-and the inverse reordering puts the output back before the all-to-all returns it. No extra communication, and
-Megatron's sharding, RoPE and causal mask stay as they are. This is what TransformerEngine's ``a2a+p2p`` does
-with ``hierarchical_context_parallel_sizes = [u, m]`` (level 0: ``u`` consecutive CP ranks, all-to-all; level
-1: the ``m`` ranks ``i, u + i, ...``, ring) and what Megatron's ``"a2a"`` (Ulysses) is with ``u = P``: both are
-taken as the hybrid with that ``u``.
+Megatron gives CP rank ``r`` of ``P`` the zig-zag half-chunks ``r`` and ``2P-1-r`` of ``2P``
+(``get_batch_on_this_cp_rank``), and so does mesh_cp with or without head-parallel ranks (Note [Head-parallel x
+mesh] in :mod:`mesh_cp.runtime.heads`), so Megatron's sharding, RoPE and causal mask stay as they are. The hybrid
+places its levels as TransformerEngine's ``a2a+p2p`` does with ``hierarchical_context_parallel_sizes = [u, m]``
+(level 0: ``u`` consecutive CP ranks, all-to-all; level 1: the ``m`` ranks ``i, u + i, ...``, here a mesh instead
+of a ring), and Megatron's ``"a2a"`` (Ulysses) is the hybrid with ``u = P``: both are taken as the hybrid with
+that ``u``.
 """
 
 from __future__ import annotations
-
-import functools
-
-import torch
-from torch import Tensor
-
-import mesh_cp
-from mesh_cp.runtime.heads import hybrid_attention
-from mesh_cp.runtime.mesh import CPMesh
 
 CP_COMM_TYPES: dict[object, str] = {
     None: "the mesh as the spec builds it (heads= of the spec / MeshLayout)",
@@ -38,7 +17,7 @@ CP_COMM_TYPES: dict[object, str] = {
     "a2a": "Ulysses: the hybrid with heads = CP size (tile 1x1)",
     "a2a+p2p": "the hybrid with heads = hierarchical_context_parallel_sizes[0] and the tile over the rest",
 }
-"""``cp_comm_type`` values :class:`MeshCoreAttention` takes, and what each runs (Note [Hybrid on Megatron's layout])."""
+"""``cp_comm_type`` values :class:`MeshCoreAttention` takes, and what each runs (module docstring)."""
 
 
 def comm_type_heads(cp_comm_type: str | None, config) -> tuple[int | None, str]:
@@ -67,37 +46,3 @@ def comm_type_heads(cp_comm_type: str | None, config) -> tuple[int | None, str]:
             f"{cp_comm_type!r}); leave it unset, or set cp_comm_type='a2a+p2p' for the head-parallel x mesh hybrid"
         )
     return (cp if cp_comm_type == "a2a" and cp > 1 else None), named
-
-
-def megatron_hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: CPMesh, **options) -> Tensor:
-    """:func:`mesh_cp.mesh_attn_func` over a head-parallel mesh (``mesh.heads > 1``) of ``q (B, S/P, H, D)``,
-    ``k, v (B, S/P, Hkv, D)`` in Megatron's zig-zag layout (Note [Hybrid on Megatron's layout]); ``options``:
-    ``causal``, ``softmax_scale``, ``mask`` (over global positions). Exact, forward and backward."""
-    if q.shape[1] % 2:
-        raise ValueError(f"a zig-zag shard has two equal halves; got {q.shape[1]} tokens")
-    mesh.check_same_call({"q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape), "dtype": str(q.dtype)})
-    options = {**options, "layout": "zigzag", "return_lse": False}
-    attend = functools.partial(_attend_in_mesh_order, heads=mesh.heads)
-    out, _ = hybrid_attention(q, k, v, mesh, options, attend)
-    return out
-
-
-def _attend_in_mesh_order(q: Tensor, k: Tensor, v: Tensor, *, heads: int, mesh: CPMesh, **options) -> Tensor:
-    """Mesh attention of the head group's gathered tokens: reordered into the inner mesh's zig-zag chunk, attended,
-    and the output put back in the gathered order."""
-    order, back = _mesh_order(heads, q.shape[1] // heads, q.device)
-    q, k, v = (t.index_select(1, order) for t in (q, k, v))
-    out = mesh_cp.mesh_attn_func(q, k, v, mesh=mesh, **options)
-    return out.index_select(1, back)
-
-
-@functools.lru_cache(maxsize=64)
-def _mesh_order(heads: int, local: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Indices of the gathered tokens (``heads`` pieces of ``local`` tokens, each two zig-zag halves) in the
-    order of the mesh rank's zig-zag chunk (every piece's first half, then the second halves in reverse), and
-    the inverse permutation."""
-    half = local // 2
-    firsts = [i * local + j for i in range(heads) for j in range(half)]
-    seconds = [i * local + half + j for i in reversed(range(heads)) for j in range(half)]
-    order = torch.tensor(firsts + seconds, dtype=torch.int64)
-    return order.to(device), torch.argsort(order).to(device)

@@ -52,8 +52,8 @@ def build_mesh(
     ``"square"`` tile keeps Q-groups inside a node, and an explicit tile whose Q-groups cross nodes is
     logged as a warning (the Q ring then runs over the inter-node network).
 
-    ``heads = u > 1``: the head-parallel x mesh hybrid (Note [Hybrid on Megatron's layout] in
-    :mod:`mesh_cp.integrations.megatron.heads`): groups of ``u`` consecutive CP ranks exchange heads, and
+    ``heads = u > 1``: the head-parallel x mesh hybrid (Note [Head-parallel x mesh] in
+    :mod:`mesh_cp.runtime.heads`): groups of ``u`` consecutive CP ranks exchange heads, and
     ``tile`` tiles the ``CP / u`` ranks holding the same heads (``"square"``: the most square, node-local when the
     ranks per node are known). ``None``: 1, or with ``tile="auto"`` the cost model's choice (as
     :meth:`mesh_cp.CPMesh.create`).

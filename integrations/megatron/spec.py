@@ -79,7 +79,7 @@ class MeshLayout:
     ) -> MeshLayout:
         """Read the sizes from ``parallel_state`` (initialized beforehand) and build the mesh over its CP
         group (collective over every CP group at once); arguments as for :func:`build_mesh` (``heads > 1``: the
-        head-parallel x mesh hybrid on Megatron's own layout, Note [Hybrid on Megatron's layout])."""
+        head-parallel x mesh hybrid on Megatron's own layout, Note [Head-parallel x mesh])."""
         if not parallel_state.model_parallel_is_initialized():
             raise ValueError("call megatron.core.parallel_state.initialize_model_parallel(...) first")
         mesh = build_mesh(

@@ -13,9 +13,10 @@ Note [Head-parallel x mesh plan]
     i=1  ranks        1        3        5        7       mesh group of rank 1: 1 3 5 7
     head groups     {0,1}    {2,3}    {4,5}    {6,7}     u consecutive ranks: inside a node when u | ranks per node
 
-Every CP rank holds ``S / P`` tokens of all ``H`` query heads (``Hkv`` K/V heads): piece ``i`` of the chunk mesh
-rank ``g`` holds in the layout over ``m`` ranks (:func:`mesh_cp.core.layout.rank_ranges`). An all-to-all in the
-head group turns that into the whole chunk, ``S / m`` tokens, with ``H / u`` query heads and
+Every CP rank holds ``S / P`` tokens of all ``H`` query heads (``Hkv`` K/V heads), its chunk of the layout over
+``P`` ranks, as with a plain mesh; a head group's tokens are the chunk mesh rank ``g`` holds in the layout over
+``m`` ranks (Note [Head-parallel x mesh] in :mod:`mesh_cp.runtime.heads`). An all-to-all in the head group (and a
+local reordering) turns that into the whole chunk, ``S / m`` tokens, with ``H / u`` query heads and
 ``max(Hkv / u, 1)`` K/V heads: K/V heads are split when ``u | Hkv`` and, when ``u > Hkv`` (``Hkv | u``), each is
 first repeated ``u / Hkv`` times, so each rank receives the one K/V head its query heads use. The ``m`` ranks of a
 mesh group then run the ordinary Mesh-Attention plan (:class:`~mesh_cp.core.plan.AttentionPlan`, the *inner*
@@ -40,7 +41,6 @@ inner plan's ``2(a - 1) + 2r'(b - 1)`` forward (``3(a - 1) + 4r'(b - 1)`` backwa
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 from mesh_cp.core.masks import AttentionMask
@@ -100,14 +100,12 @@ def hybrid_unavailable(world: int, heads: int, shape: AttentionShape, *, layout:
             f"heads={heads} head-parallel ranks and the {kv} K/V heads must divide one another (K/V heads are split "
             f"when u | kv_heads, repeated when kv_heads | u); {choices}"
         )
-    m, seq = world // heads, shape.seq_local * world
-    parts = 2 * m if layout == "zigzag" else m
+    seq, parts = shape.seq_local * world, 2 * world if layout == "zigzag" else world
     if seq % parts:
-        step = math.lcm(world, parts)
         return (
-            f"seq_len {seq} ({shape.seq_local} per rank x P={world}) must be a multiple of P={world} and of "
-            f"{'2*m' if layout == 'zigzag' else 'm'}={parts} for the {layout} layout over the m={m} mesh ranks; "
-            f"pad the sequence to {-(-seq // step) * step}"
+            f"seq_len {seq} ({shape.seq_local} per rank x P={world}) must be a multiple of "
+            f"{'2*P' if layout == 'zigzag' else 'P'}={parts} for the {layout} layout; pad the sequence to "
+            f"{-(-seq // parts) * parts}"
         )
     return None
 

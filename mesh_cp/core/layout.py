@@ -16,7 +16,6 @@ __all__ = [
     "global_ranges",
     "layout_permutation",
     "local_positions",
-    "rank_ranges",
 ]
 
 
@@ -50,32 +49,14 @@ def chunk_ranges(seq_len: int, world: int, rank: int, layout: str) -> tuple[tupl
     return ((rank * half, (rank + 1) * half), (second * half, (second + 1) * half))
 
 
-def rank_ranges(seq_len: int, world: int, rank: int, layout: str, *, heads: int = 1) -> tuple[tuple[int, int], ...]:
-    """Global ranges of the tokens CP rank ``rank`` of ``world`` holds, in local order: its chunk of ``layout``,
-    or with ``heads = u > 1`` (the head-parallel x mesh hybrid) piece ``rank % u`` of ``u`` of the chunk that mesh
-    rank ``rank // u`` holds in ``layout`` over ``world / u`` ranks, so that the all-to-all of a head group
-    gathers that chunk in local order (Note [Head-parallel x mesh] in :mod:`mesh_cp.runtime.heads`)."""
-    if heads == 1:
-        return chunk_ranges(seq_len, world, rank, layout)
-    mesh_ranks = world // heads
-    check_seq_len(seq_len, mesh_ranks, layout)
-    if seq_len % world:
-        raise ValueError(
-            f"seq_len {seq_len} must be a multiple of P={world} with {heads} head-parallel ranks; pad the sequence "
-            f"to {-(-seq_len // world) * world}"
-        )
-    piece, (g, i) = seq_len // world, divmod(rank, heads)
-    return global_ranges(seq_len, mesh_ranks, g, layout, (i * piece, (i + 1) * piece))
+def local_positions(seq_len: int, world: int, rank: int, layout: str) -> list[int]:
+    """Global positions of the tokens ``rank`` holds, in local order."""
+    return [p for start, stop in chunk_ranges(seq_len, world, rank, layout) for p in range(start, stop)]
 
 
-def local_positions(seq_len: int, world: int, rank: int, layout: str, *, heads: int = 1) -> list[int]:
-    """Global positions of the tokens ``rank`` holds, in local order (:func:`rank_ranges`)."""
-    return [p for start, stop in rank_ranges(seq_len, world, rank, layout, heads=heads) for p in range(start, stop)]
-
-
-def layout_permutation(seq_len: int, world: int, layout: str, *, heads: int = 1) -> list[int]:
+def layout_permutation(seq_len: int, world: int, layout: str) -> list[int]:
     """Global positions in the order of the concatenated local shards of ranks ``0..P-1``."""
-    return [p for rank in range(world) for p in local_positions(seq_len, world, rank, layout, heads=heads)]
+    return [p for rank in range(world) for p in local_positions(seq_len, world, rank, layout)]
 
 
 def global_ranges(

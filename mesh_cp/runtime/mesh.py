@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import math
 import struct
 import zlib
 from collections.abc import Mapping
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mesh_cp.core.layout import check_layout, rank_ranges
+from mesh_cp.core.layout import check_layout, chunk_ranges
 from mesh_cp.core.plan import AttentionShape
 from mesh_cp.core.tiling import Tiling
 from mesh_cp.runtime.comm import all_gather
@@ -76,15 +75,13 @@ class CPMesh:
 
     def local_ranges(self, seq_len: int, layout: str) -> tuple[tuple[int, int], ...]:
         """Global ``[start, stop)`` ranges of the tokens this rank holds of a sequence of ``seq_len``, in local
-        order: its chunk of the ``layout`` over ``P`` ranks, or with ``heads = u > 1`` its ``1/u`` piece of the
-        chunk its mesh rank holds in the ``layout`` over ``P / u`` (Note [Head-parallel x mesh])."""
-        return rank_ranges(seq_len, self.size, self.rank, layout, heads=self.heads)
+        order: its chunk of ``layout`` over the ``P`` ranks, whatever :attr:`heads` (Note [Head-parallel x mesh])."""
+        return chunk_ranges(seq_len, self.size, self.rank, layout)
 
     def seq_multiple(self, layout: str) -> int:
         """The multiple every global sequence length must be for ``layout`` (pad to it): ``2P`` for zig-zag and
-        ``P`` for contiguous, and with ``heads = u`` also a multiple of ``2P / u`` (zig-zag over the mesh ranks)."""
-        parts = 2 * self.tiling.world if check_layout(layout) == "zigzag" else self.tiling.world
-        return math.lcm(parts, self.size)
+        ``P`` for contiguous, whatever :attr:`heads`."""
+        return 2 * self.size if check_layout(layout) == "zigzag" else self.size
 
     @property
     def tile(self) -> tuple[int, int]:

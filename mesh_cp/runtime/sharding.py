@@ -14,7 +14,7 @@ def shard_sequence(x: Tensor, *, mesh: CPMesh, dim: int, layout: str) -> Tensor:
     """This rank's shard of the full tensor ``x`` along its sequence dimension ``dim``.
 
     ``layout="contiguous"``: chunk ``rank`` of ``P``; ``layout="zigzag"``: half-chunks ``rank`` and
-    ``2P-1-rank`` of ``2P``, concatenated; with head-parallel ranks, :meth:`CPMesh.local_ranges`. Local, differentiable, and the same on every rank for the
+    ``2P-1-rank`` of ``2P``, concatenated (the same with head-parallel ranks). Local, differentiable, and the same on every rank for the
     same ``x``. The length along ``dim`` must be a multiple of ``P`` (contiguous) or ``2P`` (zig-zag).
     """
     check_layout(layout)
@@ -39,8 +39,7 @@ def unshard_sequence(x_local: Tensor, *, mesh: CPMesh, dim: int, layout: str) ->
     moved = x_local.movedim(dim, 0).contiguous()
     local_len = moved.shape[0]
     gathered = all_gather(moved, mesh.group).reshape(mesh.size * local_len, *moved.shape[1:])
-    positions = layout_permutation(mesh.size * local_len, mesh.size, layout, heads=mesh.heads)
-    order = torch.tensor(positions, device=moved.device)
+    order = torch.tensor(layout_permutation(mesh.size * local_len, mesh.size, layout), device=moved.device)
     full = torch.empty_like(gathered)
     full[order] = gathered
     return full.movedim(0, dim)
@@ -50,5 +49,4 @@ def position_ids(seq_len: int, *, mesh: CPMesh, layout: str, device: torch.devic
     """Global positions (``int64``, ``(seq_local,)``) of the tokens this rank holds for a sequence of
     ``seq_len`` tokens; feed them to RoPE / position embeddings of the sharded tokens."""
     check_layout(layout)
-    positions = local_positions(seq_len, mesh.size, mesh.rank, layout, heads=mesh.heads)
-    return torch.tensor(positions, dtype=torch.int64, device=device)
+    return torch.tensor(local_positions(seq_len, mesh.size, mesh.rank, layout), dtype=torch.int64, device=device)

@@ -45,15 +45,15 @@ def test_block_is_validated_once_with_the_value_and_the_fix() -> None:
 
 def test_heads_key_tiles_the_rest_and_is_refused_with_the_value_and_the_fix() -> None:
     """ "heads": u (the head-parallel x mesh hybrid): the tile tiles cp_size / u ranks (default the most square of
-    them), sequences are multiples of lcm(cp_size, 2 cp_size / u); left out, it is 1 with a tile and the cost
+    them), sequences are multiples of 2 cp_size whatever u; left out, it is 1 with a tile and the cost
     model's choice with "tile": "auto" (CPMesh.create's heads=None); bad values name themselves and the fix."""
     plain = MeshConfig.from_dict({"enabled": True, "cp_size": 4})
     assert (plain.heads, plain.mesh_ranks, plain.tile_for(4), plain.seq_multiple) == (None, 4, (2, 2), 8)
     cfg = MeshConfig.from_dict({"enabled": True, "cp_size": 8, "heads": 2, "tile": "2x2", "seq_len": 64})
-    assert (cfg.heads, cfg.mesh_ranks, cfg.tile_for(8), cfg.seq_multiple) == (2, 4, "2x2", 8)
+    assert (cfg.heads, cfg.mesh_ranks, cfg.tile_for(8), cfg.seq_multiple) == (2, 4, "2x2", 16)
     assert MeshConfig(enabled=True, cp_size=8, heads=2).tile_for(16) == (2, 2)
     assert MeshConfig(enabled=True, cp_size=8, heads=8).tile_for(8) == (1, 1)  # Ulysses
-    assert MeshConfig(enabled=True, cp_size=8, heads=4).seq_multiple == 8  # lcm(8, 2 * 2)
+    assert MeshConfig(enabled=True, cp_size=8, heads=4).seq_multiple == 16
     # "auto" with heads: the tile for that u; a topology orders a hybrid's transfers too.
     auto = {"enabled": True, "cp_size": 8, "heads": 2, "tile": "auto", "topology": "h100", "seq_len": 64}
     assert MeshConfig.from_dict(auto).tile_for(8) == "auto"
@@ -73,7 +73,7 @@ def test_heads_key_tiles_the_rest_and_is_refused_with_the_value_and_the_fix() ->
         ),
         (
             {"enabled": True, "cp_size": 8, "heads": 4, "seq_len": 12},
-            r'"seq_len" 12 must be a multiple of lcm\(cp_size, 2 \* cp_size / heads\) .* = 8',
+            r'"seq_len" 12 must be a multiple of 2 \* cp_size = 16',
         ),
     ]
     for block, message in cases:

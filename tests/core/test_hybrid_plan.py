@@ -136,8 +136,7 @@ REFUSALS = [
         1,
         Tiling(4, 2, 2),
         shape(seq_local=3),
-        r"seq_len 12 \(3 per rank x P=4\) must be a multiple of P=4 and of 2\*m=8 for the zigzag layout over the "
-        r"m=4 mesh ranks; pad the sequence to 16",
+        r"seq_len 12 \(3 per rank x P=4\) must be a multiple of 2\*P=8 for the zigzag layout; pad the sequence to 16",
     ),
     (0, Tiling(4, 2, 2), shape(), "heads .* must be a positive int, got 0"),
     (2, (2, 2), shape(), "tiling must be a mesh_cp.core.Tiling"),
@@ -154,8 +153,8 @@ def test_valid_heads_and_odd_sequences() -> None:
     assert valid_heads(16, shape(heads=8, kv_heads=8)) == (1, 2, 4, 8)
     assert valid_heads(16, shape(heads=16, kv_heads=4)) == (1, 2, 4, 8, 16)  # 8, 16: K/V heads repeated
     assert valid_heads(12, shape(heads=12, kv_heads=4)) == (1, 2, 4, 12)  # 3, 6 and 4: neither divides the other
-    odd = shape(seq_local=3)  # 3 tokens per rank: no zig-zag over P chunks, but one over P/2 chunks of 6
-    assert hybrid_unavailable(4, 1, odd) is not None and hybrid_unavailable(4, 2, odd) is None
+    odd = shape(seq_local=3)  # 3 tokens per rank: no zig-zag half-chunks, whatever the head-parallel degree
+    assert hybrid_unavailable(4, 1, odd) is not None and hybrid_unavailable(4, 2, odd) is not None
     assert hybrid_unavailable(4, 1, odd, layout="contiguous") is None
 
 

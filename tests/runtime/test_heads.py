@@ -12,14 +12,13 @@ from __future__ import annotations
 import zlib
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import mesh_cp
 from mesh_cp.core import AttentionMask
-from mesh_cp.core.numerics import reference_attention
 from mesh_cp.debug import CommCounter
 from mesh_cp.testing import spawn_gloo
+from tests.runtime.reference import errors_against_reference
 
 TOL = 1e-5
 HEADS = {"MHA": (8, 8), "GQA": (8, 2), "MQA": (8, 1)}
@@ -43,43 +42,14 @@ def cases(world: int) -> dict[str, dict]:
 def run_case(mesh, case: dict, schedule: str, seed: int) -> dict[str, float]:
     (heads, kv_heads), batch, dim, seq = case["heads"], 2, 8, 4 * mesh.size
     layout = "zigzag" if case["causal"] else "contiguous"
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, seq, heads, dim, generator=gen)
-    k, v = (torch.randn(batch, seq, kv_heads, dim, generator=gen) for _ in range(2))
-    do, dlse = torch.randn(batch, seq, heads, dim, generator=gen), torch.randn(batch, heads, seq, generator=gen)
-    options = {"causal": case["causal"], "mask": case.get("mask")}
-
-    def objective(out, lse, do, dlse):
-        return (out * do).sum() + (torch.where(torch.isinf(lse), torch.zeros_like(lse), lse) * dlse).sum()
-
-    ref = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference_attention(*ref, **options)
-    objective(ref_out, ref_lse, do.double(), dlse.double()).backward()
-
-    def shard(t, dim=1):
-        return mesh_cp.shard_sequence(t, mesh=mesh, dim=dim, layout=layout)
-
-    local = [shard(t).requires_grad_() for t in (q, k, v)]
+    options = {"causal": case["causal"], "mask": case.get("mask"), "schedule": schedule}
     with CommCounter() as counter:
-        out, lse = mesh_cp.mesh_attn_func(
-            *local, mesh=mesh, layout=layout, return_lse=True, schedule=schedule, **options
-        )
-        objective(out, lse, shard(do), shard(dlse, dim=2)).backward()
-    want_lse = shard(ref_lse.detach(), dim=2)
-    finite = ~torch.isinf(want_lse)
-    errors = {
-        "out": (out.double() - shard(ref_out.detach())).abs().max().item(),
-        "lse": (lse.double()[finite] - want_lse[finite]).abs().max().item(),
-        "lse empty": float(not torch.equal(torch.isinf(lse), ~finite)),
-    }
-    for name, got, want in zip(("dq", "dk", "dv"), local, ref, strict=True):
-        errors[name] = (got.grad.double() - shard(want.grad)).abs().max().item()
+        errors = errors_against_reference(mesh, (batch, seq, heads, kv_heads, dim), seed=seed, layout=layout, **options)
     # Each all-to-all sends (u - 1) / u of its input: q, k, v (K/V repeated to u heads when u > Hkv), out and
     # lse forward; dout, dlse, dq, dk, dv backward.
-    u, item = mesh.heads, 4
-    q_bytes, kv_bytes = q.numel() // mesh.size * item, k.numel() // mesh.size * item * max(1, u // kv_heads)
-    lse_bytes = dlse.numel() // mesh.size * item
-    want_bytes = (u - 1) * (4 * q_bytes + 4 * kv_bytes + 2 * lse_bytes) // u
+    u, item, local = mesh.heads, 4, batch * seq // mesh.size
+    q_bytes, kv_bytes = local * heads * dim * item, local * kv_heads * dim * item * max(1, u // kv_heads)
+    want_bytes = (u - 1) * (4 * q_bytes + 4 * kv_bytes + 2 * local * heads * item) // u
     errors["head bytes"] = abs(counter.bytes_by_role(mesh).get("heads", 0) - want_bytes)
     return errors
 

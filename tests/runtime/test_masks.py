@@ -19,11 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import mesh_cp
 from mesh_cp.core import AttentionMask, factorizations
-from mesh_cp.core.numerics import reference_attention
 from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.testing import spawn_gloo
+from tests.runtime.reference import errors_against_reference
 
 TOL = 1e-5
 REF = ReferenceKernel()
@@ -105,39 +104,10 @@ KERNELS = {"auto": "auto", "segments": SegmentsKernel()}
 
 
 def run_case(mesh, name: str, case: dict, schedule: str, seed: int, kernel="auto") -> dict[str, float]:
-    batch, heads, kv_heads, dim, seq = 2, 4, 2, 8, 2 * mesh.size * HALF
-    layout = case.get("layout", "zigzag")
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, seq, heads, dim, generator=gen)
-    k, v = (torch.randn(batch, seq, kv_heads, dim, generator=gen) for _ in range(2))
-    do, dlse = torch.randn(batch, seq, heads, dim, generator=gen), torch.randn(batch, heads, seq, generator=gen)
+    shape = (2, 2 * mesh.size * HALF, 4, 2, 8)  # batch, seq, heads, kv_heads, head_dim
     options = {"causal": case["causal"], "mask": case["mask"], "softcap": case.get("softcap")}
-
-    def objective(out, lse, do, dlse):
-        return (out * do).sum() + (torch.where(torch.isinf(lse), torch.zeros_like(lse), lse) * dlse).sum()
-
-    ref = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference_attention(*ref, **options)
-    objective(ref_out, ref_lse, do.double(), dlse.double()).backward()
-
-    def shard(t, dim=1):
-        return mesh_cp.shard_sequence(t, mesh=mesh, dim=dim, layout=layout)
-
-    local = [shard(t).requires_grad_() for t in (q, k, v)]
-    out, lse = mesh_cp.mesh_attn_func(
-        *local, mesh=mesh, layout=layout, return_lse=True, schedule=schedule, kernel=kernel, **options
-    )
-    objective(out, lse, shard(do), shard(dlse, dim=2)).backward()
-    want_lse = shard(ref_lse.detach(), dim=2)
-    same_empty = torch.equal(torch.isinf(lse), torch.isinf(want_lse))
-    finite = ~torch.isinf(want_lse)
-    errors = {
-        "out": (out.double() - shard(ref_out.detach())).abs().max().item(),
-        "lse": (lse.double()[finite] - want_lse[finite]).abs().max().item() if same_empty else float("inf"),
-    }
-    for grad_name, got, want in zip(("dq", "dk", "dv"), local, ref, strict=True):
-        errors[grad_name] = (got.grad.double() - shard(want.grad)).abs().max().item()
-    return errors
+    layout = case.get("layout", "zigzag")
+    return errors_against_reference(mesh, shape, seed=seed, layout=layout, schedule=schedule, kernel=kernel, **options)
 
 
 def kernels(world: int) -> tuple[str, ...]:

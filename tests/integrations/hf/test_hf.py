@@ -680,7 +680,7 @@ def test_autocast_deepcopy_and_host_reads(world4) -> None:
 
 def heads_section(rank: int, world: int) -> dict:
     """The head-parallel x mesh hybrid (CP 4 = 2 heads x 2 mesh ranks) through DataContextParallel: MHA (K/V heads
-    split) on tile 1x2 and packed GQA on tile 2x1 match the stock model; the collator pads to the hybrid's multiple;
+    split) on tile 1x2 and packed GQA on tile 2x1 match the stock model; the collator pads to 2P as for a plain mesh;
     a model whose heads do not split is refused at attach."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -693,7 +693,7 @@ def heads_section(rank: int, world: int) -> dict:
         label = f"{name}{' packed' if documents else ''} heads 2 x {tile[0]}x{tile[1]}"
         results |= compare(label, tiny_causal_lms()[name], parallel.mesh, documents=documents)
     mesh = parallel.mesh
-    # 34 tokens: the hybrid pads to lcm(P, 2P/u) = 4 (36, 9 per rank) where the plain mesh pads to 2P = 8.
+    # 34 tokens: the hybrid pads to 2P = 8 as the plain mesh does (40, 10 per rank).
     gen = torch.Generator().manual_seed(7)
     examples = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=gen).tolist()} for n in (34, 21)]
     batch = hf.ShardingCollator(mesh, pad_token_id=0)(examples)
@@ -701,7 +701,7 @@ def heads_section(rank: int, world: int) -> dict:
     ref = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa")
     loss = hf.attach(copy.deepcopy(ref), mesh)(**batch).loss.detach()
     dist.all_reduce(loss, group=mesh.group)
-    padded = torch.zeros(2, 36, dtype=torch.long)
+    padded = torch.zeros(2, 40, dtype=torch.long)
     real = torch.zeros_like(padded)
     for row, e in enumerate(examples):
         padded[row, : len(e["input_ids"])], real[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"]), 1
@@ -722,7 +722,7 @@ def heads_section(rank: int, world: int) -> dict:
 
 def test_head_parallel_hybrid_matches_single_process_sdpa(world4) -> None:
     for rank, res in enumerate(section(world4, "heads")):
-        assert res.pop("collator shape") == (2, 9), res
+        assert res.pop("collator shape") == (2, 10), res
         assert res.pop("heads that do not split refused") is True, res
         metrics = ("logits", "loss", "grads", "params after 3 steps")
         cases = ("llama heads 2 x 1x2", "llama-gqa packed heads 2 x 2x1")
