@@ -559,16 +559,42 @@ def _flash_bwd(
     return tuple(g.to(query.dtype).transpose(1, 2) for g in grads)
 
 
+def _check_bias(attn_bias, query, key) -> None:
+    """What the memory-efficient kernel requires of ``attn_bias``: the query's dtype, ``(B, H, Sq, Sk)``, a unit
+    last stride and the others aligned to 128 bits (PyTorch pads the last dim to 16 elements to get there)."""
+    b, h, sq, _ = query.shape
+    assert attn_bias.dtype == query.dtype and attn_bias.shape == (b, h, sq, key.shape[2])
+    alignment = 128 // torch.finfo(attn_bias.dtype).bits
+    assert attn_bias.stride(-1) == 1 and all(attn_bias.stride(d) % alignment == 0 for d in range(3)), attn_bias.stride()
+
+
+def _biased_scores(query, key, attn_bias, is_causal, scale):
+    """``(B, H, Sq, Sk)`` fp32 scores plus the additive bias (and the causal mask), as the kernel forms them."""
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    scores = (query.to(acc) @ key.to(acc).transpose(-1, -2)) * scale + attn_bias.to(acc)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return scores
+
+
 def _efficient_fwd(query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale):
-    assert attn_bias is None and compute_log_sumexp is True and dropout_p == 0.0
+    assert compute_log_sumexp is True and dropout_p == 0.0
     assert query.dtype in (*LOW, torch.float32) and query.dtype == key.dtype == value.dtype
     assert query.shape[1] == key.shape[1] == value.shape[1], "GQA heads are expanded before this op"
     assert query.shape[-1] % 8 == 0, "mesh_cp pads the head dim to a multiple of 8"
-    out, lse = REF.forward(*_sdpa_layout(query, key, value), causal=is_causal, scale=scale)
     rows = query.shape[2]
+    if attn_bias is None:
+        out, lse = REF.forward(*_sdpa_layout(query, key, value), causal=is_causal, scale=scale)
+        out = out.transpose(1, 2)
+    else:
+        _check_bias(attn_bias, query, key)
+        scores = _biased_scores(query, key, attn_bias, is_causal, scale)
+        assert torch.isfinite(scores).any(-1).all(), "a row of -inf scores: mesh_cp must not rely on its result"
+        lse = torch.logsumexp(scores, -1)
+        out = (torch.softmax(scores, -1) @ value.to(scores.dtype)).to(query.dtype)
     padded = torch.full((*lse.shape[:2], math.ceil(rows / 32) * 32), math.nan)  # the kernel pads its lse
     padded[..., :rows] = lse
-    return out.transpose(1, 2), padded, torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
+    return out, padded, torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
 
 
 def _efficient_bwd(
@@ -586,14 +612,26 @@ def _efficient_bwd(
     is_causal,
     scale,
 ):
-    assert attn_bias is None and dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
+    assert dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
     assert query.shape[-1] % 8 == 0 and grad_out_.shape == out.shape == query.shape
     rows = query.shape[2]
     assert logsumexp.shape == (*query.shape[:2], math.ceil(rows / 32) * 32) and logsumexp.dtype == torch.float32
     lse = logsumexp[..., :rows]
     delta = (grad_out_.float() * out.float()).sum(-1)
-    grads = REF.backward(*_sdpa_layout(grad_out_, query, key, value), lse, delta, causal=is_causal, scale=scale)
-    return (*(g.to(query.dtype).transpose(1, 2) for g in grads), None)
+    if attn_bias is None:
+        grads = REF.backward(*_sdpa_layout(grad_out_, query, key, value), lse, delta, causal=is_causal, scale=scale)
+        return (*(g.to(query.dtype).transpose(1, 2) for g in grads), None)
+    _check_bias(attn_bias, query, key)
+    scores = _biased_scores(query, key, attn_bias, is_causal, scale)
+    p = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1))
+    do = grad_out_.to(scores.dtype)
+    ds = p * (do @ value.to(scores.dtype).transpose(-1, -2) - delta.to(scores.dtype).unsqueeze(-1))
+    grads = (
+        ds @ key.to(scores.dtype) * scale,
+        ds.transpose(-1, -2) @ query.to(scores.dtype) * scale,
+        p.transpose(-1, -2) @ do,
+    )
+    return (*(g.to(query.dtype) for g in grads), None)
 
 
 def _flash_varlen_fwd(

@@ -329,3 +329,47 @@ def test_cuda_flash_refuses_a_window_where_the_op_takes_none(monkeypatch) -> Non
     assert kernel.forward(q, k, k, causal=False, scale=0.1, segments=full)[0].shape == q.shape
     with pytest.raises(NotImplementedError, match=r"takes no window, which a masked tile with window \(0, -1\)"):
         kernel.forward(q, k, k, causal=False, scale=0.1, segments=FIXED)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_sdpa_masked_tiles_are_exact_on_emulated_ops(dtype: torch.dtype) -> None:
+    """``cuda_sdpa`` takes a masked tile as an aligned additive bias (Note [Masked tiles in the memory-efficient
+    kernel]): rows that see no key come out 0 with lse -inf and add nothing to the gradients, whatever the row's
+    global lse and delta; against the reference kernel with the same boolean mask, GQA, lse gradient or not."""
+    from mesh_cp.kernels.cuda_sdpa import CudaSdpaKernel
+
+    kernel, gen = CudaSdpaKernel.without_device_check(), torch.Generator().manual_seed(5)
+    q = torch.randn(2, SQ, 4, 72, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, SK, 2, 72, generator=gen, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(2, SQ, 4, 72, generator=gen, dtype=torch.float64)
+    mask = torch.rand(2, 1, SQ, SK, generator=gen) < 0.4
+    mask[0, 0, 3] = mask[1, 0, :2] = False  # rows that see nothing in this tile
+    empty = ~mask.any(-1)
+    want_out, want_lse = REF.forward(q, k, v, causal=False, scale=0.3, mask=mask)
+    # Backward takes the rows' global statistics: finite, and a delta that is not 0, where the tile is empty too.
+    lse = torch.where(empty, 1.5, want_lse)
+    delta = torch.randn(2, 4, SQ, generator=gen, dtype=torch.float64)
+    want = REF.backward(do, q, k, v, lse, delta, causal=False, scale=0.3, mask=mask)
+    tol = 2e-5 if dtype == torch.float32 else 6e-2
+    low = [t.to(dtype) for t in (q, k, v, do)]
+    with EmulatedCudaAttention() as mode:
+        out, got_lse = kernel.forward(*low[:3], causal=False, scale=0.3, mask=mask)
+        grads = {
+            lse_grad: kernel.backward(
+                low[3], *low[:3], lse.float(), delta.float(), causal=False, scale=0.3, lse_grad=lse_grad, mask=mask
+            )
+            for lse_grad in (False, True)
+        }
+    assert {"_scaled_dot_product_efficient_attention.default"} <= set(mode.ran)
+    assert (
+        torch.equal(torch.isinf(got_lse), empty.expand(2, 4, SQ))
+        and (out.double()[empty.transpose(1, 2)[..., 0]] == 0).all()
+    )
+    assert (out.double() - want_out).abs().max() < tol
+    assert (got_lse.double() - want_lse)[~empty.expand(2, 4, SQ)].abs().max() < tol
+    for got in grads.values():
+        for g, w in zip(got, want, strict=True):
+            assert torch.isfinite(g).all() and (g.double() - w).abs().max() < tol * (1 + w.abs().max()), (
+                dtype,
+                g.shape,
+            )
