@@ -151,7 +151,15 @@ class CPMesh:
             raise ValueError(
                 "shape= and memory_budget= are what tile='auto' chooses from; give them with tile='auto' and topology="
             )
-        return cls.from_tiling(group, Tiling.parse(tile, world // heads), heads=heads, timeout=timeout, debug=debug)
+        try:
+            tiling = Tiling.parse(tile, world // heads)
+        except ValueError as err:
+            if heads == 1:
+                raise
+            raise ValueError(
+                f"with heads={heads} the tile tiles P / heads = {world // heads} mesh ranks: {err}"
+            ) from None
+        return cls.from_tiling(group, tiling, heads=heads, timeout=timeout, debug=debug)
 
     @classmethod
     def from_tiling(

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import mesh_cp
 from mesh_cp.core import AttentionMask
 from mesh_cp.debug import CommCounter
-from mesh_cp.testing import spawn_gloo
+from mesh_cp.testing import expect_error, spawn_gloo
 from tests.runtime.reference import errors_against_reference
 
 TOL = 1e-5
@@ -54,8 +54,48 @@ def run_case(mesh, case: dict, schedule: str, seed: int) -> dict[str, float]:
     return errors
 
 
-def heads_worker(rank: int, world: int) -> dict:
+def refusals(world: int) -> dict:
+    """Bad head-parallel degrees and head counts, refused on every rank with the value and the fix."""
+    import torch
+
     results: dict = {}
+    group = dist.group.WORLD
+    expect_error(
+        results,
+        "heads not dividing P",
+        ValueError,
+        rf"heads=3 must be a positive divisor of the CP group size {world}",
+        lambda: mesh_cp.CPMesh.create(group, tile=(1, 1), heads=3),
+    )
+    expect_error(
+        results,
+        "tile not of P / heads",
+        ValueError,
+        r"with heads=2 the tile tiles P / heads = 2 mesh ranks: tile 2x2 does not factor",
+        lambda: mesh_cp.CPMesh.create(group, tile=(2, 2), heads=2),
+    )
+    mesh = mesh_cp.CPMesh.create(group, tile=(1, 1), heads=world)
+    q, kv = torch.zeros(1, 8, 6, 8), torch.zeros(1, 8, 6, 8)
+    expect_error(
+        results,
+        "query heads not split",
+        ValueError,
+        rf"6 query heads cannot be split over heads={world} head-parallel ranks",
+        lambda: mesh_cp.mesh_attn_func(q, kv, kv, mesh=mesh),
+    )
+    kv3 = torch.zeros(1, 8, 3, 8)  # 3 K/V heads over 4 head-parallel ranks: neither split nor repeated
+    expect_error(
+        results,
+        "K/V heads neither split nor repeated",
+        ValueError,
+        r"3 K/V heads and heads=4 head-parallel ranks must divide one another",
+        lambda: mesh_cp.mesh_attn_func(torch.zeros(1, 8, 12, 8), kv3, kv3, mesh=mesh),
+    )
+    return results
+
+
+def heads_worker(rank: int, world: int) -> dict:
+    results: dict = refusals(world) if world == 4 else {}
     for u, tile in LAYOUTS[world]:
         mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile, heads=u)
         for name, case in cases(world).items():
@@ -74,6 +114,8 @@ def test_hybrid_matches_single_process_reference(heads_results) -> None:
     world, results = heads_results
     expected = len(LAYOUTS[world]) * len(cases(world)) * 2
     for rank, result in enumerate(results):
+        refused = {k: result.pop(k) for k in list(result) if not isinstance(result[k], dict)}
+        assert len(refused) == (4 if world == 4 else 0) and all(v is True for v in refused.values()), refused
         assert len(result) == expected, sorted(result)
         bad = {k: v for k, v in result.items() if max(v.values()) > TOL}
         assert not bad, f"rank {rank}: {bad}"
