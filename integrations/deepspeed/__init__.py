@@ -14,6 +14,12 @@
     engine.backward(cp.loss(logits, batch))
     engine.step()
 
+    # or let DeepSpeed's loader sample over the DP replicas and shard: the same batches, on engine.device
+    engine, optimizer, loader, _ = mesh_ds.initialize(model=model, model_parameters=model.parameters(),
+                                                      training_data=dataset, config="ds_config.json")
+    for batch in loader:                                # loader.data_sampler.set_epoch(epoch) per epoch
+        ...                                             # the three lines above
+
 :func:`initialize` reads the block (:class:`mesh_cp.config.MeshConfig`, every error raised before
 DeepSpeed starts), splits the ranks into DP x CP replicas (:class:`mesh_cp.runtime.parallel.DataContextParallel`:
 ``cp_size`` consecutive ranks per replica, tiled ``tile``), switches the model's attention, and hands

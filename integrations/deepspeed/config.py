@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from mesh_cp.config import BLOCK, MeshConfig
 
 
@@ -30,13 +32,12 @@ def load_config(
     return loaded, MeshConfig.from_ds_config(loaded)
 
 
-def check_no_conflicts(loaded: dict, *, mpu: Any, mesh_param: Any, training_data: Any) -> None:
+def check_no_conflicts(loaded: dict, *, mpu: Any, mesh_param: Any) -> None:
     """An enabled block builds the DP x CP layout itself: refuse the ``deepspeed.initialize`` arguments and
-    config keys that would build another one, or feed batches past :meth:`MeshAttention.shard`."""
+    config keys that would build another one."""
     conflicts = {
         "mpu": mpu is not None,
         "mesh_param": mesh_param is not None,
-        "training_data": training_data is not None,
         '"sequence_parallel_size" in the config': "sequence_parallel_size" in loaded,
     }
     if any(conflicts.values()):
@@ -44,9 +45,39 @@ def check_no_conflicts(loaded: dict, *, mpu: Any, mesh_param: Any, training_data
         raise ValueError(
             f'"{BLOCK}" builds the data-parallel x context-parallel layout itself, so {given} cannot be used with '
             f"it: leave out mpu/mesh_param/sequence_parallel_size (no tensor or pipeline model parallelism with "
-            f"it yet), and instead of training_data feed each DP replica's batches (engine.mesh_attention.parallel."
-            f"dp_rank of dp_size; the same batch on every rank of a CP group) through engine.mesh_attention.shard"
+            f"it yet)"
         )
 
 
-__all__ = ["BLOCK", "MeshConfig", "check_no_conflicts", "load_config"]
+def check_training_data(loaded: dict, training_data: Any, collate_fn: Any) -> None:
+    """``training_data`` under an enabled block: a map-style dataset (sampled over the DP replicas), and no
+    DeepSpeed curriculum sampler (it would replace that sampler and split over all DP x CP ranks);
+    ``collate_fn`` only with it (it collates the examples that are then sharded)."""
+    if training_data is None:
+        if collate_fn is not None:
+            raise ValueError(
+                f'"{BLOCK}": collate_fn without training_data: it collates the examples of training_data before '
+                f"they are sharded for the CP group (engine.deepspeed_io would sample over all DP x CP ranks); pass "
+                f"training_data with it, or collate yourself and shard through engine.mesh_attention.shard"
+            )
+        return
+    if isinstance(training_data, torch.utils.data.IterableDataset) or not (
+        hasattr(training_data, "__getitem__") and hasattr(training_data, "__len__")
+    ):
+        raise ValueError(
+            f'"{BLOCK}": training_data {type(training_data).__name__} is not a map-style dataset (__getitem__ and '
+            f"__len__), which the loader samples over the DP replicas; pass one, or feed each DP replica's batches "
+            f"(engine.mesh_attention.parallel.dp_rank of dp_size; the same batch on every rank of a CP group) "
+            f"through engine.mesh_attention.shard"
+        )
+    sampling = loaded.get("data_efficiency", {}).get("data_sampling", {})
+    if sampling.get("curriculum_learning", {}).get("enabled", False):
+        raise ValueError(
+            f'"{BLOCK}": training_data with "data_efficiency": {{"data_sampling": {{"curriculum_learning": '
+            f'{{"enabled": true}}}}}}: '
+            f"DeepSpeed's curriculum sampler would split the data over all DP x CP ranks, not the DP replicas; switch curriculum learning off, or leave out training_data and shard each DP "
+            f"replica's batches through engine.mesh_attention.shard"
+        )
+
+
+__all__ = ["BLOCK", "MeshConfig", "check_no_conflicts", "check_training_data", "load_config"]

@@ -13,7 +13,8 @@ from torch import Tensor
 
 from mesh_cp.config import MeshConfig
 from mesh_cp.integrations import ds_attention_shape, switch_attention
-from mesh_cp.integrations.deepspeed.config import check_no_conflicts, load_config
+from mesh_cp.integrations.deepspeed.config import check_no_conflicts, check_training_data, load_config
+from mesh_cp.integrations.deepspeed.data import training_dataloader
 from mesh_cp.runtime.batch import ShardedBatch, causal_lm_loss, shard_batch
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
@@ -159,6 +160,11 @@ def initialize(
     block is validated, the DP x CP layout built, the model's attention switched, and DeepSpeed given a
     :class:`DataContextParallelMPU`; the engine carries the :class:`MeshAttention` as
     ``engine.mesh_attention``. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``training_data`` (a map-style dataset) gives ``engine.training_dataloader``: DeepSpeed's loader sampling
+    over the DP replicas, whose batches are this rank's :class:`~mesh_cp.runtime.batch.ShardedBatch` on
+    ``engine.device`` (:mod:`mesh_cp.integrations.deepspeed.data`); ``collate_fn`` then collates the examples
+    into the ``(batch, seq)`` batch that is sharded.
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -182,7 +188,8 @@ def initialize(
     loaded, cfg = load_config(args, config, config_params)
     if cfg is None or not cfg.enabled:
         return deepspeed.initialize(**forwarded)
-    check_no_conflicts(loaded, mpu=mpu, mesh_param=mesh_param, training_data=training_data)
+    check_no_conflicts(loaded, mpu=mpu, mesh_param=mesh_param)
+    check_training_data(loaded, training_data, collate_fn)
     if model is None:
         raise ValueError("initialize requires a model")
     _bind_local_device(get_accelerator())
@@ -192,7 +199,10 @@ def initialize(
         **({"distributed_port": distributed_port} if distributed_port is not None else {}),
     )
     mesh_attention = layout_from_config(loaded, model)
-    forwarded["mpu"] = DataContextParallelMPU(mesh_attention.parallel)
-    engine, *rest = deepspeed.initialize(**forwarded)
+    # The engine's loader would sample over all DP x CP ranks: build it after, over the DP replicas.
+    forwarded.update(mpu=DataContextParallelMPU(mesh_attention.parallel), training_data=None, collate_fn=None)
+    engine, optimizer, _, scheduler = deepspeed.initialize(**forwarded)
     engine.mesh_attention = mesh_attention
-    return (engine, *rest)
+    if training_data is not None:
+        engine.training_dataloader = training_dataloader(engine, training_data, mesh_attention, collate_fn)
+    return engine, optimizer, engine.training_dataloader, scheduler

@@ -5,7 +5,9 @@ head-parallel x mesh hybrid CP 4 = 2 heads x 1x2 (``"heads": 2``), a tiny Llama
 trained 3 steps through :func:`mesh_cp.integrations.deepspeed.initialize` ends with the parameters of
 the same model trained in one process with ``torch.optim.SGD`` (momentum 0.9) on the same global batches (the mean of
 the replicas' token-mean losses); the losses are printed side by side. A model that is not a Hugging
-Face model runs through ``MeshDistributedAttention``. Bad blocks stop with their reason before
+Face model runs through ``MeshDistributedAttention``. ``initialize(training_data=...)`` on DP 2 x CP 2 (ZeRO 2
+and 3, and the hybrid with a ``collate_fn``) ends with the hand-sharded run's parameters, its sampler drawing
+the same examples on a CP group and disjoint ones on the replicas. Bad blocks stop with their reason before
 DeepSpeed starts. The example script runs under the deepspeed launcher and under torchrun, and resuming
 from an engine checkpoint gives the losses of not stopping.
 """
@@ -157,6 +159,7 @@ def _max_err(a: list[torch.Tensor], b) -> float:
 def deepspeed_worker(rank: int, world: int) -> dict:
     os.environ["LOCAL_RANK"] = str(rank)  # what DeepSpeed's launchers set
     results: dict = {"cases": {}}
+    hand_params = {}
     for name, (cp_size, tile) in LAYOUTS.items():
         data = batches(world // cp_size)
         reference = tiny_llama()
@@ -164,6 +167,9 @@ def deepspeed_worker(rank: int, world: int) -> dict:
         for stage in range(4):
             losses, params = train_mesh(tiny_llama(), ds_config(stage, cp_size, tile), data, hf_logits)
             results["cases"][(name, stage)] = (losses, ref_losses, _max_err(params, reference.parameters()))
+            hand_params[(cp_size, stage)] = params
+        if cp_size == 2:
+            results["training_data"] = _training_data_cases(data, reference, hand_params)
     # The head-parallel x mesh hybrid from the block: CP 4 = 2 heads x tile 1x2, ZeRO 2.
     data = batches(1)
     reference = tiny_llama()
@@ -180,6 +186,68 @@ def deepspeed_worker(rank: int, world: int) -> dict:
     results["other blocks"] = _other_blocks()
     results["mpu"] = _mpu_groups()
     return results
+
+
+def _dataset_in_sampler_order(data: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The examples placed so that DeepSpeed's default sampler over the DP replicas (shuffled, seed 0) draws
+    ``data[step][replica]`` at ``step`` on ``replica``: the hand-sharded path's batches in its order."""
+    from torch.utils.data import DistributedSampler
+
+    dp, n = len(data[0]), len(data) * len(data[0])
+    dataset: list = [None] * n
+    for replica in range(dp):
+        for step, index in enumerate(DistributedSampler(range(n), num_replicas=dp, rank=replica, seed=0)):
+            dataset[index] = data[step][replica][0]
+    return dataset
+
+
+def _training_data_cases(data, reference, hand_params: dict) -> dict:
+    """``initialize(training_data=...)`` on DP 2 x CP 2 (ZeRO 2 and 3, and the hybrid CP 2 = 2 heads with a
+    user collate_fn at ZeRO 2): parameters against the hand-sharded runs and single-process training on the
+    same batches; what the sampler draws; the collate against ``cp.shard`` on ragged examples."""
+    from mesh_cp.integrations import deepspeed as mesh_ds
+
+    dataset, out = _dataset_in_sampler_order(data), {}
+    for stage, block, collate in ((2, {}, None), (3, {}, None), (2, {"heads": 2}, torch.stack)):
+        model = tiny_llama()
+        config = ds_config(stage, 2, "1x1" if block else "1x2", **block)
+        engine, _, loader, _ = mesh_ds.initialize(
+            model=model, model_parameters=model.parameters(), config=config, training_data=dataset, collate_fn=collate
+        )
+        cp = engine.mesh_attention
+        for batch in loader:
+            engine.backward(cp.loss(hf_logits(engine, batch), batch))
+            engine.step()
+        params = full_params(engine)
+        hand = _max_err(params, hand_params[(2, stage)]) if not block else None
+        out[(stage, str(block))] = (len(loader), hand, _max_err(params, reference.parameters()))
+    epoch0 = list(loader.data_sampler)
+    loader.data_sampler.set_epoch(1)
+    out["sampler"] = (cp.parallel.dp_rank, epoch0, list(loader.data_sampler), loader is engine.training_dataloader)
+    out["collate"] = _collate_checks(cp)
+    return out
+
+
+def _collate_checks(cp) -> dict:
+    """Ragged examples: the collate right-pads to the mesh's multiple and shards like ``cp.shard`` on the padded
+    batch; a collate_fn returning keys it cannot shard is refused by name."""
+    from mesh_cp.integrations.deepspeed.data import ShardingCollate
+
+    examples = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, 6, 7, 8, 9]}, {"input_ids": [3, 4, 5]}]
+    batch = ShardingCollate(cp.mesh)(examples)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0, 0, 0], [3, 4, 5, 0, 0, 0, 0, 0]])
+    labels = torch.tensor([[-100, 6, 7, 8, 9] + [-100] * 3, [3, 4, 5] + [-100] * 5])
+    want = cp.shard(ids, labels=labels, attention_mask=(labels != -100) | (ids != 0))
+    same = all(torch.equal(getattr(batch, k), getattr(want, k)) for k in ("input_ids", "position_ids", "shift_labels"))
+    counts = (batch.num_items_in_batch, want.num_items_in_batch)
+    errors: dict = {"same as cp.shard": (same and counts == (6, 6)) or counts}
+    extra = ShardingCollate(cp.mesh, collate_fn=lambda ex: {"input_ids": torch.ones(1, 4), "pixel_values": 0})
+    expect_error(errors, "extra key", ValueError, r"keys \['input_ids', 'pixel_values'\].*cannot shard \['pixel_values'\]",
+                 lambda: extra([0]))  # fmt: skip
+    flat = ShardingCollate(cp.mesh, collate_fn=lambda ex: torch.ones(4))
+    expect_error(errors, "1-D batch", ValueError, r"input_ids has shape \(4,\): expected \(batch, seq\)",
+                 lambda: flat([0]))  # fmt: skip
+    return errors
 
 
 def _mpu_groups() -> dict:
@@ -225,12 +293,17 @@ def _other_blocks() -> dict:
     }
 
 
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter([])
+
+
 def _bad_blocks(world: int) -> dict:
     from mesh_cp.integrations import deepspeed as mesh_ds
 
     def start(**block_and_kwargs):
-        kwargs = {k: block_and_kwargs.pop(k) for k in ("mpu", "training_data") if k in block_and_kwargs}
-        config = ds_config(0, 4, "2x2")
+        kwargs = {k: block_and_kwargs.pop(k) for k in ("mpu", "training_data", "collate_fn") if k in block_and_kwargs}
+        config = ds_config(0, 4, "2x2") | block_and_kwargs.pop("config", {})
         config["mesh_attention"] = {"enabled": True, **block_and_kwargs}
         model = tiny_llama()
         mesh_ds.initialize(model=model, model_parameters=model.parameters(), config=config, **kwargs)
@@ -250,8 +323,13 @@ def _bad_blocks(world: int) -> dict:
     expect_error(errors, "heads 3", ValueError, r'"heads" 3 does not divide "cp_size" 4.*choose one of \[1, 2, 4\]',
                  lambda: start(cp_size=4, heads=3))  # fmt: skip
     expect_error(errors, "mpu", ValueError, r"\['mpu'\] cannot be used", lambda: start(cp_size=4, mpu=object()))
-    expect_error(errors, "training_data", ValueError, r"\['training_data'\] cannot be used",
-                 lambda: start(cp_size=4, training_data=[1]))  # fmt: skip
+    expect_error(errors, "iterable training_data", ValueError, r"training_data Stream is not a map-style dataset.*"
+                 r"engine.mesh_attention.shard", lambda: start(cp_size=4, training_data=Stream()))  # fmt: skip
+    expect_error(errors, "collate_fn alone", ValueError, r"collate_fn without training_data.*pass training_data",
+                 lambda: start(cp_size=4, collate_fn=torch.stack))  # fmt: skip
+    curriculum = {"data_efficiency": {"data_sampling": {"curriculum_learning": {"enabled": True}}}}
+    expect_error(errors, "curriculum", ValueError, r'"curriculum_learning": \{"enabled": true\}.*switch curriculum '
+                 r"learning off", lambda: start(cp_size=4, training_data=[1], config=curriculum))  # fmt: skip
     return errors
 
 
@@ -273,9 +351,34 @@ def test_every_zero_stage_trains_like_no_cp(deepspeed_results: list[dict]) -> No
             assert err <= TOL, (rank, case, err)
 
 
+def test_training_data_trains_like_hand_sharding(deepspeed_results: list[dict]) -> None:
+    """``initialize(training_data=...)``: DP 2 x CP 2 ends with the hand-sharded run's parameters (and
+    single-process training's), a CP group draws the same examples, the replicas disjoint ones, set_epoch
+    reshuffles."""
+    print(f"\n{'training_data case':<24} {'batches':>7} {'vs hand':>10} {'vs no-CP':>10}")
+    for case, value in deepspeed_results[0]["training_data"].items():
+        if isinstance(case, tuple):
+            print(f"{str(case):<24} {value[0]:>7} {value[1] if value[1] is not None else '-':>10} {value[2]:>10.3g}")
+    draws = {}
+    for rank, result in enumerate(deepspeed_results):
+        out = result["training_data"]
+        for case in ((2, "{}"), (3, "{}"), (2, "{'heads': 2}")):
+            batches_seen, hand, err = out[case]
+            assert batches_seen == STEPS, (rank, case)
+            assert (hand is None or hand <= TOL) and err <= TOL, (rank, case, hand, err)
+        dp_rank, epoch0, epoch1, attached = out["sampler"]
+        assert attached and dp_rank == rank // 2 and len(epoch0) == len(epoch1) == STEPS, out["sampler"]
+        draws.setdefault(dp_rank, []).append((epoch0, epoch1))
+        assert all(v is True for v in out["collate"].values()), out["collate"]
+    assert draws[0][0] == draws[0][1] and draws[1][0] == draws[1][1], draws  # one CP group: the same examples
+    for epoch in range(2):  # the replicas: disjoint examples, all of them; set_epoch draws another order
+        assert sorted(draws[0][0][epoch] + draws[1][0][epoch]) == list(range(2 * STEPS)), draws
+    assert draws[0][0][0] != draws[0][0][1], draws
+
+
 def test_bad_blocks_stop_before_training(deepspeed_results: list[dict]) -> None:
     for result in deepspeed_results:
-        assert len(result["errors"]) == 10
+        assert len(result["errors"]) == 12
         assert all(v is True for v in result["errors"].values()), result["errors"]
 
 
