@@ -31,12 +31,18 @@ on rank 0, an unsharded copy with stock SDPA attention on the same global batche
 curves side by side. ``--checkpoint-dir`` saves every ``--save-every`` steps and resumes from the latest
 checkpoint there.
 
+The last ``--eval-seqs`` sequences (default 2) are held out of training; after it the model is evaluated on them
+under CP (the mean over the sequences of their token-mean loss: each replica evaluates every ``dp_size``-th sequence,
+each rank's loss is its share, and one all-reduce sums them), printed as ``eval: ...`` with, under ``--reference``,
+the unsharded reference's loss on the same sequences beside it.
+
 Rank 0 ends its output with one JSON line::
 
     {"example": "accelerate", "world": 4, "device": "cpu", "layout": "DP(1) x CP(2x2) ...", "steps": 30,
      "first_step": 1, "losses": [...], "reference_losses": [...] | null, "resumed_from": null | step,
      "checkpoint": null | path, "tokens_per_step": 8192, "tokens_per_s": median,
-     "attention_bytes_per_step": {"q": bytes, "kv": bytes} | null}
+     "attention_bytes_per_step": {"q": bytes, "kv": bytes} | null, "eval_sequences": 2, "eval_loss": loss,
+     "reference_eval_loss": loss | null}
 
 ``losses[i]`` is the loss of step ``first_step + i`` (steps count from 1; a resumed run starts after
 ``resumed_from``); ``attention_bytes_per_step`` is what rank 0 sends in one step in its Q- and KV-groups.
@@ -87,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--batch", type=int, default=1, help="sequences per DP replica and step")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--eval-seqs", type=int, default=2, help="sequences held out of training, evaluated after it")
     add_example_arguments(p, steps=30)
     return p.parse_args(argv)
 
@@ -132,6 +139,9 @@ def train(args: argparse.Namespace, accelerator) -> dict | None:
         print(f"{world} processes on {device.type}: {layout}")
 
     tokenizer, sequences = example_data(args)
+    if not 1 <= args.eval_seqs < len(sequences):
+        raise ValueError(f"--eval-seqs {args.eval_seqs} must be >= 1 and leave training some of the {len(sequences)}")
+    sequences, held_out = sequences[: -args.eval_seqs], sequences[-args.eval_seqs :]
     model = build_model(args, len(tokenizer), tokenizer.pad_token_id).to(device)
     reference = copy.deepcopy(model) if args.reference and main_rank else None
     hf.attach(model, layout.mesh)
@@ -188,8 +198,11 @@ def train(args: argparse.Namespace, accelerator) -> dict | None:
         bar.set_postfix(postfix)
         if ckpt_dir is not None and (step + 1) % args.save_every == 0:
             save(ckpt_dir, step + 1, model, optimizer, reference, ref_optimizer, main_rank)
+    eval_loss, ref_eval_loss = evaluate(model, reference, held_out, layout, accelerator)
     if not main_rank:
         return None
+    reference_text = f"  reference loss {ref_eval_loss:.6f}" if reference is not None else ""
+    print(f"eval: {len(held_out)} held-out sequences, mesh_cp loss {eval_loss:.6f}{reference_text}")
     if rates:
         attention_bytes = sent.get("q", 0) + sent.get("kv", 0)
         print(
@@ -210,7 +223,34 @@ def train(args: argparse.Namespace, accelerator) -> dict | None:
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": statistics.median(rates) if rates else None,
         "attention_bytes_per_step": {"q": sent.get("q", 0), "kv": sent.get("kv", 0)} if sent is not None else None,
+        "eval_sequences": len(held_out),
+        "eval_loss": eval_loss,
+        "reference_eval_loss": ref_eval_loss,
     }
+
+
+@torch.no_grad()
+def evaluate(model, reference, held_out: torch.Tensor, layout, accelerator) -> tuple[float, float | None]:
+    """The mean over ``held_out`` of each sequence's token-mean loss, under CP (collective): replica ``r`` evaluates
+    sequences ``r, r + dp_size, ...``, each rank's loss is its share of its sequence's loss, so the sum over all ranks
+    is the sum over the sequences (a CP group's sequence counts once). Beside it, with ``reference`` (rank 0), the
+    unsharded reference's loss on the same sequences."""
+    device = accelerator.device
+    total = torch.zeros((), device=device)
+    training = model.training
+    model.eval()
+    for i in range(layout.dp_rank, len(held_out), layout.dp_size):
+        batch = mesh_cp.shard_batch(held_out[i : i + 1], mesh=layout.mesh, device=device)
+        with accelerator.autocast():
+            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+            total += mesh_cp.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
+    model.train(training)
+    dist.all_reduce(total)
+    loss = total.item() / len(held_out)  # host sync: printed
+    if reference is None:
+        return loss, None
+    ref = [reference(input_ids=ids, labels=ids).loss for ids in held_out.to(device)[:, None]]
+    return loss, torch.stack(ref).mean().item()
 
 
 def save(directory: Path, step: int, model, optimizer, reference, ref_optimizer, main_rank: bool) -> None:

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from mesh_cp.config import MeshConfig
 from mesh_cp.integrations import ds_attention_shape
 from mesh_cp.integrations.hf.attach import attach
+from mesh_cp.integrations.hf.evaluation import MeshCPEvaluation, check_evaluation
 from mesh_cp.runtime.batch import ShardingCollator
 from mesh_cp.runtime.parallel import DataContextParallel
 
@@ -24,8 +25,14 @@ def mesh_cp_trainer_class():
     ``set_epoch``) through :class:`ShardingCollator`, and lets Trainer's
     own token counting do the rest: with ``average_tokens_across_devices`` (required) the loss is the
     model's sum over this rank's tokens over the label count of all ranks, times the world size, so
-    the DDP gradient mean over all DP x CP ranks is the gradient of the global mean loss. Evaluation
-    and prediction raise (Trainer gathers them as if every rank held different examples).
+    the DDP gradient mean over all DP x CP ranks is the gradient of the global mean loss.
+
+    ``evaluate()`` (also during training, ``eval_strategy="steps"``) gives ``eval_loss`` equal to single-process
+    ``Trainer.evaluate()`` on the same eval set and ``per_device_eval_batch_size``: the eval set's batches, in order,
+    are dealt to the DP replicas, each batch's loss summed over its CP group's shares and the batches' losses
+    averaged once over the replicas (Note [Evaluation under CP] in :mod:`mesh_cp.integrations.hf.evaluation`).
+    ``predict()`` gives the loss only (``metrics["test_loss"]``; needs ``prediction_loss_only=True``); logits are
+    not gathered, so ``compute_metrics`` and ``include_for_metrics`` are refused by name.
 
     With DeepSpeed (``TrainingArguments(deepspeed="ds_config.json")``, or ``--deepspeed`` on the command
     line) leave ``parallel`` out: the trainer builds it from the config's ``"mesh_attention"`` block
@@ -38,7 +45,7 @@ def mesh_cp_trainer_class():
     """
     from transformers import Trainer
 
-    class MeshCPTrainer(_MeshCPTraining, Trainer):
+    class MeshCPTrainer(_MeshCPTraining, MeshCPEvaluation, Trainer):
         pass
 
     return MeshCPTrainer
@@ -74,7 +81,14 @@ class _MeshCPTraining:
                 "MeshCPTrainer needs TrainingArguments(average_tokens_across_devices=True): the loss of a CP "
                 "rank is its share of the global token mean"
             )
+        if self.args.label_smoothing_factor:
+            raise NotImplementedError(
+                f"label_smoothing_factor={self.args.label_smoothing_factor}: Trainer's label smoother shifts the labels "
+                f"of each rank's shard again (ShardingCollator's are shifted on the full sequence); set it to 0"
+            )
         self.parallel = parallel
+        if self.args.eval_strategy != "no":
+            check_evaluation(self, prediction_loss_only=True)  # before training, not at its first evaluation
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
@@ -93,15 +107,6 @@ class _MeshCPTraining:
             collate_fn=self.data_collator,
             drop_last=self.args.dataloader_drop_last,
         )
-
-    def get_eval_dataloader(self, eval_dataset=None) -> DataLoader:
-        raise NotImplementedError(
-            "MeshCPTrainer trains only: Trainer's evaluation loop gathers predictions as if every rank held "
-            "different examples, which CP ranks do not; evaluate the trained model without CP"
-        )
-
-    def get_test_dataloader(self, test_dataset) -> DataLoader:
-        return self.get_eval_dataloader(test_dataset)
 
 
 class _EpochDataLoader(DataLoader):

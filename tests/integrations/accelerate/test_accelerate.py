@@ -1,8 +1,9 @@
 """The accelerate fine-tuning example, launched as users launch it (4 gloo processes, 2x2 mesh).
 
-Its loss equals the unsharded SDPA reference trained beside it at every step, and stopping at a
-checkpoint then resuming gives the same losses as not stopping. The example is run by path from another
-working directory, without the repository on ``PYTHONPATH``, and read through its final JSON line.
+Its loss equals the unsharded SDPA reference trained beside it at every step, its held-out eval loss under CP
+equals the reference's, and stopping at a checkpoint then resuming gives the same losses as not stopping. The
+example is run by path from another working directory, without the repository on ``PYTHONPATH``, and read through
+its final JSON line.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def launch(*args: str, port: int, cwd: Path) -> dict:
     assert result["example"] == "accelerate" and result["world"] == 4, result
     assert result["layout"].startswith("DP(1) x CP(2x2)"), result["layout"]
     assert len(result["reference_losses"]) == len(result["losses"]), result
+    assert result["eval_sequences"] == 2 and abs(result["eval_loss"] - result["reference_eval_loss"]) <= 1e-5, result
+    shown = f"eval: 2 held-out sequences, mesh_cp loss {result['eval_loss']:.6f}  reference loss "
+    assert shown in stdout, stdout[-2000:]
     first = result["first_step"]
     pairs = zip(result["losses"], result["reference_losses"], strict=True)
     return result | {"steps": {first + i: pair for i, pair in enumerate(pairs)}}
@@ -71,13 +75,16 @@ def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) ->
     for step in (3, 4):
         assert abs(resumed["steps"][step][0] - straight["steps"][step][0]) <= 1e-6, (step, resumed, straight)
         assert abs(resumed["steps"][step][1] - straight["steps"][step][1]) <= 1e-6, (step, resumed, straight)
+    assert abs(resumed["eval_loss"] - straight["eval_loss"]) <= 1e-6, (resumed, straight)  # the same model
+    assert straight["eval_loss"] < first["eval_loss"], (straight, first)  # evaluated after training
 
 
 def test_trainer_with_dp_by_cp_equals_single_process(tmp_path: Path) -> None:
     stdout = accelerate_launch(Path(__file__).with_name("trainer_script.py"), str(tmp_path), port=29604)
-    errors = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) params err ([0-9.e+-]+)", stdout)}
-    assert sorted(errors) == [0, 1, 2, 3], stdout[-2000:]
-    assert max(errors.values()) <= 1e-5, errors
+    for name in ("params", "eval"):  # the trained parameters; evaluate() / predict() / eval_strategy="steps" losses
+        errors = {int(m[1]): float(m[2]) for m in re.finditer(rf"rank (\d+) {name} err ([0-9.e+-]+)", stdout)}
+        assert sorted(errors) == [0, 1, 2, 3], stdout[-2000:]
+        assert max(errors.values()) <= 1e-5, (name, errors)
 
 
 def test_cp_heads_option_defaults_to_a_plain_mesh() -> None:

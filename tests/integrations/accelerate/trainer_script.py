@@ -7,6 +7,11 @@ equal single-process training on the same global batches (both replicas' example
 loss), each epoch in the order of the replicas' ``DistributedSampler`` reshuffled for it. The script also
 asserts, from the examples the collator saw, that every rank of a CP group saw the same examples, that each
 epoch followed that order, and that the two epochs' orders differ. Prints ``rank R params err E``.
+
+Evaluation under CP: ``eval_strategy="steps"`` evaluates after each epoch (steps 3 and 6), then ``evaluate()`` and
+``predict()`` (loss only) run on the trained model; the eval set (5 ragged examples, batches of 2: the replicas get
+2 and 1 batches) must give the loss of single-process evaluation, the mean over its batches of their token-mean
+losses, at each point. Prints ``rank R eval err E`` (the largest difference), after the refusals were checked.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from mesh_cp.testing import gloo_exit_workaround
 from mesh_cp.testing.models import VOCAB, tiny_causal_lms
 
 STEPS, EPOCHS, BATCH, LR = 3, 2, 2, 0.1
+EVAL_EXAMPLES, EVAL_BATCH, EVAL_INDEX = 5, 2, 1000  # eval examples are numbered from EVAL_INDEX
 
 
 class RecordingCollator:
@@ -39,7 +45,11 @@ class RecordingCollator:
 
 
 def reference_batch(data: list[dict], sampler_order: list[list[int]], step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    examples = [data[i] for order in sampler_order for i in order[step * BATCH : (step + 1) * BATCH]]
+    return padded([data[i] for order in sampler_order for i in order[step * BATCH : (step + 1) * BATCH]])
+
+
+def padded(examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(input_ids, attention_mask)`` of ``examples``."""
     length = max(len(e["input_ids"]) for e in examples)
     ids = torch.zeros(len(examples), length, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -47,6 +57,31 @@ def reference_batch(data: list[dict], sampler_order: list[list[int]], step: int)
         ids[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
         mask[row, : len(e["input_ids"])] = 1
     return ids, mask
+
+
+@torch.no_grad()
+def reference_eval_loss(model: torch.nn.Module, examples: list[dict]) -> float:
+    """Single-process Trainer.evaluate(): the mean over batches of EVAL_BATCH examples of their token-mean loss."""
+    losses = []
+    for start in range(0, len(examples), EVAL_BATCH):
+        ids, mask = padded(examples[start : start + EVAL_BATCH])
+        losses.append(model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)
+    return torch.stack(losses).mean().item()
+
+
+def check_refusals(trainer, eval_data: list[dict]) -> None:
+    """predict() without prediction_loss_only, and compute_metrics, are refused by name."""
+    for name, call in (("prediction_loss_only", lambda: trainer.predict(eval_data)), ("compute_metrics", None)):
+        if call is None:
+            trainer.compute_metrics = lambda prediction: {}
+            call = lambda: trainer.evaluate(eval_data)  # noqa: E731
+        try:
+            call()
+        except NotImplementedError as err:
+            assert name in str(err), err
+        else:
+            raise AssertionError(f"{name}: must be refused")
+    trainer.compute_metrics = None
 
 
 def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
@@ -67,6 +102,10 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
         {"input_ids": torch.randint(1, VOCAB, (int(n),), generator=gen).tolist(), "index": i}
         for i, n in enumerate(lengths)
     ]
+    eval_data = [
+        {"input_ids": torch.randint(1, VOCAB, (int(n),), generator=gen).tolist(), "index": EVAL_INDEX + i}
+        for i, n in enumerate(torch.randint(20, 33, (EVAL_EXAMPLES,), generator=gen))
+    ]
     args = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=BATCH,
@@ -82,25 +121,37 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
         report_to=[],
         save_strategy="no",
         seed=0,
+        eval_strategy="steps",
+        eval_steps=STEPS,
+        per_device_eval_batch_size=EVAL_BATCH,
     )
     trainer_class = hf.mesh_cp_trainer_class()
     if layout is None:  # built by the trainer from the DeepSpeed config: its collator is the default one
-        trainer = trainer_class(model=model, args=args, train_dataset=data, pad_token_id=0)
+        trainer = trainer_class(model=model, args=args, train_dataset=data, eval_dataset=eval_data, pad_token_id=0)
         trainer.data_collator = RecordingCollator(trainer.data_collator)
     else:
         collator = RecordingCollator(hf.ShardingCollator(layout.mesh, pad_token_id=0))
         trainer = trainer_class(
-            model=model, args=args, train_dataset=data, parallel=layout, pad_token_id=0, data_collator=collator
+            model=model,
+            args=args,
+            train_dataset=data,
+            eval_dataset=eval_data,
+            parallel=layout,
+            pad_token_id=0,
+            data_collator=collator,
         )
     layout = trainer.parallel
     assert layout.dp_size == dp_size and (layout.mesh.tile, layout.mesh.heads) == (tile, cp_heads), layout
     trainer.train()
-    try:
-        trainer.evaluate(data)
-    except NotImplementedError as err:
-        assert "trains only" in str(err), err
-    else:
-        raise AssertionError("evaluation under CP must be refused")
+    evaluated = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    assert [step for step, _ in evaluated] == [STEPS * (e + 1) for e in range(EPOCHS)], trainer.state.log_history
+    eval_losses = [loss for _, loss in evaluated]
+    eval_losses.append(trainer.evaluate()["eval_loss"])
+    check_refusals(trainer, eval_data)
+    trainer.args.prediction_loss_only = True
+    prediction = trainer.predict(eval_data)
+    assert prediction.predictions is None and prediction.label_ids is None, prediction
+    eval_losses.append(prediction.metrics["test_loss"])
 
     orders = []  # per epoch, per replica: the order its DistributedSampler gives that epoch
     for epoch in range(EPOCHS):
@@ -114,16 +165,21 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
     for rank, batches in enumerate(seen):
         replica = rank // layout.mesh.size
         assert batches == seen[replica * layout.mesh.size], f"CP ranks of replica {replica} saw different examples"
+        batches = [b for b in batches if b[0] < EVAL_INDEX]  # the training batches (the eval ones are checked by loss)
         expected = [orders[e][replica][s * BATCH : (s + 1) * BATCH] for e in range(EPOCHS) for s in range(STEPS)]
         assert batches == expected, f"rank {rank} saw {batches}, its sampler's epochs give {expected}"
     assert all(orders[0][r] != orders[1][r] for r in range(layout.dp_size)), orders
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    reference_eval = []
     for epoch in range(EPOCHS):
         for step in range(STEPS):
             ids, mask = reference_batch(data, orders[epoch], step)
             reference(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+        reference_eval.append(reference_eval_loss(reference, eval_data))
+    reference_eval += reference_eval[-1:] * 2  # evaluate() and predict() after training
+    eval_err = max(abs(a - b) for a, b in zip(eval_losses, reference_eval, strict=True))
     if deepspeed is None:
         trained = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
     else:
@@ -132,6 +188,8 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
         trained = [p if (full := safe_get_full_fp32_param(p)) is None else full for p in trainer.model.parameters()]
     err = max((p - q).abs().max().item() for p, q in zip(trained, reference.parameters(), strict=True))
     print(f"rank {dist.get_rank()} params err {err:.3e}", flush=True)
+    print(f"rank {dist.get_rank()} eval err {eval_err:.3e} losses {eval_losses}", flush=True)
+    assert eval_err <= 1e-5, (eval_losses, reference_eval)  # also under the deepspeed launcher (test_deepspeed.py)
     dist.barrier()  # end the gloo run as gloo_exit_workaround asks: a process may abort at exit otherwise
     dist.destroy_process_group()
 
