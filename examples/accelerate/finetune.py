@@ -246,7 +246,7 @@ def evaluate(model, reference, held_out: torch.Tensor, layout, accelerator) -> t
             total += mesh_cp.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
     model.train(training)
     dist.all_reduce(total)
-    loss = total.item() / len(held_out)  # host sync: printed
+    loss = total.item() / len(held_out)  # host sync: once, after training
     if reference is None:
         return loss, None
     ref = [reference(input_ids=ids, labels=ids).loss for ids in held_out.to(device)[:, None]]

@@ -361,7 +361,7 @@ def _check_same(group: ProcessGroup, signature: Mapping[str, object], codes: tup
     """All-gather ``codes`` over ``group``; on a difference, gather the readable ``signature`` of every rank
     and raise ``ValueError`` on every rank naming, per differing entry, each rank's value."""
     mine = torch.tensor(codes, dtype=torch.int64, device=group_device(group))
-    gathered = all_gather(mine, group).tolist()
+    gathered = all_gather(mine, group).tolist()  # host sync: once per call signature
     if all(row == gathered[0] for row in gathered):
         return
     # Every rank saw the same gathered codes, so every rank is here: gather the values to name them.

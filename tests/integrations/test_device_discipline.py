@@ -28,8 +28,9 @@ CPU), it gets the launcher's device, as it would on NCCL. Recorded as violations
   ``equal``, ``nonzero``, ``tolist``) of a *device* tensor whose nearest caller outside torch is
   mesh_cp's own code (``mesh_cp/``, ``integrations/``, ``examples/``) that happens more than once (a check made on the
   first call and cached is fine; one made every step or every layer is not), unless its line is marked
-  ``# host sync: printed`` (the one read per step that prints the loss). Host reads inside transformers,
-  DeepSpeed or Megatron are theirs, not counted.
+  ``# host sync: printed`` (the one read per step that prints the loss) or ``# host sync: once per call
+  signature`` (the mesh's call check, made for each new shape of call: training and evaluation are two, at most
+  :data:`SIGNATURES` are allowed). Host reads inside transformers, DeepSpeed or Megatron are theirs, not counted.
 
 What it cannot catch: tensors made outside the factories above (unpickled by ``torch.load``, made in C++
 by a library, a list turned into an index) count as on the device; code that only runs on CUDA
@@ -61,6 +62,9 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST = torch.device("cpu")
 DEVICE = torch.device("cpu", 0)
 PRINTED = "# host sync: printed"
+PER_SIGNATURE = "# host sync: once per call signature"
+SIGNATURES = 4
+"""The most call signatures an example may check (a read at a PER_SIGNATURE line each)."""
 OURS = tuple(str(ROOT / folder) + os.sep for folder in ("mesh_cp", "integrations", "examples"))
 TORCH_DIR = str(Path(torch.__file__).parent) + os.sep
 THIS_FILE = str(Path(__file__).resolve())
@@ -111,6 +115,7 @@ class DeviceDiscipline:
         self._violations: dict[str, int] = {}
         self.reads: dict[str, int] = {}
         self.printed: dict[str, int] = {}
+        self.per_signature: dict[str, int] = {}
         self.armed = False
         self._stack = contextlib.ExitStack()
 
@@ -148,6 +153,7 @@ class DeviceDiscipline:
     def violations(self) -> dict[str, int]:
         """Everything recorded, and the host reads made more than once."""
         reads = {f"repeated host read of a device tensor: {k}": n for k, n in self.reads.items() if n > 1}
+        reads |= {f"more call checks than signatures: {k}": n for k, n in self.per_signature.items() if n > SIGNATURES}
         return self._violations | reads
 
     def host_read(self, what: str) -> None:
@@ -158,7 +164,7 @@ class DeviceDiscipline:
             return  # a library's own read, not ours
         line = linecache.getline(caller[0], caller[1])
         key = f"{what} in `{line.strip()}` (at {_site(caller)})"
-        seen = self.printed if PRINTED in line else self.reads
+        seen = self.printed if PRINTED in line else self.per_signature if PER_SIGNATURE in line else self.reads
         seen[key] = seen.get(key, 0) + 1
 
     # context -------------------------------------------------------------------------------------
