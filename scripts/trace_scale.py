@@ -61,17 +61,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def fake_mesh(world: int, rank: int, tiling: Tiling) -> mesh_cp.CPMesh:
-    """The CP mesh of ``rank`` in a fake world (every group is created, as ``new_group`` requires)."""
-    q_groups = {members: dist.new_group(list(members)) for members in tiling.q_groups()}
-    kv_groups = {members: dist.new_group(list(members)) for members in tiling.kv_groups()}
+def fake_mesh(group, members: tuple[int, ...], rank: int, tiling: Tiling) -> mesh_cp.CPMesh:
+    """The mesh of CP rank ``rank`` of ``group`` (global ranks ``members``) tiled ``tiling`` in a fake world: every
+    Q- and KV-group is created, as ``new_group`` requires of every rank."""
+    q_groups = {m: dist.new_group([members[r] for r in m]) for m in tiling.q_groups()}
+    kv_groups = {m: dist.new_group([members[r] for r in m]) for m in tiling.kv_groups()}
     return mesh_cp.CPMesh(
-        group=dist.group.WORLD,
+        group=group,
         q_group=q_groups[tiling.q_group(rank)],
         kv_group=kv_groups[tiling.kv_group(rank)],
         tiling=tiling,
         rank=rank,
-        global_ranks=tuple(range(world)),
+        global_ranks=members,
     )
 
 
@@ -79,20 +80,11 @@ def fake_hybrid_mesh(world: int, rank: int, heads: int, tiling: Tiling) -> mesh_
     """The head-parallel x mesh CP mesh of ``rank`` in a fake world: ``heads`` consecutive ranks per head group, the
     ranks ``i, i + u, ...`` per mesh group, tiled ``tiling`` (Note [Head-parallel x mesh])."""
     head_groups = {g: dist.new_group(list(head_group_ranks(world, heads, g * heads))) for g in range(tiling.world)}
-    mesh_groups = {i: mesh_group_ranks(world, heads, i) for i in range(heads)}
-    pgs = {i: dist.new_group(list(members)) for i, members in mesh_groups.items()}
     inner = {}
-    for i, members in mesh_groups.items():
-        q_groups = {m: dist.new_group([members[r] for r in m]) for m in tiling.q_groups()}
-        kv_groups = {m: dist.new_group([members[r] for r in m]) for m in tiling.kv_groups()}
-        g = members.index(rank) if rank in members else 0
-        inner[i] = mesh_cp.CPMesh(
-            group=pgs[i],
-            q_group=q_groups[tiling.q_group(g)],
-            kv_group=kv_groups[tiling.kv_group(g)],
-            tiling=tiling,
-            rank=g,
-            global_ranks=members,
+    for i in range(heads):  # every mesh group's groups, as new_group requires; this rank keeps its own
+        members = mesh_group_ranks(world, heads, i)
+        inner[i] = fake_mesh(
+            dist.new_group(list(members)), members, members.index(rank) if i == rank % heads else 0, tiling
         )
     mine = inner[rank % heads]
     return mesh_cp.CPMesh(
@@ -132,7 +124,11 @@ def trace_rank(
     try:
         rows = []
         for u, tiling in layouts(world, shape, hybrid):
-            mesh = fake_mesh(world, rank, tiling) if u == 1 else fake_hybrid_mesh(world, rank, u, tiling)
+            mesh = (
+                fake_mesh(dist.group.WORLD, tuple(range(world)), rank, tiling)
+                if u == 1
+                else fake_hybrid_mesh(world, rank, u, tiling)
+            )
             q = torch.randn(shape.batch, shape.seq_local, shape.heads, shape.head_dim, dtype=dtype, requires_grad=True)
             kv_shape = (shape.batch, shape.seq_local, shape.kv_heads, shape.head_dim)
             k, v = (torch.randn(kv_shape, dtype=dtype, requires_grad=True) for _ in range(2))
@@ -150,6 +146,7 @@ def trace_rank(
                 {
                     "tile": label(u, tiling),
                     "heads": u,
+                    "a": tiling.a,
                     "traced": {ph: counters[ph].bytes_by_role(mesh) for ph in counters},
                     "planned": planned,
                     "inter": sum(x["inter"] for x in links),
@@ -185,13 +182,14 @@ def combine(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     worst: dict[str, dict[str, Any]] = {}
     for summary in summaries:
         for row in summary["rows"]:
-            seen = worst.setdefault(row["tile"], {"tile": row["tile"], "heads": row["heads"], "inter": 0, "total": 0})
+            empty = {"tile": row["tile"], "heads": row["heads"], "a": row["a"], "inter": 0, "total": 0}
+            seen = worst.setdefault(row["tile"], empty)
             seen["inter"], seen["total"] = max(seen["inter"], row["inter"]), max(seen["total"], row["total"])
     rows = list(worst.values())
     kinds = {
         "ring": [r for r in rows if r["tile"] == f"1x{summaries[0]['world']}"],
         "mesh": [r for r in rows if r["heads"] == 1],
-        "usp": [r for r in rows if r["heads"] > 1 and r["tile"].split(":")[1].startswith("1x")],
+        "usp": [r for r in rows if r["heads"] > 1 and r["a"] == 1],
         "hybrid": [r for r in rows if r["heads"] > 1],
     }
     first = summaries[0]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mesh_cp.runtime.batch import IGNORE_INDEX, ShardedBatch, shard_batch
+from mesh_cp.runtime.batch import ShardedBatch, pad_batch, shard_batch
 from mesh_cp.runtime.mesh import CPMesh
 
 FIELDS = ("input_ids", "labels", "attention_mask")
@@ -41,9 +41,9 @@ class ShardingCollate:
     The examples (token id sequences, or mappings of :data:`FIELDS`) are right-padded into a ``(batch, seq)``
     batch, or ``collate_fn`` (the user's, given to :func:`initialize`) collates them into one: a ``(batch,
     seq)`` tensor of token ids or a mapping of :data:`FIELDS`. The batch is then right-padded to a multiple of
-    the mesh's ``seq_multiple`` (padding: token 0, no label, ``attention_mask`` 0; no real token attends to
-    it), its labels shifted on the full sequence and this rank's shard put on ``device``
-    (:func:`mesh_cp.shard_batch`, the same as :meth:`MeshAttention.shard`).
+    the mesh's ``seq_multiple`` (:func:`mesh_cp.runtime.batch.pad_batch`: token 0, no label, ``attention_mask``
+    0; no real token attends to it), its labels shifted on the full sequence and this rank's shard put on
+    ``device`` (:func:`mesh_cp.shard_batch`, the same as :meth:`MeshAttention.shard`).
     """
 
     def __init__(self, mesh: CPMesh, *, device: torch.device | str | None = None, collate_fn: Callable | None = None):
@@ -52,10 +52,16 @@ class ShardingCollate:
 
     def __call__(self, examples: Sequence[Any]) -> ShardedBatch:
         if self.collate_fn is None:
-            fields = _pad_examples([_fields(e, "a training_data example") for e in examples])
+            rows = [_fields(e, "a training_data example") for e in examples]
         else:
-            fields = _fields(self.collate_fn(examples), "the collate_fn's batch", batched=True)
-        ids, labels, mask = _pad_to(fields, self.multiple)
+            batch = _fields(self.collate_fn(examples), "the collate_fn's batch", batched=True)
+            rows = [dict(zip(batch, row, strict=True)) for row in zip(*batch.values(), strict=True)]
+        ids, labels, mask = pad_batch(
+            [r["input_ids"] for r in rows],
+            [r.get("labels", r["input_ids"]) for r in rows],
+            [r.get("attention_mask", torch.ones_like(r["input_ids"])) for r in rows],
+            multiple=self.multiple,
+        )
         return shard_batch(ids, mesh=self.mesh, labels=labels, attention_mask=mask, device=self.device)
 
 
@@ -79,32 +85,6 @@ def _fields(value: Any, what: str, *, batched: bool = False) -> dict[str, Tensor
                 f"tensors of one shape, input_ids' {tuple(out['input_ids'].shape)}"
             )
     return out
-
-
-def _pad_examples(examples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Right-pad examples to the longest into one batch (padding: token 0, no label, attention_mask 0)."""
-    length = max(len(e["input_ids"]) for e in examples)
-    ids = torch.zeros(len(examples), length, dtype=torch.long)
-    labels, mask = torch.full_like(ids, IGNORE_INDEX), torch.zeros_like(ids)
-    for row, e in enumerate(examples):
-        n = len(e["input_ids"])
-        ids[row, :n] = e["input_ids"]
-        labels[row, :n] = e.get("labels", e["input_ids"])
-        mask[row, :n] = e.get("attention_mask", 1)
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-
-
-def _pad_to(fields: dict[str, Tensor], multiple: int) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``input_ids``, labels and attention mask right-padded to a multiple of ``multiple`` tokens."""
-    ids = fields["input_ids"]
-    labels, mask = fields.get("labels", ids), fields.get("attention_mask")
-    extra = -ids.shape[1] % multiple
-    if extra == 0:
-        return ids, labels, mask
-    mask = torch.ones_like(ids) if mask is None else mask
-    zeros = ids.new_zeros(ids.shape[0], extra)
-    no_label = torch.full_like(zeros, IGNORE_INDEX)
-    return torch.cat([ids, zeros], 1), torch.cat([labels, no_label], 1), torch.cat([mask, zeros], 1)
 
 
 def training_dataloader(engine, dataset: Any, mesh_attention, collate_fn: Callable | None = None):

@@ -213,12 +213,7 @@ class ShardingCollator:
             for e, i in zip(examples, ids, strict=True)
         ]
         rows = [ids, labels] if not self.packed else [[torch.cat(ids)], [torch.cat(labels)]]
-        length = -(-max(len(i) for i in rows[0]) // self.multiple) * self.multiple
-        input_ids = torch.full((len(rows[0]), length), self.pad_token_id, dtype=torch.long)
-        label_ids = torch.full_like(input_ids, IGNORE_INDEX)
-        real = torch.zeros_like(input_ids)
-        for row, (i, lab) in enumerate(zip(*rows, strict=True)):
-            input_ids[row, : len(i)], label_ids[row, : len(lab)], real[row, : len(i)] = i, lab, 1
+        input_ids, label_ids, real = pad_batch(*rows, multiple=self.multiple, pad_token_id=self.pad_token_id)
         options = {"documents": [[len(i) for i in ids]]} if self.packed else {"attention_mask": real}
         batch = shard_batch(
             input_ids, mesh=self.mesh, labels=label_ids, layout=self.layout, device=self.device, **options
@@ -231,6 +226,30 @@ class ShardingCollator:
             "num_items_in_batch": torch.tensor(batch.num_items_in_batch, device=batch.input_ids.device),
         }
         return out if batch.mask is None else {**out, "mesh_cp_mask": batch.mask}
+
+
+def pad_batch(
+    rows: Sequence[Tensor],
+    labels: Sequence[Tensor] | None = None,
+    masks: Sequence[Tensor] | None = None,
+    *,
+    multiple: int,
+    pad_token_id: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-pad 1-D token ``rows`` into one ``(batch, length)`` batch, ``length`` the longest row rounded up to a
+    multiple of ``multiple`` (a mesh's :meth:`CPMesh.seq_multiple`): token ids (``pad_token_id`` on padding),
+    labels (``labels``, default the ids; ``IGNORE_INDEX`` on padding) and the attention mask (``masks``, default
+    1 on every given token; 0 on padding), what :func:`shard_batch` takes."""
+    length = -(-max(len(r) for r in rows) // multiple) * multiple
+    input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    label_ids = torch.full_like(input_ids, IGNORE_INDEX)
+    real = torch.zeros_like(input_ids)
+    for row, ids in enumerate(rows):
+        n = len(ids)
+        input_ids[row, :n] = ids
+        label_ids[row, :n] = ids if labels is None else labels[row]
+        real[row, :n] = 1 if masks is None else masks[row]
+    return input_ids, label_ids, real
 
 
 def causal_lm_loss(logits: Tensor, shift_labels: Tensor, num_items_in_batch: int) -> Tensor:
