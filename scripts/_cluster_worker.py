@@ -149,6 +149,37 @@ def calibrate_host_cost(cfg: dict[str, Any], rank: Rank, rates: dict[str, float]
     return lost.item() / rank.world
 
 
+class TimedKernel:
+    """The CPU block kernel, adding up the wall-clock and CPU seconds spent in its calls: the block compute of a
+    round as it runs under the benchmark's own load (every rank's processes and the network stack sharing the
+    cores)."""
+
+    name = "cpu_flash"
+
+    def __init__(self) -> None:
+        self.inner = get_kernel("cpu_flash")
+        self.totals = [0.0] * 4  # forward wall, backward wall, forward CPU, backward CPU
+
+    def _timed(self, phase: int, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kw)
+        finally:
+            self.totals[phase] += time.perf_counter() - wall
+            self.totals[2 + phase] += time.thread_time() - cpu
+
+    def forward(self, *args: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._timed(0, self.inner.forward, *args, **kw)
+
+    def backward(self, *args: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._timed(1, self.inner.backward, *args, **kw)
+
+    def take(self) -> list[float]:
+        """Forward and backward wall-clock seconds, then forward and backward CPU seconds, since the last call."""
+        taken, self.totals = self.totals, [0.0] * 4
+        return taken
+
+
 def wait_for_rates(cfg: dict[str, Any], rank: Rank, calibration: dict[str, float]) -> dict[str, float]:
     """Hand the calibration to the launcher and wait until it has shaped the links."""
     if rank.rank == 0:
@@ -265,6 +296,9 @@ class Config:
     skipped: str | None = None
     times_s: list[float] | None = None
     counted: list[dict[str, Any]] | None = None
+    kernel_s: list[list[list[float]]] | None = None
+    """Per timed round, per rank: forward and backward wall-clock, then CPU, seconds inside the block kernel, then
+    the CPU seconds of the process (all its threads) and of its main thread."""
 
     @property
     def name(self) -> str:
@@ -278,6 +312,7 @@ class Config:
             "skipped": self.skipped,
             "times_s": self.times_s,
             "per_rank": self.counted,
+            "kernel_s": self.kernel_s,
         }
 
 
@@ -342,8 +377,10 @@ def run_benchmark(cfg: dict[str, Any], rank: Rank, rates: dict[str, float]) -> l
         mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(a, b), heads=u, topology=topology)
         configs += [Config(tile=(u, a, b), schedule=s, mesh=mesh) for s in cfg["schedules"]]
 
+    kernel = TimedKernel()
+
     def step(c: Config) -> None:
-        out = mesh_cp.mesh_attn_func(q, k, v, mesh=c.mesh, causal=True, schedule=c.schedule)
+        out = mesh_cp.mesh_attn_func(q, k, v, mesh=c.mesh, causal=True, schedule=c.schedule, kernel=kernel)
         out.backward(do)
         q.grad = k.grad = v.grad = None
 
@@ -352,10 +389,16 @@ def run_benchmark(cfg: dict[str, Any], rank: Rank, rates: dict[str, float]) -> l
     log(rank, "counting bytes (one untimed round)")
     count_bytes(cfg, configs, step, rank)
     for c in active(configs):
-        c.times_s = []
+        c.times_s, c.kernel_s = [], []
     for r in range(cfg["repeats"]):
         for c in active(configs):
+            kernel.take()
+            cpu, main_thread = time.process_time(), time.thread_time()
             c.times_s.append(timed(lambda: step(c)))
+            cpu, main_thread = time.process_time() - cpu, time.thread_time() - main_thread
+            gathered: list[Any] = [None] * rank.world
+            dist.all_gather_object(gathered, [*kernel.take(), cpu, main_thread])
+            c.kernel_s.append(gathered)
         log(
             rank,
             f"round {r + 1}/{cfg['repeats']}: " + ", ".join(f"{c.name} {c.times_s[-1]:.2f}s" for c in active(configs)),

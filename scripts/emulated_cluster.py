@@ -47,12 +47,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
 from mesh_cp.core import AttentionShape, Tiling
-from mesh_cp.sim import Topology, simulate_hybrid
+from mesh_cp.core.options import PHASES
+from mesh_cp.sim import HybridResult, Topology, simulate_hybrid
 
 WORLD = 16
 RANKS_PER_NODE = 4
@@ -549,6 +550,7 @@ def summarize(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "wire_bytes_mean": {k: statistics.mean(r["wire_bytes"][k] for r in per_rank) for k in TC_CLASSES},
                 "wire_bytes_max": {k: max(r["wire_bytes"][k] for r in per_rank) for k in TC_CLASSES},
                 "per_rank": per_rank,
+                "kernel_s": kernel_seconds(c["kernel_s"]),
             }
         rows.append(row)
     ring = {r["schedule"]: r for r in rows if r["tile"] == f"{RING[0]}x{RING[1]}" and r["skipped"] is None}
@@ -560,6 +562,16 @@ def summarize(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ):
                 row[key] = base["median_s"] / row["median_s"] if base else None
     return rows
+
+
+def kernel_seconds(rounds: list[list[list[float]]]) -> dict[str, float]:
+    """Per timed round and rank: wall-clock and CPU seconds inside the block kernel (forward, backward), CPU seconds
+    of the process and of its main thread; the median over rounds of the mean over ranks (every rank computes the same blocks)."""
+    names = (*PHASES, "forward_cpu", "backward_cpu", "cpu", "cpu_main_thread")
+    return {
+        name: statistics.median(statistics.mean(r[i] for r in ranks) for ranks in rounds)
+        for i, name in enumerate(names)
+    }
 
 
 def measured_comm_ratio(args: argparse.Namespace, rates: dict[str, Any], links: dict[str, Any]) -> float:
@@ -627,9 +639,8 @@ def topology(
     )
 
 
-def predict(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology) -> None:
-    """Add the simulator's forward+backward seconds to every row that ran."""
-    shape = AttentionShape(
+def attention_shape(args: argparse.Namespace) -> AttentionShape:
+    return AttentionShape(
         batch=args.batch,
         seq_local=args.seq_local,
         heads=args.heads,
@@ -637,23 +648,59 @@ def predict(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology
         head_dim=args.head_dim,
         itemsize=4,
     )
+
+
+def simulated(args: argparse.Namespace, row: dict[str, Any], topo: Topology) -> HybridResult:
+    u, a, b = parse_layout(row["tile"])
+    tiling = Tiling(world=WORLD // u, a=a, b=b)
+    return simulate_hybrid(u, tiling, attention_shape(args), topo, causal=True, schedule=row["schedule"])
+
+
+def run_topology(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology) -> Topology:
+    """``topo`` with the block kernel's rates as measured inside the timed rounds: the kernel seconds of every
+    configuration together over the simulator's compute for them at the start-up rates (one rate per phase
+    for all configurations)."""
+    ran = [row for row in rows if row["skipped"] is None]
+    measured = {phase: sum(row["kernel_s"][phase] for row in ran) for phase in PHASES}
+    results = [simulated(args, row, topo) for row in ran]
+    predicted = {phase: sum(getattr(r, phase).compute for r in results) for phase in PHASES}
+    forward = measured["forward"] / predicted["forward"]
+    backward = measured["backward"] / predicted["backward"]
+    return replace(
+        topo,
+        pairs_per_second=topo.pairs_per_second / forward,
+        backward_factor=topo.backward_factor * backward / forward,
+    )
+
+
+def predict(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology, run_topo: Topology) -> None:
+    """Add the simulator's forward+backward seconds to every row that ran: with the kernel rates of the start-up
+    calibration and with those measured in the timed rounds."""
     for row in rows:
         if row["skipped"] is None:
-            u, a, b = parse_layout(row["tile"])
-            tiling = Tiling(world=WORLD // u, a=a, b=b)
-            row["predicted_s"] = simulate_hybrid(u, tiling, shape, topo, causal=True, schedule=row["schedule"]).time
+            row["predicted_s"] = simulated(args, row, topo).time
             row["prediction_error"] = row["predicted_s"] / row["median_s"] - 1
+            row["predicted_run_s"] = simulated(args, row, run_topo).time
+            row["prediction_run_error"] = row["predicted_run_s"] / row["median_s"] - 1
 
 
 def print_predictions(rows: list[dict[str, Any]]) -> None:
     print()
     print("-- simulator (mesh_cp.sim, measured topology) vs measured median, forward+backward --")
-    print(f"{'tile':>5} {'schedule':<10} {'measured s':>10} {'predicted s':>11} {'error':>7}")
+    print("   start-up: kernel rates timed at start-up; in run: kernel rates timed inside the timed rounds")
+    print(
+        f"{'tile':>8} {'schedule':<10} {'measured s':>10} {'kernel s':>8} {'k cpu':>6} {'cpu s':>6} {'main s':>6} {'start-up s':>10} "
+        f"{'error':>7} {'in run s':>8} {'error':>7}"
+    )
     for row in rows:
         if row["skipped"] is None:
+            kernel = row["kernel_s"]["forward"] + row["kernel_s"]["backward"]
             print(
-                f"{row['tile']:>5} {row['schedule']:<10} {row['median_s']:>10.2f} {row['predicted_s']:>11.2f} "
-                f"{100 * row['prediction_error']:>+6.1f}%"
+                f"{row['tile']:>8} {row['schedule']:<10} {row['median_s']:>10.2f} {kernel:>8.2f} "
+                f"{row['kernel_s']['forward_cpu'] + row['kernel_s']['backward_cpu']:>6.2f} "
+                f"{row['kernel_s']['cpu']:>6.2f} {row['kernel_s']['cpu_main_thread']:>6.2f} "
+                f"{row['predicted_s']:>10.2f} {100 * row['prediction_error']:>+6.1f}% "
+                f"{row['predicted_run_s']:>8.2f} {100 * row['prediction_run_error']:>+6.1f}%"
             )
 
 
@@ -665,6 +712,8 @@ def write_json(
     links: dict[str, Any],
     rows: list[dict[str, Any]],
     runtime_s: float,
+    topo: Topology,
+    run_topo: Topology,
 ) -> None:
     report = {
         "reference": REFERENCE,
@@ -697,7 +746,8 @@ def write_json(
             "comm_ratio_measured": measured_comm_ratio(args, rates, links),
         },
         "links": links,
-        "topology": topology(args, calibration, rates, links).to_dict(),
+        "topology": topo.to_dict(),
+        "topology_run": run_topo.to_dict(),
         "results": rows,
         "runtime_s": runtime_s,
     }
@@ -753,11 +803,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(results["configs"])
     print_links(args, rates, links)
     print_table(rows)
-    predict(args, rows, topology(args, results["calibration"], rates, links))
+    topo = topology(args, results["calibration"], rates, links)
+    run_topo = run_topology(args, rows, topo)
+    predict(args, rows, topo, run_topo)
     print_predictions(rows)
     print(f"total runtime {runtime:.0f} s (network set-up and removal included); load average now {load_average()}")
     if args.json:
-        write_json(args.json, args, results["calibration"], rates, links, rows, runtime)
+        write_json(args.json, args, results["calibration"], rates, links, rows, runtime, topo, run_topo)
     return 0
 
 

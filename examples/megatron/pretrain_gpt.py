@@ -17,7 +17,10 @@ over ``get_data_parallel_group(with_context_parallel=True)``. On CUDA Megatron's
 ``DistributedDataParallel`` and ``get_megatron_optimizer`` do that (bf16); on CPU (fp32) a plain torch
 AdamW steps after :func:`~examples.megatron.training.reduce_gradients_cpu`, because both assert CUDA
 (the CPU workarounds live beside this script, in ``examples/megatron/training.py``). ``--checkpoint-dir``
-saves every ``--save-every`` steps and resumes from the latest save.
+saves a Megatron distributed checkpoint (``megatron.core.dist_checkpointing``, torch_dist format) every
+``--save-every`` steps and resumes from the latest one, in this or any other TP x CP(tile) x DP layout: the
+model, the optimizer state, the samples consumed and the RNG state (see
+:mod:`mesh_cp.integrations.megatron.checkpoint`).
 
 Rank 0 ends its output with one JSON line::
 
@@ -53,6 +56,9 @@ from mesh_cp.testing import gloo_exit_workaround
 # megatron-core warns at import, once per process, that TransformerEngine/Apex are absent and about CUDA
 # settings; on CPU those are expected.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+# Loading a distributed checkpoint, megatron-core 0.16.1 calls torch.distributed.checkpoint APIs that torch marks
+# as deprecated (load_state_dict, ShardedTensor); the files and their loading are unaffected.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron\.core|torch\.distributed)\.")
 
 DEFAULTS = dict(
     tp=1,
@@ -174,9 +180,10 @@ def build_dataset(args, tokenizer, samples: int, rank: int):
     return train
 
 
-def replica_batch(dataset, step: int, dp_rank: int, dp: int, micro_batch: int) -> dict[str, torch.Tensor]:
-    """The full-length samples DP replica ``dp_rank`` trains on at ``step`` (global batch = all replicas')."""
-    first = (step * dp + dp_rank) * micro_batch
+def replica_batch(dataset, consumed: int, dp_rank: int, micro_batch: int) -> dict[str, torch.Tensor]:
+    """The full-length samples DP replica ``dp_rank`` trains on in the step after ``consumed`` samples (the global
+    batch is the next ``DP * micro_batch`` samples, replica ``i`` taking the ``i``-th ``micro_batch`` of them)."""
+    first = consumed + dp_rank * micro_batch
     samples = [dataset[i % len(dataset)] for i in range(first, first + micro_batch)]
     return {
         k: torch.stack([torch.as_tensor(s[k]) for s in samples])
@@ -226,7 +233,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
     from tqdm import tqdm
 
     from examples.megatron import training
-    from mesh_cp.integrations.megatron import MeshLayout
+    from mesh_cp.integrations.megatron import MeshLayout, checkpoint
 
     cuda = device.type == "cuda"
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -289,16 +296,19 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
     ).to(device)
     step_fn = CudaStep(model, config, args) if cuda else CpuStep(model, args)
 
-    start, resumed = 0, False
+    start, consumed, resumed = 0, 0, False
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt_dir is not None and (ckpt_dir / "latest").exists():
         start, resumed = int((ckpt_dir / "latest").read_text()), True
-        state = torch.load(ckpt_dir / f"step_{start}" / f"rank_{rank}.pt", map_location="cpu", weights_only=False)
-        if state["layout"] != str(layout):
-            raise ValueError(f"checkpoint layout {state['layout']!r} differs from this run's {str(layout)!r}")
-        step_fn.load(state)
+        common = checkpoint.load(ckpt_dir / f"step_{start}", step_fn.model, step_fn.optimizer)
+        consumed = common["consumed_samples"]
+        torch.set_rng_state(common["rng_state"])
         if main_rank:
-            print(f"resumed from {ckpt_dir / f'step_{start}'} at step {start}", flush=True)
+            print(
+                f"resumed from {ckpt_dir / f'step_{start}'} at step {start} ({consumed} samples consumed), saved in "
+                f"layout {common['layout']}",
+                flush=True,
+            )
 
     tokens_per_step = args.seq_len * args.micro_batch * dp
     losses, norms, rates = [], [], []
@@ -306,7 +316,8 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
     bar = tqdm(range(start, args.steps), disable=not main_rank, desc="pretraining", unit="step", dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
-        batch = replica_batch(dataset, step, dp_rank, dp, args.micro_batch)
+        batch = replica_batch(dataset, consumed, dp_rank, args.micro_batch)
+        consumed += dp * args.micro_batch
         batch = get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         global_tokens = training.global_token_count(batch["loss_mask"])
@@ -327,7 +338,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
                 f"step {step + 1:4d}  loss {loss_value:.6f}  grad norm {norm:.6f}  tokens/s {tokens_per_step / seconds:,.0f}"
             )
         if ckpt_dir is not None and (step + 1) % args.save_every == 0:
-            save(ckpt_dir, step + 1, rank, str(layout), step_fn)
+            save(ckpt_dir, step + 1, step_fn, {"consumed_samples": consumed, "layout": lines[0]})
     if not main_rank:
         return None
     if losses:
@@ -351,13 +362,14 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
     }
 
 
-def save(directory: Path, step: int, rank: int, layout: str, step_fn) -> None:
-    """Every rank writes its own shard (torch.save); rank 0 then marks the step as the latest."""
-    folder = directory / f"step_{step}"
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"step": step, "layout": layout, **step_fn.state()}, folder / f"rank_{rank}.pt")
-    dist.barrier()
-    if rank == 0:
+def save(directory: Path, step: int, step_fn, common: dict) -> None:
+    """A Megatron distributed checkpoint of the model and optimizer in ``directory/step_<step>`` (any layout can
+    load it), with ``common`` and the RNG state; rank 0 then marks the step as the latest."""
+    from mesh_cp.integrations.megatron import checkpoint
+
+    common = {"step": step, "rng_state": torch.get_rng_state(), **common}
+    checkpoint.save(directory / f"step_{step}", step_fn.model, step_fn.optimizer, common=common)
+    if dist.get_rank() == 0:
         (directory / "latest").write_text(str(step))
     dist.barrier()
 
@@ -383,13 +395,6 @@ class CpuStep:
         self.optimizer.step()
         self.optimizer.zero_grad()
         return norm
-
-    def state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
 
 
 class CudaStep:
@@ -425,13 +430,6 @@ class CudaStep:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         return float(norm or 0.0)
-
-    def state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@ TP2 x CP4(2x2) x DP1 and the head-parallel x mesh hybrid TP2 x CP4(2 heads x 2x1
 embeddings. After each of 3 SGD steps the global loss and gradient norm, and after the last every
 rank's parameter shards, equal the reference within 1e-5 (fp32). The same group checks the layout
 printout, node placement of Q-groups, the CP group taken from ``pg_collection``, and every refusal.
-The pretraining script runs under torchrun and resumes from its checkpoint with the losses of not stopping.
+The pretraining script runs under torchrun, saves Megatron distributed checkpoints and resumes from them in two
+other layouts with the losses of not stopping in those layouts.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -511,13 +513,14 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
     )
 
 
-def torchrun_pretrain(*args: str, port: int) -> dict:
-    """``pretrain_gpt.py`` under torchrun on 4 CPU processes (TP 1 x CP 2 (1x2) x DP 2), by path and without
-    the repository on ``PYTHONPATH``; its final JSON line, with ``"steps"`` made ``{step: (loss, grad norm)}``."""
+def torchrun_pretrain(*args: str, port: int, nproc: int = 8) -> dict:
+    """``pretrain_gpt.py`` under torchrun on ``nproc`` CPU processes (configs/megatron_cpu_test.yaml, flags
+    override it), by path and without the repository on ``PYTHONPATH``; its final JSON line, with ``"steps"`` made
+    ``{step: (loss, grad norm)}``."""
     from examples.common import read_result
 
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc-per-node", "4", "--master-port", str(port)]
+    cmd = [str(torchrun), "--nproc-per-node", str(nproc), "--master-port", str(port)]
     cmd += [
         str(ROOT / "examples" / "megatron" / "pretrain_gpt.py"),
         "--config",
@@ -528,28 +531,61 @@ def torchrun_pretrain(*args: str, port: int) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = read_result(proc.stdout)
-    assert result["example"] == "megatron" and result["world"] == 4, result
+    assert result["example"] == "megatron" and result["world"] == nproc, result
     pairs = zip(result["losses"], result["grad_norms"], strict=True)
     return result | {"steps": {result["first_step"] + i: pair for i, pair in enumerate(pairs)}}
 
 
-def test_pretrain_script_learns_and_resumes(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    common = ["--checkpoint-dir", str(ckpt), "--data-dir", str(tmp_path / "data"), "--save-every", "2"]
-    straight = torchrun_pretrain("--steps", "4", *common, port=29611)
-    layout_3 = "TP(1)-CP(1x2)-DP(2) rank 3: Q-group [3], KV-group [2, 3], 4 ranks per node"
-    assert straight["layouts"][3] == layout_3, straight["layouts"]
-    losses = straight["steps"]
-    assert sorted(losses) == [1, 2, 3, 4] and straight["resumed_from"] is None, straight
+RESHARD_LAYOUTS = {
+    "TP2 x CP4(2x2) x DP1": ("--tp", "2", "--cp", "4", "--tile", "2x2", "--micro-batch", "2"),
+    "TP1 x CP4(1x4) x DP2": ("--tp", "1", "--cp", "4", "--tile", "1x4", "--micro-batch", "1"),
+    "TP2 x CP2(2 heads x 1x1) x DP2": (
+        "--tp",
+        "2",
+        "--cp",
+        "2",
+        "--cp-heads",
+        "2",
+        "--tile",
+        "1x1",
+        "--micro-batch",
+        "1",
+    ),
+}
+"""The layouts of the resharding test on 8 ranks; each trains on the same global batch of 2 sequences."""
+
+
+def test_pretrain_script_resumes_distributed_checkpoints_in_other_layouts(tmp_path: Path) -> None:
+    """Megatron distributed checkpoints: saved at TP2 x CP4(2x2) x DP1, resumed at TP1 x CP4(1x4) x DP2 and at
+    TP2 x CP2(hybrid) x DP2; the losses and gradient norms after resuming equal an uninterrupted run in the new
+    layout. The saving run also learns and matches the others' uninterrupted losses."""
+    data = ["--data-dir", str(tmp_path / "data"), "--steps", "4", "--save-every", "2"]
+    source, *targets = RESHARD_LAYOUTS
+    saved = tmp_path / "saved"
+    port = iter(range(29611, 29620))
+    straight = {
+        source: torchrun_pretrain(*RESHARD_LAYOUTS[source], *data, "--checkpoint-dir", str(saved), port=next(port))
+    }
+    losses = straight[source]["steps"]
+    assert sorted(losses) == [1, 2, 3, 4] and straight[source]["resumed_from"] is None, straight
     assert losses[4][0] < losses[1][0]  # it learns
-    # Stop after step 2: resuming from that checkpoint gives the losses and norms of not stopping.
-    (ckpt / "latest").write_text("2")
-    resumed = torchrun_pretrain("--steps", "4", *common, port=29612)
-    assert resumed["resumed_from"] == 2 and resumed["checkpoint"] == str(ckpt / "step_2"), resumed
-    again = resumed["steps"]
-    assert sorted(again) == [3, 4], again
-    for s in (3, 4):
-        assert again[s] == pytest.approx(losses[s], abs=1e-6), (s, again, losses)
+    layout_5 = "TP(2)-CP(2x2)-DP(1) rank 5: Q-group [5, 7], KV-group [1, 5], 8 ranks per node"
+    assert straight[source]["layouts"][5] == layout_5, straight[source]["layouts"]
+    assert sorted(p.name for p in saved.iterdir()) == ["latest", "step_2", "step_4"]
+    assert (saved / "step_2" / "metadata.json").exists()  # Megatron's torch_dist format
+    for target in targets:
+        straight[target] = torchrun_pretrain(*RESHARD_LAYOUTS[target], *data, port=next(port))
+        # Stop after step 2 of the saving run: resume from its checkpoint in the new layout.
+        folder = tmp_path / target.replace(" ", "")
+        shutil.copytree(saved / "step_2", folder / "step_2")
+        (folder / "latest").write_text("2")
+        resumed = torchrun_pretrain(*RESHARD_LAYOUTS[target], *data, "--checkpoint-dir", str(folder), port=next(port))
+        assert resumed["resumed_from"] == 2 and sorted(resumed["steps"]) == [3, 4], resumed
+        for step in (3, 4):
+            assert resumed["steps"][step] == pytest.approx(straight[target]["steps"][step], abs=TOL), (target, step)
+    for target in targets:
+        for step in (1, 2, 3, 4):
+            assert straight[target]["steps"][step] == pytest.approx(losses[step], abs=TOL), (target, step)
 
 
 def test_pretrain_script_takes_cp_heads_beside_tile(tmp_path: Path) -> None:
@@ -561,3 +597,22 @@ def test_pretrain_script_takes_cp_heads_beside_tile(tmp_path: Path) -> None:
     assert pretrain_gpt.parse_args([]).cp_heads == 1
     assert pretrain_gpt.parse_args(["--config", str(config)]).cp_heads == 2
     assert pretrain_gpt.parse_args(["--config", str(config), "--cp-heads", "4"]).cp_heads == 4
+
+
+def test_checkpoint_refusals(tmp_path: Path) -> None:
+    """What the distributed checkpoint cannot hold is refused by name, before any collective."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    from mesh_cp.integrations.megatron import checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="only for Adam and AdamW, got SGD"):
+        checkpoint.init_optimizer_state(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        checkpoint.init_optimizer_state(torch.optim.AdamW(model.parameters(), amsgrad=True))
+    optimizer = torch.optim.AdamW(model.parameters())
+    checkpoint.init_optimizer_state(optimizer)
+    assert len(optimizer.state) == 2
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in optimizer.state.values())
+    with pytest.raises(CheckpointingException, match="is not a Megatron distributed checkpoint"):
+        checkpoint.load(tmp_path, model, optimizer)
