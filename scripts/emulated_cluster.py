@@ -656,51 +656,72 @@ def simulated(args: argparse.Namespace, row: dict[str, Any], topo: Topology) -> 
     return simulate_hybrid(u, tiling, attention_shape(args), topo, causal=True, schedule=row["schedule"])
 
 
-def run_topology(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology) -> Topology:
-    """``topo`` with the block kernel's rates as measured inside the timed rounds: the kernel seconds of every
-    configuration together over the simulator's compute for them at the start-up rates (one rate per phase
-    for all configurations)."""
-    ran = [row for row in rows if row["skipped"] is None]
-    measured = {phase: sum(row["kernel_s"][phase] for row in ran) for phase in PHASES}
-    results = [simulated(args, row, topo) for row in ran]
-    predicted = {phase: sum(getattr(r, phase).compute for r in results) for phase in PHASES}
-    forward = measured["forward"] / predicted["forward"]
-    backward = measured["backward"] / predicted["backward"]
+def ring_topology(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology) -> Topology | None:
+    """``topo`` with the host's compute rates as the ring's timed rounds measured them (``None`` without a ring row).
+
+    The ranks share the host's cores, so a CPU second of one rank costs ``ranks / cores`` seconds of wall-clock
+    while every rank is busy (the start-up timing, all ranks at once, is in those units). In the ring's rounds,
+    each rank's CPU seconds inside the block kernel give the kernel rates (forward and backward) on the blocks the
+    mesh runs, and its other CPU seconds (all threads: gloo, packing and unpacking what moves, merging partial
+    results) over the bytes it sent and received give the compute lost per byte (``host_seconds_per_byte``). The
+    ring is calibrated on, every other layout is predicted."""
+    rings = [row for row in rows if row["tile"] == layout_label(1, *RING) and row["skipped"] is None]
+    if not rings:
+        return None
+    ring = next((row for row in rings if row["schedule"] == "overlap"), rings[0])
+    share = max(1.0, WORLD / (os.cpu_count() or 1))
+    cpu, predicted = ring["kernel_s"], simulated(args, ring, topo)
+    forward = cpu["forward_cpu"] * share / predicted.forward.compute
+    backward = cpu["backward_cpu"] * share / predicted.backward.compute
+    moved = 2 * sum(ring["bytes_by_role_max"].values())  # every ring rank sends and receives as much
+    other = cpu["cpu"] - cpu["forward_cpu"] - cpu["backward_cpu"]
     return replace(
         topo,
         pairs_per_second=topo.pairs_per_second / forward,
         backward_factor=topo.backward_factor * backward / forward,
+        host_seconds_per_byte=other * share / moved,
     )
 
 
-def predict(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology, run_topo: Topology) -> None:
-    """Add the simulator's forward+backward seconds to every row that ran: with the kernel rates of the start-up
-    calibration and with those measured in the timed rounds."""
+def predict(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology, ring_topo: Topology | None) -> None:
+    """Add the simulator's forward+backward seconds to every row that ran: with the host's rates timed at start-up
+    and, when the ring ran, with those its rounds measured (:func:`ring_topology`)."""
     for row in rows:
         if row["skipped"] is None:
             row["predicted_s"] = simulated(args, row, topo).time
             row["prediction_error"] = row["predicted_s"] / row["median_s"] - 1
-            row["predicted_run_s"] = simulated(args, row, run_topo).time
-            row["prediction_run_error"] = row["predicted_run_s"] / row["median_s"] - 1
+            if ring_topo is not None:
+                row["predicted_ring_calibrated_s"] = simulated(args, row, ring_topo).time
+                row["prediction_ring_calibrated_error"] = row["predicted_ring_calibrated_s"] / row["median_s"] - 1
 
 
-def print_predictions(rows: list[dict[str, Any]]) -> None:
+def print_predictions(rows: list[dict[str, Any]], ring_topo: Topology | None) -> None:
     print()
     print("-- simulator (mesh_cp.sim, measured topology) vs measured median, forward+backward --")
-    print("   start-up: kernel rates timed at start-up; in run: kernel rates timed inside the timed rounds")
+    print("   CPU s per rank and round: in the block kernel / in all threads; start-up: the host's rates timed at")
     print(
-        f"{'tile':>8} {'schedule':<10} {'measured s':>10} {'kernel s':>8} {'k cpu':>6} {'cpu s':>6} {'main s':>6} {'start-up s':>10} "
-        f"{'error':>7} {'in run s':>8} {'error':>7}"
+        "   start-up; ring-calibrated: those the ring's rounds measured (the ring calibrates, the others are predicted)"
+    )
+    if ring_topo is not None:
+        print(
+            f"   ring calibration: {ring_topo.pairs_per_second:.3g} pairs/s, backward x{ring_topo.backward_factor:.2f}, "
+            f"{ring_topo.host_seconds_per_byte * 1e9:.2f} ns per byte sent or received"
+        )
+    print(
+        f"{'tile':>8} {'schedule':<10} {'measured s':>10} {'kernel cpu':>10} {'all cpu':>7} {'start-up s':>10} "
+        f"{'error':>7} {'ring-cal s':>10} {'error':>7}"
     )
     for row in rows:
         if row["skipped"] is None:
-            kernel = row["kernel_s"]["forward"] + row["kernel_s"]["backward"]
+            cpu = row["kernel_s"]
+            calibrated = "n/a"
+            if ring_topo is not None:
+                error = 100 * row["prediction_ring_calibrated_error"]
+                calibrated = f"{row['predicted_ring_calibrated_s']:>10.2f} {error:>+6.1f}%"
             print(
-                f"{row['tile']:>8} {row['schedule']:<10} {row['median_s']:>10.2f} {kernel:>8.2f} "
-                f"{row['kernel_s']['forward_cpu'] + row['kernel_s']['backward_cpu']:>6.2f} "
-                f"{row['kernel_s']['cpu']:>6.2f} {row['kernel_s']['cpu_main_thread']:>6.2f} "
-                f"{row['predicted_s']:>10.2f} {100 * row['prediction_error']:>+6.1f}% "
-                f"{row['predicted_run_s']:>8.2f} {100 * row['prediction_run_error']:>+6.1f}%"
+                f"{row['tile']:>8} {row['schedule']:<10} {row['median_s']:>10.2f} "
+                f"{cpu['forward_cpu'] + cpu['backward_cpu']:>10.2f} {cpu['cpu']:>7.2f} "
+                f"{row['predicted_s']:>10.2f} {100 * row['prediction_error']:>+6.1f}% {calibrated}"
             )
 
 
@@ -713,7 +734,7 @@ def write_json(
     rows: list[dict[str, Any]],
     runtime_s: float,
     topo: Topology,
-    run_topo: Topology,
+    ring_topo: Topology | None,
 ) -> None:
     report = {
         "reference": REFERENCE,
@@ -747,7 +768,7 @@ def write_json(
         },
         "links": links,
         "topology": topo.to_dict(),
-        "topology_run": run_topo.to_dict(),
+        "topology_ring_calibrated": None if ring_topo is None else ring_topo.to_dict(),
         "results": rows,
         "runtime_s": runtime_s,
     }
@@ -804,12 +825,12 @@ def main(argv: list[str] | None = None) -> int:
     print_links(args, rates, links)
     print_table(rows)
     topo = topology(args, results["calibration"], rates, links)
-    run_topo = run_topology(args, rows, topo)
-    predict(args, rows, topo, run_topo)
-    print_predictions(rows)
+    ring_topo = ring_topology(args, rows, topo)
+    predict(args, rows, topo, ring_topo)
+    print_predictions(rows, ring_topo)
     print(f"total runtime {runtime:.0f} s (network set-up and removal included); load average now {load_average()}")
     if args.json:
-        write_json(args.json, args, results["calibration"], rates, links, rows, runtime, topo, run_topo)
+        write_json(args.json, args, results["calibration"], rates, links, rows, runtime, topo, ring_topo)
     return 0
 
 

@@ -81,7 +81,8 @@ def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) ->
 
 def test_trainer_with_dp_by_cp_equals_single_process(tmp_path: Path) -> None:
     stdout = accelerate_launch(Path(__file__).with_name("trainer_script.py"), str(tmp_path), port=29604)
-    for name in ("params", "eval"):  # the trained parameters; evaluate() / predict() / eval_strategy="steps" losses
+    # the trained parameters; evaluate() / predict() / eval_strategy="steps" losses; resuming mid-epoch
+    for name in ("params", "eval", "resume"):
         errors = {int(m[1]): float(m[2]) for m in re.finditer(rf"rank (\d+) {name} err ([0-9.e+-]+)", stdout)}
         assert sorted(errors) == [0, 1, 2, 3], stdout[-2000:]
         assert max(errors.values()) <= 1e-5, (name, errors)

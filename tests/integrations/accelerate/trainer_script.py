@@ -8,6 +8,10 @@ loss), each epoch in the order of the replicas' ``DistributedSampler`` reshuffle
 asserts, from the examples the collator saw, that every rank of a CP group saw the same examples, that each
 epoch followed that order, and that the two epochs' orders differ. Prints ``rank R params err E``.
 
+Resume: the run saves a checkpoint one step into the second epoch; a new trainer (other initial weights) resumes
+from it with ``train(resume_from_checkpoint=...)`` and must see exactly the batches after it and end with the
+uninterrupted run's parameters. Prints ``rank R resume err E``.
+
 Evaluation under CP: ``eval_strategy="steps"`` evaluates after each epoch (steps 3 and 6), then ``evaluate()`` and
 ``predict()`` (loss only) run on the trained model; the eval set (5 ragged examples, batches of 2: the replicas get
 2 and 1 batches) must give the loss of single-process evaluation, the mean over its batches of their token-mean
@@ -31,6 +35,7 @@ from mesh_cp.testing.models import VOCAB, tiny_causal_lms
 
 STEPS, EPOCHS, BATCH, LR = 3, 2, 2, 0.1
 EVAL_EXAMPLES, EVAL_BATCH, EVAL_INDEX = 5, 2, 1000  # eval examples are numbered from EVAL_INDEX
+RESUME_STEP = STEPS + 1  # the checkpoint resumed from: one step into the second epoch
 
 
 class RecordingCollator:
@@ -84,6 +89,60 @@ def check_refusals(trainer, eval_data: list[dict]) -> None:
     trainer.compute_metrics = None
 
 
+def build_trainer(model, args, data, eval_data, layout):
+    """MeshCPTrainer on ``layout`` (``None``: built from the DeepSpeed config), its collator recording batches."""
+    trainer_class = hf.mesh_cp_trainer_class()
+    if layout is None:  # built by the trainer from the DeepSpeed config: its collator is the default one
+        trainer = trainer_class(model=model, args=args, train_dataset=data, eval_dataset=eval_data, pad_token_id=0)
+        trainer.data_collator = RecordingCollator(trainer.data_collator)
+        return trainer
+    collator = RecordingCollator(hf.ShardingCollator(layout.mesh, pad_token_id=0))
+    return trainer_class(
+        model=model,
+        args=args,
+        train_dataset=data,
+        eval_dataset=eval_data,
+        parallel=layout,
+        pad_token_id=0,
+        data_collator=collator,
+    )
+
+
+def trained_parameters(trainer, deepspeed: str | None) -> list[torch.Tensor]:
+    """The full fp32 parameters of the trained model (gathered under ZeRO 3)."""
+    if deepspeed is None:
+        return [p.detach().clone() for p in trainer.accelerator.unwrap_model(trainer.model).parameters()]
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return [
+        (p if (full := safe_get_full_fp32_param(p)) is None else full).detach().clone()
+        for p in trainer.model.parameters()
+    ]
+
+
+def check_resume(output_dir: str, args, data, trained, orders, deepspeed: str | None, cp_heads: int) -> float:
+    """A new trainer resumes from the checkpoint of step RESUME_STEP (Trainer restores model, optimizer, scheduler,
+    RNG states and the data position: the second epoch's reshuffled order, its first batch skipped) and trains to
+    the end; returns the largest difference of its parameters from the uninterrupted run's ``trained``. Asserts it
+    saw exactly the batches after the checkpoint, the same on every rank of a CP group."""
+    args = copy.deepcopy(args)
+    args.eval_strategy, args.save_strategy = "no", "no"
+    layout = None
+    if deepspeed is None:
+        layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=(1, 2 // cp_heads), heads=cp_heads)
+    torch.manual_seed(1)  # other initial weights: the checkpoint's must replace them
+    model = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa")
+    trainer = build_trainer(model, args, data, None, layout)
+    trainer.train(resume_from_checkpoint=f"{output_dir}/checkpoint-{RESUME_STEP}")
+    assert trainer.state.global_step == STEPS * EPOCHS, trainer.state
+    replica = dist.get_rank() // trainer.parallel.mesh.size
+    first = RESUME_STEP - STEPS  # batches of the second epoch already trained
+    expected = [orders[1][replica][s * BATCH : (s + 1) * BATCH] for s in range(first, STEPS)]
+    assert trainer.data_collator.seen == expected, (trainer.data_collator.seen, expected)
+    resumed = trained_parameters(trainer, deepspeed)
+    return max((p - q).abs().max().item() for p, q in zip(resumed, trained, strict=True))
+
+
 def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
     gloo_exit_workaround()  # before accelerate or the Trainer makes the process group
     tile = (1, 2 // cp_heads)
@@ -119,27 +178,14 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
         use_cpu=True,
         deepspeed=deepspeed,
         report_to=[],
-        save_strategy="no",
+        save_strategy="steps",
+        save_steps=RESUME_STEP,
         seed=0,
         eval_strategy="steps",
         eval_steps=STEPS,
         per_device_eval_batch_size=EVAL_BATCH,
     )
-    trainer_class = hf.mesh_cp_trainer_class()
-    if layout is None:  # built by the trainer from the DeepSpeed config: its collator is the default one
-        trainer = trainer_class(model=model, args=args, train_dataset=data, eval_dataset=eval_data, pad_token_id=0)
-        trainer.data_collator = RecordingCollator(trainer.data_collator)
-    else:
-        collator = RecordingCollator(hf.ShardingCollator(layout.mesh, pad_token_id=0))
-        trainer = trainer_class(
-            model=model,
-            args=args,
-            train_dataset=data,
-            eval_dataset=eval_data,
-            parallel=layout,
-            pad_token_id=0,
-            data_collator=collator,
-        )
+    trainer = build_trainer(model, args, data, eval_data, layout)
     layout = trainer.parallel
     assert layout.dp_size == dp_size and (layout.mesh.tile, layout.mesh.heads) == (tile, cp_heads), layout
     trainer.train()
@@ -180,15 +226,12 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
         reference_eval.append(reference_eval_loss(reference, eval_data))
     reference_eval += reference_eval[-1:] * 2  # evaluate() and predict() after training
     eval_err = max(abs(a - b) for a, b in zip(eval_losses, reference_eval, strict=True))
-    if deepspeed is None:
-        trained = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
-    else:
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        trained = [p if (full := safe_get_full_fp32_param(p)) is None else full for p in trainer.model.parameters()]
+    trained = trained_parameters(trainer, deepspeed)
     err = max((p - q).abs().max().item() for p, q in zip(trained, reference.parameters(), strict=True))
+    resume_err = check_resume(output_dir, args, data, trained, orders, deepspeed, cp_heads)
     print(f"rank {dist.get_rank()} params err {err:.3e}", flush=True)
     print(f"rank {dist.get_rank()} eval err {eval_err:.3e} losses {eval_losses}", flush=True)
+    print(f"rank {dist.get_rank()} resume err {resume_err:.3e}", flush=True)
     assert eval_err <= 1e-5, (eval_losses, reference_eval)  # also under the deepspeed launcher (test_deepspeed.py)
     dist.barrier()  # end the gloo run as gloo_exit_workaround asks: a process may abort at exit otherwise
     dist.destroy_process_group()
