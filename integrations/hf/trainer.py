@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
 from mesh_cp.config import MeshConfig
 from mesh_cp.integrations import ds_attention_shape
@@ -100,13 +100,18 @@ class _MeshCPTraining:
             shuffle=True,
             seed=self.args.seed,
         )
-        return _EpochDataLoader(
-            self.train_dataset,
-            batch_size=self._train_batch_size,
-            sampler=sampler,
-            collate_fn=self.data_collator,
-            drop_last=self.args.dataloader_drop_last,
-        )
+        batches = _EpochBatchSampler(sampler, self._train_batch_size, drop_last=self.args.dataloader_drop_last)
+        return _EpochDataLoader(self.train_dataset, batch_sampler=batches, collate_fn=self.data_collator)
+
+
+class _EpochBatchSampler(BatchSampler):
+    """A ``BatchSampler`` whose ``set_epoch`` reshuffles its sampler. Resuming mid-epoch, Trainer first wraps the
+    batch sampler to skip the batches already trained (accelerate's ``skip_first_batches`` builds a new plain
+    ``DataLoader`` around it, which has no ``set_epoch``) and then sets the epoch through the wrapped batch
+    sampler's ``set_epoch``: without this one the resumed epoch would be read in epoch 0's order."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
 
 
 class _EpochDataLoader(DataLoader):
@@ -114,7 +119,7 @@ class _EpochDataLoader(DataLoader):
     training dataloader that has one, before every epoch (a plain ``DataLoader`` would repeat the order)."""
 
     def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+        self.batch_sampler.set_epoch(epoch)
 
 
 def _parallel_from_deepspeed_args(training_args: Any, model: torch.nn.Module) -> DataContextParallel:
