@@ -26,6 +26,7 @@ _PUBLIC = {
         "ShardedBatch",
         "ShardingCollator",
         "causal_lm_loss",
+        "decode_attn_func",
         "mesh_attn_func",
         "position_ids",
         "reduce_gradients",

@@ -23,14 +23,19 @@ length (:func:`attach`). Packed padding-free batches (``shard_batch(documents=..
 ``ShardingCollator(packed=True)``), left and right padding (``attention_mask`` given to :func:`shard_batch`),
 per-layer sliding windows and softcapped logits are exact: a batch with documents or left padding carries a
 ``mesh_cp_mask`` that ``model(**batch)`` hands every attention layer. Inner padding, masks given to the model,
-attention dropout, caches (generation) and models that do not compute their attention through transformers'
-``AttentionInterface`` raise with the reason.
+attention dropout, caches other than mesh_cp's and models that do not compute their attention through
+transformers' ``AttentionInterface`` raise with the reason.
+
+Generation: :func:`generate` (or :func:`prefill`, then ``model.generate(past_key_values=cache)``) prefills the
+prompts sharded over the mesh and decodes with Tree Attention over a :class:`ShardedKVCache` (Note [Sharded
+generation] in :mod:`mesh_cp.integrations.hf.generation`).
 """
 
 from __future__ import annotations
 
 from mesh_cp.integrations.hf.attach import LENGTH_DEPENDENT_ROPE, attach
 from mesh_cp.integrations.hf.attention import ATTENTION_KEYWORDS, NAME, PACKING_KEYWORDS, mesh_cp_attention, register
+from mesh_cp.integrations.hf.generation import ShardedKVCache, generate, prefill
 from mesh_cp.integrations.hf.masks import MASK_KEYWORDS, mesh_cp_mask
 from mesh_cp.integrations.hf.trainer import mesh_cp_trainer_class
 from mesh_cp.runtime.batch import IGNORE_INDEX, ShardedBatch, ShardingCollator, causal_lm_loss, shard_batch
@@ -45,12 +50,15 @@ __all__ = [
     "PACKING_KEYWORDS",
     "DataContextParallel",
     "ShardedBatch",
+    "ShardedKVCache",
     "ShardingCollator",
     "attach",
     "causal_lm_loss",
+    "generate",
     "mesh_cp_attention",
     "mesh_cp_mask",
     "mesh_cp_trainer_class",
+    "prefill",
     "reduce_gradients",
     "register",
     "shard_batch",

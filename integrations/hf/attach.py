@@ -188,6 +188,8 @@ class _Attachment:
         self._checked: tuple[weakref.ref, tuple[int, int]] | None = None
         self._expected: dict[tuple[int, torch.device], Tensor] = {}
         self._position_kinds: set[tuple] = set()
+        self.decoding = False
+        """This forward decodes over a sharded cache (set by :meth:`before_forward`)."""
 
     def check_positions(self, position_ids: Tensor, mask: AttentionMask | None = None) -> None:
         """``position_ids`` must be this rank's positions of its tokens in every row: global positions
@@ -233,7 +235,19 @@ class _Attachment:
         return self._expected[key]
 
     def before_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook of the attached model: check ``position_ids``, start the layer count."""
+        """Forward pre-hook of the attached model: check ``position_ids``, start the layer count. A step of decoding
+        over a :class:`~mesh_cp.integrations.hf.generation.ShardedKVCache` that holds tokens feeds every rank the same
+        new tokens at their own positions (Note [Sharded generation]): not a shard, so not checked as one."""
+        self.called.clear()
+        cache = kwargs.get("past_key_values")
+        if cache is not None and not hasattr(cache, "decoding"):
+            raise NotImplementedError(
+                f"{type(model).__name__} was called with a {type(cache).__name__}: with mesh_cp attention, generate "
+                f"through mesh_cp.integrations.hf.generate (or prefill's ShardedKVCache), which shards the cache"
+            )
+        self.decoding = getattr(cache, "decoding", False) is True
+        if self.decoding:
+            return
         positions = kwargs.get("position_ids")
         if positions is None and args:
             positions = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.get("position_ids")
@@ -243,7 +257,6 @@ class _Attachment:
                 f"pass the global positions of shard_batch / ShardingCollator (batch.position_ids)"
             )
         self.check_positions(positions, kwargs.get("mesh_cp_mask"))
-        self.called.clear()
 
     def after_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Forward hook of the attached model: on the first forward, check that every attention layer called
@@ -262,6 +275,11 @@ class _Attachment:
     def rope_before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward pre-hook of a length-dependent RoPE: one more position, the sequence's last (Note
         [Length-dependent RoPE])."""
+        if self.decoding:
+            raise NotImplementedError(
+                f"{type(module).__name__} (rope_type {module.rope_type!r}) depends on the sequence length, which "
+                f"decoding over a sharded cache does not give it; generate with a model whose RoPE does not"
+            )
         in_kwargs = "position_ids" in kwargs
         if not in_kwargs and len(args) < 2:
             raise NotImplementedError(

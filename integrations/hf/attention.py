@@ -11,7 +11,7 @@ from torch import Tensor
 
 import mesh_cp
 from mesh_cp.core.masks import AttentionMask
-from mesh_cp.integrations.hf.masks import _MaskNote, mesh_cp_mask
+from mesh_cp.integrations.hf.masks import CacheMask, _MaskNote, mesh_cp_mask
 
 NAME = "mesh_cp"
 
@@ -29,7 +29,7 @@ ATTENTION_KEYWORDS: dict[str, str] = {
     "max_length_k": "as max_length_q",
     "s_aux": "attention-sink logits per head (gpt-oss), exact: Note [Attention sinks]",
     "output_attentions": "only False or None: attention weights are never formed",
-    "use_cache": "rides along the model call; a cache that already holds tokens is refused by its length",
+    "use_cache": "rides along the model call; a cache is taken only as the ShardedKVCache of mesh_cp generation",
     "num_items_in_batch": "a loss argument that rides along the model call; attention does not read it",
     "shift_labels": "a loss argument that rides along the model call; attention does not read it",
     "output_hidden_states": "an output switch that rides along the model call; attention does not read it",
@@ -78,6 +78,15 @@ def mesh_cp_attention(
             f"{type(module).__name__} uses attn_implementation='mesh_cp' but has no CP mesh; "
             f"call mesh_cp.integrations.hf.attach(model, mesh) after building the model"
         )
+    if isinstance(attention_mask, CacheMask):  # new tokens over a cache: Note [Sharded generation]
+        from mesh_cp.integrations.hf.generation import decode_attention
+
+        _check_attention_keywords(kwargs)
+        if dropout:
+            raise NotImplementedError(
+                f"attention dropout {dropout} is not supported by mesh_cp; set attention_dropout=0"
+            )
+        return decode_attention(module, query, key, value, attention_mask, scaling, kwargs)
     _check_call(query, key, attention_mask, dropout, kwargs)
     mask = _mask_of_call(attention_mask, kwargs, query.shape[2] * attached.mesh.size)
     if kwargs.get("position_ids") is not None:

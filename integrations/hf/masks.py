@@ -76,6 +76,35 @@ class _MaskNote:
         return self.__getattr__("__getitem__")
 
 
+class CacheMask:
+    """What :func:`mesh_cp_mask` returns for queries over a cache: the batch's 2-D padding mask (``None``: none),
+    for the decode attention of a :class:`~mesh_cp.integrations.hf.generation.ShardedKVCache` (Note [Sharded
+    generation]), or the reason it cannot be used (any other cache, a mask beyond causal and padding)."""
+
+    __slots__ = ("padding", "refusal")
+
+    def __init__(self, padding: Tensor | None, refusal: str | None):
+        self.padding, self.refusal = padding, refusal
+
+
+def _cache_mask(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask) -> CacheMask:
+    """The mask of a call over a cache: causal over the columns of the batch (queries at ``q_offset``, keys from
+    0), with the 2-D padding mask; anything else is a refusal carried to the attention layers."""
+    refusal = None
+    if isinstance(q_offset, Tensor) or isinstance(kv_offset, Tensor) or kv_offset or q_offset + q_length != kv_length:
+        refusal = f"{q_length} queries at offset {q_offset} over {kv_length} keys at offset {kv_offset}"
+    for name, _ in _mask_parts(mask_function) if mask_function is not None else ():
+        if name != "causal_mask_function":
+            refusal = _REFUSED_MASKS.get(name, f"the mask function {name}")
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[-1] != kv_length):
+        refusal = (
+            f"an attention mask of shape {tuple(attention_mask.shape)} (2-D over the {kv_length} columns expected)"
+        )
+    if refusal is not None:
+        refusal = f"mesh_cp decodes with a cache causally over the batch's columns with padding only; got {refusal}"
+    return CacheMask(attention_mask, refusal)
+
+
 def mesh_cp_mask(
     batch_size: int,
     q_length: int,
@@ -85,7 +114,7 @@ def mesh_cp_mask(
     mask_function: Callable | None = None,
     attention_mask: Tensor | None = None,
     **kwargs,
-) -> _MaskNote | None:
+) -> _MaskNote | CacheMask | None:
     """transformers mask function: checks the mask transformers would build and builds none (the mesh
     applies causality over global positions itself).
 
@@ -95,7 +124,8 @@ def mesh_cp_mask(
     check). A sliding window, or an overlay mesh_cp refuses (chunked, bidirectional, block-wise,
     or-masks), gives a :class:`_MaskNote` that every attention layer using it checks: a window must span
     the whole sequence, a refused overlay raises ``NotImplementedError`` naming it. Offsets or
-    ``kv_length != q_length`` (a cache) are refused here; other keywords must be in :data:`MASK_KEYWORDS`.
+    ``kv_length != q_length`` (a cache) give a :class:`CacheMask`, which only the decode attention of a
+    ``ShardedKVCache`` takes; other keywords must be in :data:`MASK_KEYWORDS`.
 
     ``attention_mask`` (this rank's 2-D padding mask, given to the model) must be all ones. It is checked
     by value only on the CPU, where reading it costs no device synchronisation; a mask on an accelerator
@@ -108,10 +138,7 @@ def mesh_cp_mask(
             f"mesh_cp mask got keyword(s) {sorted(unknown)} it does not handle; it accepts {sorted(MASK_KEYWORDS)}"
         )
     if isinstance(q_offset, Tensor) or isinstance(kv_offset, Tensor) or q_offset or kv_offset or kv_length != q_length:
-        raise NotImplementedError(
-            f"mesh_cp got a mask for {q_length} queries at offset {q_offset} over {kv_length} keys at offset {kv_offset}: "
-            f"a cache (generation) is not supported; call the model with use_cache=False and without past_key_values"
-        )
+        return _cache_mask(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
     if attention_mask is not None:
         if attention_mask.device.type != "cpu":
             raise NotImplementedError(

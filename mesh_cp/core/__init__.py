@@ -5,6 +5,7 @@ transfers, bytes) -> ``schedule`` (the overlapped schedule as data); ``hybrid`` 
 all-to-alls of head-parallel ranks; ``options`` names the choices and ``numerics`` holds the one LSE merge.
 """
 
+from mesh_cp.core.decode import DecodeReduction, DecodeShape
 from mesh_cp.core.hybrid import (
     HybridPlan,
     head_group_ranks,
@@ -37,6 +38,8 @@ __all__ = [
     "AttentionPlan",
     "AttentionShape",
     "BlockWork",
+    "DecodeReduction",
+    "DecodeShape",
     "HybridPlan",
     "MaskKind",
     "Tiling",

@@ -1,12 +1,13 @@
 """The only part of mesh_cp that uses torch.distributed.
 
 ``mesh`` (the CP group tiled ``a x b``) -> ``executors`` (run a plan: the collective and the overlapped
-schedule) -> ``attention`` (``mesh_attn_func``); ``comm`` (flat collectives, ring steps), ``groups``
+schedule) -> ``attention`` (``mesh_attn_func``); ``decode`` (Tree-Attention decoding, ``decode_attn_func``); ``comm`` (flat collectives, ring steps), ``groups``
 (subgroups), ``sharding`` (sequences), ``batch`` (causal-LM batches and loss shares), ``parallel`` (DP x CP).
 """
 
 from mesh_cp.runtime.attention import MeshAttnFunc, mesh_attn_func
 from mesh_cp.runtime.batch import IGNORE_INDEX, ShardedBatch, ShardingCollator, causal_lm_loss, shard_batch
+from mesh_cp.runtime.decode import decode_attn_func
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.parallel import DataContextParallel, reduce_gradients
@@ -20,6 +21,7 @@ __all__ = [
     "ShardedBatch",
     "ShardingCollator",
     "causal_lm_loss",
+    "decode_attn_func",
     "mesh_attn_func",
     "new_subgroups",
     "position_ids",

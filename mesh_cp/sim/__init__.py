@@ -24,6 +24,17 @@ from mesh_cp.sim.choice import (
     simulate_hybrids,
     simulate_tiles,
 )
+from mesh_cp.sim.decode import (
+    DECODE_METHODS,
+    DecodeCost,
+    DecodeLevel,
+    DecodeRow,
+    decode_table,
+    default_decode_tile,
+    format_decode_table,
+    simulate_decode,
+    tree_level_links,
+)
 from mesh_cp.sim.hybrid import (
     HybridPhaseResult,
     HybridResult,
@@ -53,8 +64,12 @@ from mesh_cp.sim.topology import LINK_CLASSES, PRESETS, LinkClass, Topology
 from mesh_cp.sim.ulysses import all_to_all_seconds, simulate_ulysses, ulysses_unavailable
 
 __all__ = [
+    "DECODE_METHODS",
     "LINK_CLASSES",
     "PRESETS",
+    "DecodeCost",
+    "DecodeLevel",
+    "DecodeRow",
     "HybridPhaseResult",
     "HybridResult",
     "LinkClass",
@@ -69,8 +84,11 @@ __all__ = [
     "choose_hybrid",
     "choose_tile",
     "compute_imbalance",
+    "decode_table",
+    "default_decode_tile",
     "describe_hybrid_links",
     "describe_links",
+    "format_decode_table",
     "group_links",
     "hybrid_candidates",
     "hybrid_group_links",
@@ -84,11 +102,13 @@ __all__ = [
     "rank_traffic",
     "ring_link_cost",
     "simulate",
+    "simulate_decode",
     "simulate_hybrid",
     "simulate_hybrid_plan",
     "simulate_hybrids",
     "simulate_phase",
     "simulate_tiles",
     "simulate_ulysses",
+    "tree_level_links",
     "ulysses_unavailable",
 ]

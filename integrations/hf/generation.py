@@ -1,0 +1,302 @@
+"""Generation with a sequence-sharded K/V cache: prefill under Mesh-Attention, decode with Tree Attention.
+
+::
+
+    out = hf.generate(model, input_ids, attention_mask=mask, mesh=mesh, max_new_tokens=64, do_sample=False)
+
+Note [Sharded generation]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+The prompts (right-aligned, padded on the left as transformers' generation expects) are cut at their last column:
+every column before it is run through the model once, sharded along the sequence over the CP mesh as in training
+(:func:`prefill`): each rank keeps the K/V of its zig-zag shard in a :class:`ShardedKVCache`, a transformers
+``Cache`` whose layers hold that rank's entries and their column in the batch. ``model.generate`` then feeds the
+last column and every new token to all ranks alike: each layer's new K/V go to one rank (columns dealt round-robin,
+so the shards stay balanced), and attention over the cache is :func:`mesh_cp.decode_attn_func` (Note [Tree
+decoding]): the queries see the entries whose column is at most theirs and that the batch's attention mask
+keeps (padding), each rank over its shard, combined by all-reduces. Every rank ends each step with the same logits,
+so greedy search and sampling (the same seed on every rank) pick the same tokens everywhere.
+:func:`generate` also makes every stopping decision the same on all ranks (any rank's stop stops all: a rank that
+stopped alone would leave the others waiting in the all-reduce) and hands a streamer to rank 0 only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+from mesh_cp.integrations.hf.masks import CacheMask
+from mesh_cp.runtime.batch import shard_batch
+from mesh_cp.runtime.decode import decode_attn_func
+from mesh_cp.runtime.mesh import CPMesh
+from mesh_cp.runtime.sharding import position_ids
+
+
+class ShardedLayer(CacheLayerMixin):
+    """This rank's shard of one layer's K/V cache: ``keys, values (B, Hkv, L, D)`` and the batch column of each
+    entry, ``columns (L,)`` (``-1``: an entry nobody sees, such as the padding added to fit the mesh)."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, rank: int, world: int) -> None:
+        super().__init__()
+        self.rank, self.world = rank, world
+        self.columns: Tensor | None = None
+        self.seen = 0
+        """Columns of the batch processed so far, by all ranks together."""
+        self.prefill_columns: Tensor | None = None
+        """Set by :func:`prefill` for its forward: the columns of this rank's shard."""
+        self.prefill_length = 0
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.columns = torch.zeros(0, dtype=torch.long, device=key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Prefill: keep this rank's shard and return it (the mesh attends the shards). Decode: keep the new
+        columns this rank owns, and return this rank's whole shard."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.prefill_columns is not None:
+            columns, self.prefill_columns = self.prefill_columns, None
+            if self.seen or columns.numel() != key_states.shape[2]:
+                raise ValueError("the prefill of a ShardedKVCache must be its first update, with the shard's columns")
+            self._append(key_states, value_states, columns)
+            self.seen = self.prefill_length
+            return key_states, value_states
+        new = key_states.shape[2]
+        # Column c goes to rank (c - prefill_length) % world: computed on the host, so no device sync.
+        first = (self.rank - (self.seen - self.prefill_length)) % self.world
+        owned = list(range(first, new, self.world))
+        if owned:
+            index = torch.tensor(owned, device=key_states.device)
+            columns = torch.tensor([self.seen + i for i in owned], device=key_states.device)
+            self._append(key_states.index_select(2, index), value_states.index_select(2, index), columns)
+        self.seen += new
+        return self.keys, self.values
+
+    def _append(self, keys: Tensor, values: Tensor, columns: Tensor) -> None:
+        self.keys = torch.cat([self.keys, keys], dim=2)
+        self.values = torch.cat([self.values, values], dim=2)
+        self.columns = torch.cat([self.columns, columns.to(self.columns.device)])
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class ShardedKVCache(Cache):
+    """A transformers ``Cache`` holding this rank's shard of every layer's K/V (Note [Sharded generation]). Build it
+    with :func:`prefill`; give it to ``model.generate(past_key_values=...)`` (or use :func:`generate`)."""
+
+    def __init__(self, mesh: CPMesh, num_layers: int) -> None:
+        super().__init__(layers=[ShardedLayer(mesh.rank, mesh.size) for _ in range(num_layers)])
+        self.mesh = mesh
+
+    @property
+    def decoding(self) -> bool:
+        """The prompt is in: model calls now feed new tokens to every rank alike."""
+        return all(layer.seen > 0 for layer in self.layers)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(
+            "beam search reorders the cache's rows; a ShardedKVCache supports greedy and sampling"
+        )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a ShardedKVCache cannot be cropped (assisted decoding rolls the cache back)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            f"num_return_sequences / num_beams {repeats} repeat the cache's rows; prefill the repeated prompts instead"
+        )
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    modules = [m for m in model.modules() if hasattr(m, "mesh_cp_attached")]
+    if not modules:
+        raise ValueError("the model has no mesh_cp attention: call mesh_cp.integrations.hf.attach(model, mesh) first")
+    return modules
+
+
+def prefill(
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, *, mesh: CPMesh
+) -> ShardedKVCache:
+    """Run every column of the left-padded prompts ``input_ids (B, T)`` but the last through ``model`` sharded over
+    ``mesh`` (Mesh-Attention, as in training) and return the :class:`ShardedKVCache` of this rank, ready for
+    ``model.generate(input_ids, attention_mask=..., past_key_values=cache)``. Collective over the mesh; every rank
+    passes the same prompts. ``attention_mask`` (``B, T``, default all ones) must pad on the left only."""
+    modules = _attention_modules(model)
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(
+            f"input_ids must be (batch, T) with T >= 2 (a prompt to prefill and its last token), got {tuple(input_ids.shape)}"
+        )
+    batch, width = input_ids.shape
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device).long()
+    _check_left_padding(mask)
+    length = width - 1
+    multiple = mesh.seq_multiple("zigzag")
+    extra = -length % multiple
+    pad = input_ids.new_zeros(batch, extra)
+    ids, keep = torch.cat([pad, input_ids[:, :length]], 1), torch.cat([pad, mask[:, :length]], 1)
+    if not bool(keep.any(1).all()):  # a row whose only real token is its last: one dummy column it never sees
+        keep[:, -1] = 1
+    sharded = shard_batch(ids, mesh=mesh, attention_mask=keep, device=next(model.parameters()).device)
+    columns = position_ids(length + extra, mesh=mesh, layout="zigzag", device=sharded.input_ids.device) - extra
+    columns = torch.where(columns >= 0, columns, -1)
+    cache = ShardedKVCache(mesh, len(modules))
+    for layer in cache.layers:
+        layer.prefill_columns, layer.prefill_length = columns, length
+    for module in modules:
+        module.mesh_cp_cache = cache
+    with torch.no_grad():
+        model(
+            input_ids=sharded.input_ids, position_ids=sharded.position_ids, mesh_cp_mask=sharded.mask,
+            past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+    if any(layer.seen != length for layer in cache.layers):
+        raise ValueError(
+            f"the model updated {sum(layer.seen == length for layer in cache.layers)} of {len(cache.layers)} cache layers"
+        )
+    return cache
+
+
+def _check_left_padding(mask: Tensor) -> None:
+    """Every row of ``mask`` is zeros, then ones, ending with a one (read on the host once per prefill)."""
+    rows = mask.cpu()
+    if not ((rows == 0) | (rows == 1)).all() or not bool((rows[:, 1:] >= rows[:, :-1]).all()) or not rows[:, -1].all():
+        raise ValueError(
+            "attention_mask must pad on the left only (each row zeros then ones, its last column a real token), as "
+            "transformers' generation expects: tokenize with padding_side='left'"
+        )
+
+
+_ONE_SEQUENCE = ("num_beams", "num_return_sequences", "assistant_model", "prompt_lookup_num_tokens")
+"""generate options that reorder, repeat or roll back the cache's rows (refused unless None or 1)."""
+
+
+def _check_same_rng(model: torch.nn.Module, mesh: CPMesh) -> None:
+    """Sampling draws the same tokens on every rank only from the same generator state: refuse otherwise."""
+    device = next(model.parameters()).device
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    states: list[Any] = [None] * mesh.size
+    dist.all_gather_object(states, hashlib.sha256(state.cpu().numpy().tobytes()).hexdigest(), group=mesh.group)
+    if len(set(states)) > 1:
+        raise ValueError(
+            "do_sample=True needs the same random generator state on every rank of the mesh (each samples the same "
+            "tokens from the same logits): call torch.manual_seed(seed) with one seed on all ranks before generate"
+        )
+
+
+class _SyncedStop(StoppingCriteria):
+    """Any rank's stopping decision for a row, on every rank (an all-reduce MAX over the mesh)."""
+
+    def __init__(self, criteria: StoppingCriteriaList, group: dist.ProcessGroup) -> None:
+        self.criteria, self.group = criteria, group
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        done = self.criteria(input_ids, scores, **kwargs).to(torch.int32)
+        dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.group)
+        return done.bool()
+
+
+def generate(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    mesh: CPMesh,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    streamer: Any = None,
+    **generate_kwargs: Any,
+) -> Tensor:
+    """:func:`prefill`, then ``model.generate`` with the sharded cache (Note [Sharded generation]). Every rank
+    calls it with the same prompts and options (and seeds its RNG alike to sample); returns the same sequences on
+    every rank. ``stopping_criteria`` may differ between ranks (rank 0's alone, say): their decisions are combined,
+    so all ranks stop together. ``streamer`` is used on the mesh's rank 0 only."""
+    refused = {k: v for k, v in generate_kwargs.items() if k in _ONE_SEQUENCE and v not in (None, 1)}
+    if "past_key_values" in generate_kwargs:
+        refused["past_key_values"] = type(generate_kwargs["past_key_values"]).__name__
+    if refused:
+        raise NotImplementedError(
+            f"{refused} not supported with a sharded cache: generate makes its own ShardedKVCache and decodes one "
+            f"sequence per prompt (greedy or sampling; no beams, no assistant)"
+        )
+    if generate_kwargs.get("do_sample"):
+        _check_same_rng(model, mesh)
+    cache = prefill(model, input_ids, attention_mask, mesh=mesh)
+    stops = _SyncedStop(stopping_criteria or StoppingCriteriaList(), mesh.group)
+    return model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        stopping_criteria=StoppingCriteriaList([stops]),
+        streamer=streamer if mesh.rank == 0 else None,
+        **generate_kwargs,
+    )
+
+
+_NOT_IN_DECODING = {
+    "mesh_cp_mask": "documents of a training batch",
+    "cu_seq_lens_q": "packed documents",
+    "cu_seq_lens_k": "packed documents",
+    "max_length_q": "packed documents",
+    "max_length_k": "packed documents",
+    "s_aux": "attention sinks",
+    "softcap": "softcapped logits",
+}
+"""Keywords of the attention call that decoding over a sharded cache does not compute: refused by name."""
+
+
+def decode_attention(
+    module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, mask: CacheMask, scaling: float | None, kwargs
+) -> tuple[Tensor, None]:
+    """The attention of new tokens over this rank's :class:`ShardedKVCache` shard, combined over the mesh (Note
+    [Sharded generation]): ``query (B, Hq, k, D)`` of the new tokens (the same on every rank), ``key, value (B,
+    Hkv, L, D)`` this rank's shard as the cache's update returned it. Returns ``((B, k, Hq, D), None)``."""
+    if mask.refusal is not None:
+        raise NotImplementedError(mask.refusal)
+    cache, index = getattr(module, "mesh_cp_cache", None), getattr(module, "layer_idx", None)
+    if cache is None or index is None or key is not cache.layers[index].keys:
+        raise NotImplementedError(
+            "mesh_cp attention got keys from a cache other than the ShardedKVCache that "
+            "mesh_cp.integrations.hf.prefill made for this model: generate with mesh_cp.integrations.hf.generate (or "
+            "pass prefill's cache as past_key_values); other caches are not supported"
+        )
+    given = {name: value for name, value in kwargs.items() if value is not None and value is not False}
+    refused = sorted(set(given) & set(_NOT_IN_DECODING))
+    if refused:
+        raise NotImplementedError(
+            f"decoding over a sharded cache does not take {refused} ({_NOT_IN_DECODING[refused[0]]})"
+        )
+    if kwargs.get("sliding_window") is not None or kwargs.get("is_causal") is False:
+        raise NotImplementedError("decoding over a sharded cache is causal over the whole cache: no sliding window")
+    layer = cache.layers[index]
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if v.shape[-1] != q.shape[-1]:
+        raise NotImplementedError(f"value head dim {v.shape[-1]} != query head dim {q.shape[-1]} in decoding")
+    batch, new = q.shape[:2]
+    q_columns = torch.arange(layer.seen - new, layer.seen, device=q.device).expand(batch, new)
+    seen = (layer.columns >= 0).expand(batch, -1)
+    if mask.padding is not None:
+        seen = seen & mask.padding.to(q.device, torch.bool).index_select(1, layer.columns.clamp_min(0))
+    k_positions = torch.where(seen, layer.columns.expand(batch, -1), -1)
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    out = decode_attn_func(
+        q, k, v, mesh=cache.mesh, q_positions=q_columns, k_positions=k_positions, softmax_scale=scale
+    )
+    return out, None

@@ -1,0 +1,163 @@
+"""Tree-Attention decoding (``mesh_cp.decode_attn_func``, Note [Tree decoding]) against single-process attention.
+
+One spawned group per P (2, 3, 4) runs every case on a flat process group and on meshes of every tile (and a
+head-parallel hybrid at P = 4): a batch of 3 rows of different lengths whose cache entries are dealt to the ranks
+unevenly (one rank holds nothing of row 0, another nothing at all in one case), padding slots at position -1,
+1 or 3 new tokens per row (causal among them), MHA, GQA and MQA. Every rank's output and lse must equal an fp64
+single-process softmax over the visible entries within 1e-5 (fp32), and the bytes it sent must equal the plan's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mesh_cp
+from mesh_cp.core import DecodeShape
+from mesh_cp.debug import CommCounter
+from mesh_cp.runtime.decode import reduction_groups
+from mesh_cp.testing import expect_error, spawn_gloo
+
+TOL = 1e-5
+HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
+LENGTHS = (13, 5, 9)
+"""Cached tokens of each row before the new ones."""
+DIM = 8
+
+
+def full_cache(heads: tuple[int, int], new: int, seed: int):
+    """fp64 queries of ``new`` tokens per row and the whole cache (new tokens' K/V included) of every row, padded to
+    one length with position -1."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    total = max(LENGTHS) + new
+    q = torch.randn(len(LENGTHS), new, hq, DIM, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(len(LENGTHS), total, hkv, DIM, generator=gen, dtype=torch.float64) for _ in range(2))
+    positions = torch.full((len(LENGTHS), total), -1, dtype=torch.long)
+    q_positions = torch.zeros(len(LENGTHS), new, dtype=torch.long)
+    for b, n in enumerate(LENGTHS):
+        positions[b, : n + new] = torch.arange(n + new)
+        q_positions[b] = torch.arange(n, n + new)
+    return q, k, v, positions, q_positions
+
+
+def reference(q, k, v, positions, q_positions):
+    g = q.shape[2] // k.shape[2]
+    kh, vh = (t.repeat_interleave(g, dim=2).transpose(1, 2) for t in (k, v))
+    scores = q.transpose(1, 2) @ kh.transpose(-1, -2) * DIM**-0.5
+    seen = (positions[:, None, None, :] >= 0) & (positions[:, None, None, :] <= q_positions[:, None, :, None])
+    scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.softmax(scores, dim=-1) @ vh).transpose(1, 2), lse
+
+
+def owners(slots: int, world: int, empty: bool) -> torch.Tensor:
+    """The rank holding each cache slot: pairs of slots dealt round-robin; with ``empty``, rank 0's go to rank 1
+    (rank 0 holds nothing)."""
+    owner = (torch.arange(slots) // 2) % world
+    if empty and world > 1:
+        owner[owner == 0] = 1
+    return owner
+
+
+def run_cases(rank: int, world: int) -> dict[str, float]:
+    group = dist.group.WORLD
+    meshes = {"group": group}
+    for a in (a for a in range(1, world + 1) if world % a == 0):
+        meshes[f"{a}x{world // a}"] = mesh_cp.CPMesh.create(group, tile=(a, world // a))
+    if world == 4:
+        meshes["2 heads x 1x2"] = mesh_cp.CPMesh.create(group, tile=(1, 2), heads=2)
+    errors: dict[str, float] = {}
+    seed = 0
+    for name, heads in HEADS.items():
+        for new in (1, 3):
+            for empty in (False, True):
+                seed += 1
+                q, k, v, positions, q_positions = full_cache(heads, new, seed)
+                owner = owners(k.shape[1], world, empty)
+                if world > 1:  # the last rank's slots of row 0 hold nothing: it has no entry for that row
+                    positions[0, owner == world - 1] = -1
+                want, want_lse = reference(q, k, v, positions, q_positions)
+                mine = owner == rank
+                ks, vs, ps = k[:, mine].float(), v[:, mine].float(), positions[:, mine]
+                shape = DecodeShape(len(LENGTHS), new, heads[0], heads[1], DIM, k.shape[1], 4)
+                for label, mesh in meshes.items():
+                    with torch.no_grad(), CommCounter() as counter:
+                        out, lse = mesh_cp.decode_attn_func(
+                            q.float(), ks, vs, mesh=mesh, q_positions=q_positions, k_positions=ps, return_lse=True
+                        )
+                    case = f"{name} new {new}{' empty rank' if empty else ''} {label}"
+                    errors[f"{case} out"] = (out.double() - want).abs().max().item()
+                    errors[f"{case} lse"] = (lse.double() - want_lse).abs().max().item()
+                    _, plan = reduction_groups(mesh)
+                    errors[f"{case} bytes"] = abs(counter.bytes_sent() - plan.bytes_sent(shape))
+    return errors
+
+
+class Maskless:
+    """A block kernel that declares no mask support."""
+
+    name = "maskless"
+
+    def forward(self, q, k, v, *, causal, scale):
+        raise AssertionError("never called")
+
+    def backward(self, do, q, k, v, lse, delta, *, causal, scale, lse_grad=False):
+        raise AssertionError("never called")
+
+
+def refusals(rank: int, world: int) -> dict:
+    results: dict = {}
+    group = dist.group.WORLD
+    q, kv = torch.zeros(1, 1, 4, 8), torch.zeros(1, 5, 2, 8)
+    qp, kp = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)
+    call = mesh_cp.decode_attn_func
+    expect_error(
+        results, "grad", RuntimeError, r"is for inference: call it under torch.no_grad\(\)",
+        lambda: call(q.requires_grad_(), kv, kv, mesh=group, q_positions=qp, k_positions=kp),
+    )  # fmt: skip
+    q = q.detach()
+    with torch.no_grad():
+        expect_error(
+            results, "positions shape", ValueError, r"q_positions \(1, 2\) must be \(B, k\) = \(1, 1\)",
+            lambda: call(q, kv, kv, mesh=group, q_positions=torch.zeros(1, 2, dtype=torch.long), k_positions=kp),
+        )  # fmt: skip
+        expect_error(
+            results, "float positions", ValueError, r"k_positions must be an integer tensor",
+            lambda: call(q, kv, kv, mesh=group, q_positions=qp, k_positions=kp.float()),
+        )  # fmt: skip
+        expect_error(
+            results, "heads", ValueError, r"Hq a multiple of Hkv",
+            lambda: call(torch.zeros(1, 1, 3, 8), kv, kv, mesh=group, q_positions=qp, k_positions=kp),
+        )  # fmt: skip
+        expect_error(
+            results, "kernel", ValueError, r"kernel 'maskless' takes no mask",
+            lambda: call(q, kv, kv, mesh=group, q_positions=qp, k_positions=kp, kernel=Maskless()),
+        )  # fmt: skip
+        expect_error(
+            results, "mesh", ValueError, r"mesh must be a mesh_cp.CPMesh or a torch.distributed ProcessGroup",
+            lambda: call(q, kv, kv, mesh="world", q_positions=qp, k_positions=kp),
+        )  # fmt: skip
+    return results
+
+
+def worker(rank: int, world: int) -> tuple[dict, dict]:
+    return run_cases(rank, world), refusals(rank, world)
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def results(request) -> list:
+    return spawn_gloo(worker, request.param)
+
+
+def test_decode_equals_single_process(results) -> None:
+    for rank, (errors, _) in enumerate(results):
+        assert len(errors) >= 36, sorted(errors)
+        worst = {k: e for k, e in errors.items() if e > (0 if k.endswith("bytes") else TOL)}
+        assert not worst, (rank, worst)
+
+
+def test_refusals(results) -> None:
+    for _, refused in results:
+        assert len(refused) == 6 and all(v is True for v in refused.values()), refused
