@@ -143,8 +143,9 @@ def _check_call(query: Tensor, key: Tensor, attention_mask: Any, dropout: float,
         )
     if key.shape[2] != seq_local:
         raise NotImplementedError(
-            f"mesh_cp attention got keys of {key.shape[2]} tokens for queries of {seq_local}: a cache (generation) "
-            f"is not supported; call the model with use_cache=False and without past_key_values"
+            f"mesh_cp attention got keys of {key.shape[2]} tokens for queries of {seq_local}: a cache is not supported "
+            f"here; call the model with use_cache=False and without past_key_values, and generate with "
+            f"mesh_cp.integrations.hf.generate (a sharded cache)"
         )
 
 

@@ -77,6 +77,13 @@ def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) ->
         assert abs(resumed["steps"][step][1] - straight["steps"][step][1]) <= 1e-6, (step, resumed, straight)
     assert abs(resumed["eval_loss"] - straight["eval_loss"]) <= 1e-6, (resumed, straight)  # the same model
     assert straight["eval_loss"] < first["eval_loss"], (straight, first)  # evaluated after training
+    # The generation example loads that checkpoint: prefill + tree decoding equal single-process generation.
+    script = ROOT / "examples" / "accelerate" / "generate.py"
+    args = ("--checkpoint", str(ckpt / "step_2.pt"), "--prompt-tokens", "700", "--new-tokens", "6", "--check")
+    generated = read_result(accelerate_launch(script, *SMALL, *args, port=29605, cwd=tmp_path, pythonpath=False))
+    assert generated["example"] == "generate" and generated["prompt_tokens"] == 700, generated
+    assert len(generated["new_tokens"]) == 6 and generated["reference_match"] is True, generated
+    assert generated["max_logit_diff"] <= 1e-5, generated
 
 
 def test_trainer_with_dp_by_cp_equals_single_process(tmp_path: Path) -> None:
