@@ -4,6 +4,7 @@ hybrid and USP split, and what to use.
 ::
 
     mesh-cp plan --world 256 --ranks-per-node 8 --seq 1048576 --heads 32 --kv-heads 8 --head-dim 128
+    mesh-cp decode --world 16 --heads 32 --kv-heads 8 --head-dim 128      # Tree-Attention decoding vs ring vs gather
 
 No torch import (only :mod:`mesh_cp.core` plans and the :mod:`mesh_cp.sim` cost model); matplotlib
 is imported only for ``--plot``.
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mesh_cp.core import AttentionShape, Tiling, check_seq_len
+from mesh_cp.core import AttentionShape, DecodeShape, Tiling, check_seq_len
 from mesh_cp.sim import (
     PRESETS,
     SimResult,
@@ -33,6 +34,7 @@ from mesh_cp.sim import (
     simulate_ulysses,
     ulysses_unavailable,
 )
+from mesh_cp.sim.decode import decode_table, format_decode_table
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -291,6 +293,45 @@ def plot_scaling(args: argparse.Namespace, topology: Topology, path: Path) -> No
 # Arguments
 
 
+def _decode_command(args: argparse.Namespace) -> int:
+    topology = load_topology(args.topology, head_dim=args.head_dim, ranks_per_node=args.ranks_per_node)
+    tile = None if args.tile is None else Tiling.parse(args.tile, args.world).shape
+    shape = DecodeShape(args.batch, args.new_tokens, args.heads, args.kv_heads, args.head_dim, 0, DTYPES[args.dtype])
+    contexts = [positive_int(c) for c in args.contexts.split(",") if c.strip()]
+    rows = decode_table(shape, args.world, topology, contexts, tile=tile)
+    print(
+        f"decoding {args.new_tokens} token(s) x batch {args.batch}, {args.heads}:{args.kv_heads} heads x {args.head_dim} "
+        f"{args.dtype}, cache sharded over {args.world} ranks ({topology.ranks_per_node} per node); per layer call: "
+        f"predicted microseconds and KiB sent per rank (intra + inter)"
+    )
+    print(format_decode_table(rows))
+    return 0
+
+
+def _add_decode_parser(commands: argparse._SubParsersAction) -> None:
+    decode = commands.add_parser(
+        "decode",
+        help="predict decoding with a sharded K/V cache: Tree Attention against the ring and gathering the cache",
+        description="Per layer call, the time and bytes per rank of decoding with the cache sharded over --world "
+        "ranks: tree (node-local tile, or --tile), flat tree, ring (the cache passed around), gather (the cache "
+        "all-gathered), at each context length.",
+    )
+    decode.add_argument("--world", type=positive_int, required=True, help="CP group size P")
+    decode.add_argument("--ranks-per-node", type=positive_int, default=None, help="GPUs per node (default 8)")
+    decode.add_argument("--heads", type=positive_int, required=True, help="query heads")
+    decode.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (default: --heads)")
+    decode.add_argument("--head-dim", type=positive_int, required=True, help="head dimension")
+    decode.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (default 1)")
+    decode.add_argument("--new-tokens", type=positive_int, default=1, help="tokens per call (default 1)")
+    decode.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the cache (default bf16)")
+    decode.add_argument("--topology", default="h100", help="preset or a JSON file of Topology.to_dict()")
+    decode.add_argument("--tile", default=None, help="the tree's AxB tile (default: node-local Q-groups)")
+    decode.add_argument(
+        "--contexts", default="4096,32768,262144,1048576", help="comma-separated cache lengths in tokens"
+    )
+    decode.set_defaults(run=_decode_command, command_parser=decode)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mesh-cp", description="Mesh-Attention context parallelism: plans and predictions (no GPU needed)."
@@ -332,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of traffic and speed-up vs P=4..1024")
     plan.set_defaults(run=_plan_command, command_parser=plan)
+    _add_decode_parser(commands)
     return parser
 
 

@@ -170,3 +170,18 @@ def test_decode_table_rows_and_text():
 def test_sim_decode_does_not_import_torch():
     code = "import sys, mesh_cp.sim.decode; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_decode_prints_the_table_and_names_a_bad_tile(capsys: pytest.CaptureFixture[str]) -> None:
+    from mesh_cp.cli import main
+
+    assert main(["decode", "--world", "16", "--heads", "32", "--kv-heads", "8", "--head-dim", "128"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("decoding 1 token(s) x batch 1, 32:8 heads x 128 bf16, cache sharded over 16 ranks")
+    rows = [line.split() for line in out[2:]]
+    assert [row[0] for row in rows] == ["4096", "32768", "262144", "1048576"]
+    assert all(row[-1] == "tree" for row in rows)
+    assert len({row[5] for row in rows}) == 1  # the tree's KiB (intra+inter) do not change with the context
+    with pytest.raises(SystemExit):
+        main(["decode", "--world", "16", "--heads", "32", "--head-dim", "128", "--tile", "3x5"])
+    assert "tile 3x5 does not factor the CP group size 16" in capsys.readouterr().err
