@@ -308,6 +308,27 @@ def _decode_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_cluster_and_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options ``plan`` and ``decode`` share: the CP group on its cluster, the attention's heads, batch, dtype."""
+    p.add_argument("--world", type=positive_int, required=True, help="CP group size P")
+    p.add_argument(
+        "--ranks-per-node",
+        type=positive_int,
+        default=None,
+        help="GPUs per node (default: 8 for presets, the JSON's value)",
+    )
+    p.add_argument(
+        "--topology",
+        default="h100",
+        help=f"preset ({', '.join(sorted(PRESETS))}) or a JSON file of Topology.to_dict() (default h100)",
+    )
+    p.add_argument("--heads", type=positive_int, required=True, help="query heads")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (default: --heads, MHA)")
+    p.add_argument("--head-dim", type=positive_int, required=True, help="head dimension")
+    p.add_argument("--batch", type=positive_int, default=1, help="micro-batch size (default 1)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of q, k, v (default bf16)")
+
+
 def _add_decode_parser(commands: argparse._SubParsersAction) -> None:
     decode = commands.add_parser(
         "decode",
@@ -316,15 +337,8 @@ def _add_decode_parser(commands: argparse._SubParsersAction) -> None:
         "ranks: tree (node-local tile, or --tile), flat tree, ring (the cache passed around), gather (the cache "
         "all-gathered), at each context length.",
     )
-    decode.add_argument("--world", type=positive_int, required=True, help="CP group size P")
-    decode.add_argument("--ranks-per-node", type=positive_int, default=None, help="GPUs per node (default 8)")
-    decode.add_argument("--heads", type=positive_int, required=True, help="query heads")
-    decode.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (default: --heads)")
-    decode.add_argument("--head-dim", type=positive_int, required=True, help="head dimension")
-    decode.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (default 1)")
+    _add_cluster_and_model_arguments(decode)
     decode.add_argument("--new-tokens", type=positive_int, default=1, help="tokens per call (default 1)")
-    decode.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of the cache (default bf16)")
-    decode.add_argument("--topology", default="h100", help="preset or a JSON file of Topology.to_dict()")
     decode.add_argument("--tile", default=None, help="the tree's AxB tile (default: node-local Q-groups)")
     decode.add_argument(
         "--contexts", default="4096,32768,262144,1048576", help="comma-separated cache lengths in tokens"
@@ -344,24 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
         "DeepSpeed-Ulysses, and the fastest head-parallel x mesh hybrid and USP split on a topology; print one row "
         "each and the choice (tile and head-parallel ranks). Sizes are global.",
     )
-    plan.add_argument("--world", type=positive_int, required=True, help="CP group size P")
-    plan.add_argument(
-        "--ranks-per-node",
-        type=positive_int,
-        default=None,
-        help="GPUs per node (default: 8 for presets, the JSON's value)",
-    )
+    _add_cluster_and_model_arguments(plan)
     plan.add_argument("--seq", type=positive_int, required=True, help="global sequence length (a multiple of 2*world)")
-    plan.add_argument("--heads", type=positive_int, required=True, help="query heads")
-    plan.add_argument("--kv-heads", type=positive_int, default=None, help="key/value heads (default: --heads, MHA)")
-    plan.add_argument("--head-dim", type=positive_int, required=True, help="head dimension")
-    plan.add_argument("--batch", type=positive_int, default=1, help="micro-batch size (default 1)")
-    plan.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="dtype of q, k, v (default bf16)")
-    plan.add_argument(
-        "--topology",
-        default="h100",
-        help=f"preset ({', '.join(sorted(PRESETS))}) or a JSON file of Topology.to_dict() (default h100)",
-    )
     plan.add_argument(
         "--memory-budget", type=parse_bytes, default=None, help="peak attention memory per rank, e.g. 40GiB"
     )
