@@ -22,6 +22,7 @@ stopped alone would leave the others waiting in the all-reduce) and hands a stre
 from __future__ import annotations
 
 import hashlib
+import inspect
 from typing import Any
 
 import torch
@@ -163,10 +164,12 @@ def prefill(
         layer.prefill_columns, layer.prefill_length = columns, length
     for module in modules:
         module.mesh_cp_cache = cache
+    # The prefill's logits are not used (generate runs the last column): keep one per row, not (B, S / P, vocab).
+    keep_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     with torch.no_grad():
         model(
             input_ids=sharded.input_ids, position_ids=sharded.position_ids, mesh_cp_mask=sharded.mask,
-            past_key_values=cache, use_cache=True,
+            past_key_values=cache, use_cache=True, **keep_logits,
         )  # fmt: skip
     if any(layer.seen != length for layer in cache.layers):
         raise ValueError(
