@@ -29,8 +29,10 @@ mesh-gloo the same with 4 gloo ranks sharing GPU 0 (CUDA tensors, gloo collectiv
           a backend that fails point to point (the overlapped schedule's ring steps) still shows the rest.
 hf        a tiny Llama (MHA and GQA) with ``hf.attach``, against the single-process SDPA model on the
           same device: fp32 within 1e-4; bf16 weights, and fp32 weights under bf16 autocast, within 2x the
-          SDPA model's error against the model in fp64. At P = 4 on NCCL with 4 GPUs; otherwise at
-          P = #GPUs on NCCL and at P = 4 on gloo ranks sharing GPU 0.
+          SDPA model's error against the model in fp64; ``hf.generate`` (prefill under the mesh, Tree-Attention
+          decoding over the sharded cache) of 3 left-padded prompts against single-process ``generate``: fp32
+          logits of every step within 1e-4 and the same greedy tokens. At P = 4 on NCCL with 4 GPUs; otherwise
+          at P = #GPUs on NCCL and at P = 4 on gloo ranks sharing GPU 0.
 examples  the accelerate, DeepSpeed and Megatron examples under ``python -m torch.distributed.run`` with
           tiny settings on min(#GPUs, 4) processes (CP = all of them): the loss of every step against
           the example's ``--reference`` (accelerate, DeepSpeed), or a falling finite loss (Megatron);
