@@ -55,6 +55,7 @@ sys.path.append(str(ROOT))  # for examples.common
 from examples.common import build_model  # noqa: E402
 from mesh_cp.core.decode import DecodeReduction, DecodeShape  # noqa: E402
 from mesh_cp.kernels import get_kernel  # noqa: E402
+from mesh_cp.runtime.decode import local_attention  # noqa: E402
 from mesh_cp.sim import Topology, simulate_decode  # noqa: E402
 from mesh_cp.testing import spawn_gloo  # noqa: E402
 
@@ -69,9 +70,9 @@ TIMEOUT = datetime.timedelta(minutes=30)  # P ranks share few cores: a collectiv
 
 
 def _attend(q, k, v, q_positions, k_positions, scale: float):
-    """This shard's ``(out, lse)`` in fp32: entry ``j`` seen by query ``i`` iff ``0 <= p_j <= p_i``."""
-    seen = (k_positions[:, None, :] >= 0) & (k_positions[:, None, :] <= q_positions[:, :, None])
-    out, lse = get_kernel("reference").forward(q, k, v, causal=False, scale=scale, mask=seen[:, None])
+    """This shard's ``(out, lse)`` in fp32, computed as the tree computes its local part: entry ``j`` seen by
+    query ``i`` iff ``0 <= p_j <= p_i``."""
+    out, lse = local_attention(get_kernel("reference"), q, k, v, q_positions, k_positions, scale)
     return out.float(), lse.float()
 
 

@@ -62,11 +62,30 @@ def decode_attn_func(
     if not takes(block, "takes_mask"):
         raise ValueError(f"kernel {block.name!r} takes no mask; decoding needs one: use kernel='reference'")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    # Entry j of row b is seen by query i iff 0 <= p_j <= p_i: (B, 1, k, L), broadcast over the heads.
-    seen = (k_positions[:, None, :] >= 0) & (k_positions[:, None, :] <= q_positions[:, :, None])
-    out, lse = block.forward(q, k, v, causal=False, scale=scale, mask=seen[:, None])
+    out, lse = local_attention(block, q, k, v, q_positions, k_positions, scale)
     out, lse = combine(out, lse.float(), mesh)
     return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+
+
+def local_attention(
+    block: BlockKernel, q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, k_positions: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """The attention of queries ``q (B, k, Hq, D)`` over one shard ``k, v (B, L, Hkv, D)`` with the positions'
+    visibility (module docstring): ``(out (B, k, Hq, D), lse (B, Hq, k))``, before any combining (the part each rank
+    computes; a ring decoder can merge these itself). ``block`` must take masks. The ``G = Hq / Hkv`` query heads that
+    share a K/V head become ``G`` query rows of that head (query head ``h`` reads K/V head ``h // G``), so the
+    kernel reads the shard as it is instead of a copy repeated ``G`` times."""
+    batch, new, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    rows = q.reshape(batch, new, kv_heads, group, dim).transpose(2, 3).reshape(batch, new * group, kv_heads, dim)
+    # Entry j of row b is seen by query i iff 0 <= p_j <= p_i: (B, 1, k * G, L), broadcast over the K/V heads.
+    seen = (k_positions[:, None, :] >= 0) & (k_positions[:, None, :] <= q_positions[:, :, None])
+    seen = seen.repeat_interleave(group, dim=1)[:, None]
+    out, lse = block.forward(rows, k, v, causal=False, scale=scale, mask=seen)
+    out = out.reshape(batch, new, group, kv_heads, dim).transpose(2, 3).reshape(batch, new, heads, dim)
+    lse = lse.reshape(batch, kv_heads, new, group).transpose(2, 3).reshape(batch, heads, new)
+    return out, lse
 
 
 def combine(out: Tensor, lse: Tensor, mesh: CPMesh | ProcessGroup) -> tuple[Tensor, Tensor]:
