@@ -1,4 +1,5 @@
-"""Device discipline of the three examples (accelerate, DeepSpeed, Megatron-core), checked on the CPU.
+"""Device discipline of the three examples (accelerate, DeepSpeed, Megatron-core) and of generation (the accelerate
+generation example: prefill under the mesh, tree decoding over the sharded cache), checked on the CPU.
 
 On a GPU the launcher picks a device (``accelerator.device``, ``engine.device``, ``cuda:LOCAL_RANK``) that
 is not where tensors are made by default (the CPU): a model or batch that is never moved reaches the
@@ -239,7 +240,8 @@ class _Placement(TorchFunctionMode):
                 t.place(out, _is_host_device(kwargs.get("device")))
             return out
         if func is torch.Tensor.to:
-            device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+            parsed = {k: v for k, v in kwargs.items() if k != "copy"}  # _parse_to reads no copy= (generate passes it)
+            device = torch._C._nn._parse_to(*args[1:], **parsed)[0]
             out = func(*args, **kwargs)
             if device is None or device.type != "cpu":
                 return out
@@ -280,6 +282,10 @@ class _Propagation(TorchDispatchMode):
             return func(*args, **kwargs)
         host = [x for x in tensors if t.is_host(x)]
         device = [x for x in tensors if not t.is_host(x)]
+        if name == "fill_" and t.is_host(args[0]):
+            # ``host[i:j] = 3`` fills with a 0-dim tensor torch makes in C++ (unseen here, so counted as on the
+            # device); CUDA fills from a 0-dim value on any device.
+            device = [x for x in device if x.dim() > 0]
         if name in _SYNC_OPS and device:
             t.host_read(f"aten.{name}")
         if host and device and name not in _MIX_OK and any(x.dim() > 0 for x in host):
@@ -348,6 +354,16 @@ def _megatron(rank: int, world: int, data_dir: str) -> DeviceDiscipline:
     return tracker
 
 
+def _generate(rank: int, world: int) -> DeviceDiscipline:
+    """The generation example: prefill under the mesh and tree decoding, on the launcher's device."""
+    from examples.accelerate import generate
+
+    args = generate.parse_args([*TINY, "--prompt-tokens", "150", "--new-tokens", "4"])
+    with DeviceDiscipline() as tracker:
+        generate.run(args, DEVICE)
+    return tracker
+
+
 def examples_worker(rank: int, world: int, data_dir: str) -> dict:
     import warnings
 
@@ -357,6 +373,8 @@ def examples_worker(rank: int, world: int, data_dir: str) -> dict:
     for name, run in (("accelerate", _accelerate), ("deepspeed", _deepspeed), ("megatron", _megatron)):
         tracker = run(rank, world, data_dir) if name == "megatron" else run(rank, world)
         out[name] = {"violations": tracker.violations, "reads": tracker.reads, "printed": tracker.printed}
+    tracker = _generate(rank, world)
+    out["generate"] = {"violations": tracker.violations, "reads": tracker.reads, "printed": tracker.printed}
     return out
 
 
@@ -367,7 +385,7 @@ def examples(tmp_path_factory) -> list[dict]:
     return spawn_gloo(examples_worker, 4, str(tmp_path_factory.mktemp("megatron_data")))
 
 
-@pytest.mark.parametrize("example", ["accelerate", "deepspeed", "megatron"])
+@pytest.mark.parametrize("example", ["accelerate", "deepspeed", "megatron", "generate"])
 def test_example_keeps_tensors_on_the_launchers_device(examples, example) -> None:
     for rank, result in enumerate(examples):
         assert result[example]["violations"] == {}, (rank, result[example]["violations"])
