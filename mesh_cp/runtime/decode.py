@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from mesh_cp.core.decode import DecodeReduction
+from mesh_cp.core.numerics import acc_dtype
 from mesh_cp.kernels import resolve_kernel, takes
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.runtime.mesh import CPMesh
@@ -63,7 +64,7 @@ def decode_attn_func(
         raise ValueError(f"kernel {block.name!r} takes no mask; decoding needs one: use kernel='reference'")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = local_attention(block, q, k, v, q_positions, k_positions, scale)
-    out, lse = combine(out, lse.float(), mesh)
+    out, lse = combine(out, lse.to(acc_dtype(q.dtype)), mesh)
     return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
 
 
@@ -90,7 +91,8 @@ def local_attention(
 
 def combine(out: Tensor, lse: Tensor, mesh: CPMesh | ProcessGroup) -> tuple[Tensor, Tensor]:
     """The ranks' partial results ``out (B, k, H, D)`` and ``lse (B, H, k)`` (``-inf``: nothing seen) combined over
-    ``mesh`` into the fp32 result and lse over every rank's keys, on every rank (Note [Tree decoding])."""
+    ``mesh`` into the result and lse over every rank's keys, on every rank (Note [Tree decoding]), in ``lse``'s dtype
+    (fp32; fp64 for fp64 inputs)."""
     levels, _ = reduction_groups(mesh)
     top = lse.clone()
     for group in levels:
@@ -98,7 +100,7 @@ def combine(out: Tensor, lse: Tensor, mesh: CPMesh | ProcessGroup) -> tuple[Tens
     # A row no rank saw (top = -inf) gets weight 0 everywhere, output 0 and lse -inf.
     finite = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     weight = torch.exp(lse - finite)  # (B, H, k); 0 where this rank saw nothing
-    packed = torch.cat([out.float() * weight.transpose(1, 2)[..., None], weight.transpose(1, 2)[..., None]], dim=-1)
+    packed = torch.cat([out.to(lse.dtype) * weight.transpose(1, 2)[..., None], weight.transpose(1, 2)[..., None]], -1)
     for group in levels:
         dist.all_reduce(packed, group=group)
     total = packed[..., -1:]
