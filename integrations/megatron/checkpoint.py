@@ -114,11 +114,12 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def optimizer_sharded_state_dict(
-    optimizer: torch.optim.Optimizer, model: torch.nn.Module, model_sharded: ShardedStateDict
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module, model_sharded: ShardedStateDict, *, loading: bool = False
 ) -> ShardedStateDict:
-    """The optimizer's state as a sharded state dict (Note [Distributed checkpoints on CPU])."""
+    """The optimizer's state as a sharded state dict (Note [Distributed checkpoints on CPU]); ``loading``: the
+    template a checkpoint is loaded into."""
     if hasattr(optimizer, "sharded_state_dict"):  # Megatron's optimizers
-        return optimizer.sharded_state_dict(model_sharded)
+        return optimizer.sharded_state_dict(model_sharded, is_loading=loading)
     init_optimizer_state(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     missing = {id(p) for p in params} - {id(p) for p in model.parameters()}
@@ -133,11 +134,11 @@ def optimizer_sharded_state_dict(
     return state
 
 
-def _sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> ShardedStateDict:
+def _sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, loading: bool) -> ShardedStateDict:
     model_sharded = model.sharded_state_dict()
     state = {"model": model_sharded}
     if optimizer is not None:
-        state["optimizer"] = optimizer_sharded_state_dict(optimizer, model, model_sharded)
+        state["optimizer"] = optimizer_sharded_state_dict(optimizer, model, model_sharded, loading=loading)
     return state
 
 
@@ -157,7 +158,7 @@ def save(
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = _sharded(model, optimizer)
+    state = _sharded(model, optimizer, loading=False)
     state["common"] = dict(common or {})
     strategy = CpuTorchDistSaveStrategy() if _on_cpu(model) else None
     dist_checkpointing.save(state, str(directory), sharded_strategy=strategy)
@@ -170,7 +171,7 @@ def load(
     ``optimizer``; returns its ``common`` dict. Called by every rank."""
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise CheckpointingException(f"{directory} is not a Megatron distributed checkpoint (no metadata.json)")
-    state = dist_checkpointing.load(_sharded(model, optimizer), str(directory))
+    state = dist_checkpointing.load(_sharded(model, optimizer, loading=True), str(directory))
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optim = state["optimizer"]

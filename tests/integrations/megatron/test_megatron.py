@@ -600,7 +600,8 @@ def test_pretrain_script_takes_cp_heads_beside_tile(tmp_path: Path) -> None:
 
 
 def test_checkpoint_refusals(tmp_path: Path) -> None:
-    """What the distributed checkpoint cannot hold is refused by name, before any collective."""
+    """What the distributed checkpoint cannot hold is refused by name, before any collective; a Megatron optimizer
+    is asked for its own sharded state, as a save or as a load."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     from mesh_cp.integrations.megatron import checkpoint
@@ -616,3 +617,17 @@ def test_checkpoint_refusals(tmp_path: Path) -> None:
     assert all(float(s["step"]) == 0 and not s["exp_avg"].any() for s in optimizer.state.values())
     with pytest.raises(CheckpointingException, match="is not a Megatron distributed checkpoint"):
         checkpoint.load(tmp_path, model, optimizer)
+
+    class MegatronLikeOptimizer:  # Megatron's optimizers (CUDA only) shard their own state, told when it is a load
+        def __init__(self) -> None:
+            self.calls: list[bool] = []
+
+        def sharded_state_dict(self, model_sharded, is_loading=False):
+            self.calls.append(is_loading)
+            return {"sharded": model_sharded}
+
+    megatron_like = MegatronLikeOptimizer()
+    for loading in (False, True):
+        got = checkpoint.optimizer_sharded_state_dict(megatron_like, model, {"w": 1}, loading=loading)
+        assert got == {"sharded": {"w": 1}}
+    assert megatron_like.calls == [False, True]
