@@ -75,13 +75,12 @@ class ShardedLayer(CacheLayerMixin):
             self.seen = self.prefill_length
             return key_states, value_states
         new = key_states.shape[2]
-        # Column c goes to rank (c - prefill_length) % world: computed on the host, so no device sync.
+        # Column c goes to rank (c - prefill_length) % world: the owned new columns are a range made on the device
+        # (whether it is empty is known on the host), so nothing is copied from the host or read back.
         first = (self.rank - (self.seen - self.prefill_length)) % self.world
-        owned = list(range(first, new, self.world))
-        if owned:
-            index = torch.tensor(owned, device=key_states.device)
-            columns = torch.tensor([self.seen + i for i in owned], device=key_states.device)
-            self._append(key_states.index_select(2, index), value_states.index_select(2, index), columns)
+        if first < new:
+            index = torch.arange(first, new, self.world, device=key_states.device)
+            self._append(key_states.index_select(2, index), value_states.index_select(2, index), index + self.seen)
         self.seen += new
         return self.keys, self.values
 
