@@ -54,6 +54,7 @@ sys.path.append(str(ROOT))  # for examples.common
 
 from examples.common import build_model  # noqa: E402
 from mesh_cp.core.decode import DecodeReduction, DecodeShape  # noqa: E402
+from mesh_cp.integrations.hf.compat import cache_keyword, output_cache  # noqa: E402
 from mesh_cp.kernels import get_kernel  # noqa: E402
 from mesh_cp.runtime.decode import local_attention  # noqa: E402
 from mesh_cp.sim import Topology, simulate_decode  # noqa: E402
@@ -160,7 +161,7 @@ def _kv_bytes(cache) -> int:
 
 def _generate(model, ids, mask, cache, new_tokens: int):
     return model.generate(
-        input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+        input_ids=ids, attention_mask=mask, **{cache_keyword(model): cache}, max_new_tokens=new_tokens, do_sample=False,
         pad_token_id=0, output_logits=True, return_dict_in_generate=True,
     )  # fmt: skip
 
@@ -247,14 +248,14 @@ def _one_process(model, cfg: SimpleNamespace, context: int) -> dict:
     with torch.no_grad():
         start = time.perf_counter()
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache, logits_to_keep=1)
+        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], **{cache_keyword(model): cache}, logits_to_keep=1)
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
         out = _generate(model, ids, mask, cache, cfg.new_tokens)
         decode_s = time.perf_counter() - start
     return {
         "context": context, "method": "one process", "prefill_s": prefill_s, "decode_s": decode_s, "bytes_sent": 0,
-        "kv_bytes_per_rank": _kv_bytes(out.past_key_values), "peak_rss_growth_mib": _peak_growth_mib(before),
+        "kv_bytes_per_rank": _kv_bytes(output_cache(out)), "peak_rss_growth_mib": _peak_growth_mib(before),
         "sequences": out.sequences, "logits": torch.stack(out.logits),
     }  # fmt: skip
 

@@ -43,6 +43,7 @@ from examples.common import (
 )
 from mesh_cp.core import most_square_tile
 from mesh_cp.integrations import hf
+from mesh_cp.integrations.hf.compat import cache_keyword
 from mesh_cp.testing import gloo_exit_workaround
 
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
     prefill_s = time.perf_counter() - t0
     streamer = ProgressStreamer(args.new_tokens) if rank == 0 else None
     t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, past_key_values=cache, streamer=streamer, **options)
+    out = model.generate(input_ids=ids, **{cache_keyword(model): cache}, streamer=streamer, **options)
     decode_s = time.perf_counter() - t0
     kv_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     new = out.sequences[0, ids.shape[1] :].tolist()

@@ -16,6 +16,7 @@ import mesh_cp
 from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.options import check_layout, check_option
 from mesh_cp.integrations.hf.attention import NAME, register
+from mesh_cp.integrations.hf.compat import given_cache
 from mesh_cp.runtime.batch import document_positions
 from mesh_cp.runtime.device_checks import check_on_device
 from mesh_cp.runtime.heads import check_heads
@@ -239,7 +240,7 @@ class _Attachment:
         over a :class:`~mesh_cp.integrations.hf.generation.ShardedKVCache` that holds tokens feeds every rank the same
         new tokens at their own positions (Note [Sharded generation]): not a shard, so not checked as one."""
         self.called.clear()
-        cache = kwargs.get("past_key_values")
+        cache = given_cache(kwargs)
         if cache is not None and not hasattr(cache, "decoding"):
             raise NotImplementedError(
                 f"{type(model).__name__} was called with a {type(cache).__name__}: with mesh_cp attention, generate "

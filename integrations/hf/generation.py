@@ -31,6 +31,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
+from mesh_cp.integrations.hf.compat import CACHE_KEYWORDS, cache_keyword
 from mesh_cp.integrations.hf.masks import CacheMask
 from mesh_cp.runtime.batch import shard_batch
 from mesh_cp.runtime.decode import decode_attn_func
@@ -101,7 +102,7 @@ class ShardedLayer(CacheLayerMixin):
 
 class ShardedKVCache(Cache):
     """A transformers ``Cache`` holding this rank's shard of every layer's K/V (Note [Sharded generation]). Build it
-    with :func:`prefill`; give it to ``model.generate(past_key_values=...)`` (or use :func:`generate`)."""
+    with :func:`prefill`; give it to ``model.generate(cache=...)`` (``past_key_values=`` before transformers 5.24) (or use :func:`generate`)."""
 
     def __init__(self, mesh: CPMesh, num_layers: int) -> None:
         super().__init__(layers=[ShardedLayer(mesh.rank, mesh.size) for _ in range(num_layers)])
@@ -138,7 +139,7 @@ def prefill(
 ) -> ShardedKVCache:
     """Run every column of the left-padded prompts ``input_ids (B, T)`` but the last through ``model`` sharded over
     ``mesh`` (Mesh-Attention, as in training) and return the :class:`ShardedKVCache` of this rank, ready for
-    ``model.generate(input_ids, attention_mask=..., past_key_values=cache)``. Collective over the mesh; every rank
+    ``model.generate(input_ids, attention_mask=..., cache=cache)`` (``past_key_values=cache`` before transformers 5.24). Collective over the mesh; every rank
     passes the same prompts. ``attention_mask`` (``B, T``, default all ones) must pad on the left only."""
     modules = _attention_modules(model)
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
@@ -168,7 +169,7 @@ def prefill(
     with torch.no_grad():
         model(
             input_ids=sharded.input_ids, position_ids=sharded.position_ids, mesh_cp_mask=sharded.mask,
-            past_key_values=cache, use_cache=True, **keep_logits,
+            **{cache_keyword(model): cache}, use_cache=True, **keep_logits,
         )  # fmt: skip
     if any(layer.seen != length for layer in cache.layers):
         raise ValueError(
@@ -231,8 +232,9 @@ def generate(
     every rank. ``stopping_criteria`` may differ between ranks (rank 0's alone, say): their decisions are combined,
     so all ranks stop together. ``streamer`` is used on the mesh's rank 0 only."""
     refused = {k: v for k, v in generate_kwargs.items() if k in _ONE_SEQUENCE and v not in (None, 1)}
-    if "past_key_values" in generate_kwargs:
-        refused["past_key_values"] = type(generate_kwargs["past_key_values"]).__name__
+    for name in CACHE_KEYWORDS:
+        if name in generate_kwargs:
+            refused[name] = type(generate_kwargs[name]).__name__
     if refused:
         raise NotImplementedError(
             f"{refused} not supported with a sharded cache: generate makes its own ShardedKVCache and decodes one "
@@ -245,7 +247,7 @@ def generate(
     return model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        past_key_values=cache,
+        **{cache_keyword(model): cache},
         stopping_criteria=StoppingCriteriaList([stops]),
         streamer=streamer if mesh.rank == 0 else None,
         **generate_kwargs,
@@ -277,7 +279,7 @@ def decode_attention(
         raise NotImplementedError(
             "mesh_cp attention got keys from a cache other than the ShardedKVCache that "
             "mesh_cp.integrations.hf.prefill made for this model: generate with mesh_cp.integrations.hf.generate (or "
-            "pass prefill's cache as past_key_values); other caches are not supported"
+            "pass prefill's cache as cache=, or past_key_values= before transformers 5.24); other caches are not supported"
         )
     given = {name: value for name, value in kwargs.items() if value is not None and value is not False}
     refused = sorted(set(given) & set(_NOT_IN_DECODING))
