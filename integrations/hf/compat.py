@@ -4,6 +4,10 @@
 - The cache keyword of a model's forward and of ``generate``: ``past_key_values`` until transformers 5.23,
   ``cache`` from 5.24 (which still takes ``past_key_values`` with a deprecation warning until 5.40 / 6.0). Read from
   the model's own signature, never from a version number: a model's forward says which name it takes.
+- The private parts of ``transformers.Trainer``, ``accelerate`` and TRL's ``SFTTrainer`` that MeshCPTrainer uses where
+  no public hook exists, each in one function here (tests/integrations/hf/test_compat.py checks each against the
+  installed versions): the column removal of Trainer's dataloaders, the registration of a prepared dataloader with
+  the accelerator, and TRL's token counter.
 """
 
 from __future__ import annotations
@@ -13,6 +17,22 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from transformers.trainer_pt_utils import LengthGroupedSampler
+from transformers.trainer_utils import seed_worker
+
+__all__ = [
+    "CACHE_KEYWORDS",
+    "LengthGroupedSampler",
+    "cache_keyword",
+    "correct_trl_tokens",
+    "eval_order",
+    "forget_eval_prepare",
+    "given_cache",
+    "output_cache",
+    "prepare_as_single_process",
+    "remove_unused_columns",
+    "seed_worker",
+]
 
 CACHE_KEYWORDS: tuple[str, ...] = ("cache", "past_key_values")
 """The names a transformers model call has given its cache, newest first."""
@@ -47,3 +67,78 @@ def output_cache(output: Any) -> Any:
         if not isinstance(output, Mapping) and getattr(output, name, None) is not None:
             return getattr(output, name)
     return None
+
+
+def remove_unused_columns(trainer: Any, dataset: Any, collator: Any, description: str) -> tuple[Any, Any]:
+    """``(dataset, collator)`` with the columns the model does not take removed, as ``Trainer`` does for its own
+    dataloaders (``remove_unused_columns``): from a ``datasets.Dataset`` itself, else by wrapping the collator
+    (private ``Trainer._remove_unused_columns`` / ``_get_collator_with_removed_columns``)."""
+    try:
+        import datasets
+    except ImportError:  # transformers works without datasets
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        return trainer._remove_unused_columns(dataset, description=description), collator
+    return dataset, trainer._get_collator_with_removed_columns(collator, description=description)
+
+
+def eval_order(trainer: Any, dataset: Any) -> list[int] | range:
+    """The order a single-process ``Trainer`` evaluates ``dataset`` in: its eval sampler's (the length-grouped order
+    under ``train_sampling_strategy="group_by_length"``), else the set's own (private ``Trainer._get_eval_sampler``,
+    which gives no sampler when distributed)."""
+    from torch.utils.data import SequentialSampler
+
+    sampler = trainer._get_eval_sampler(dataset)
+    return range(len(dataset)) if sampler is None or isinstance(sampler, SequentialSampler) else list(sampler)
+
+
+def prepare_as_single_process(accelerator: Any, loader: torch.utils.data.DataLoader) -> Any:
+    """``loader`` prepared as ``accelerator.prepare`` prepares it for a single process: the same sampler
+    replacement (accelerate's seedable sampler with ``data_seed``), RNG synchronisation, device placement and
+    epoch handling, but every process iterates every batch (each DP replica then takes its part of it). Registered
+    with the accelerator like its own dataloaders (private ``Accelerator._dataloaders``), so that its state is saved
+    and restored with checkpoints."""
+    from accelerate.data_loader import prepare_data_loader
+
+    prepared = prepare_data_loader(
+        loader,
+        accelerator.device,
+        num_processes=1,
+        process_index=0,
+        split_batches=False,
+        put_on_device=accelerator.device_placement,
+        rng_types=accelerator.rng_types.copy(),
+        dispatch_batches=False,
+        even_batches=True,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
+    accelerator._dataloaders.append(prepared)
+    return prepared
+
+
+def correct_trl_tokens(trainer: Any, before: int, tokens: int) -> None:
+    """TRL ``SFTTrainer``'s ``num_tokens`` metric after a training step: ``before`` (its count before the step) plus
+    the step's ``tokens`` counted once (TRL sums the shard lengths of every rank; private
+    ``SFTTrainer._total_train_tokens`` / ``_metrics``)."""
+    trainer._total_train_tokens = before + tokens // trainer._tp_size
+    trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
+
+
+def forget_eval_prepare(trainer: Any) -> None:
+    """Undo what ``Trainer.evaluate()`` before ``train()`` leaves behind: it prepares the model with accelerate in
+    evaluation mode, which marks it prepared (private ``_is_accelerate_prepared``, ``Accelerator._models``), so
+    that ``train()`` would not wrap it for DDP and the gradients would not be averaged over the ranks. While the model
+    is not wrapped yet, the mark (and the autocast accelerate put on its forward) is taken off, and ``train()``
+    prepares it as it would have."""
+    model = trainer.model
+    if trainer.model_wrapped is not model or trainer.is_deepspeed_enabled:
+        return
+    if not getattr(model, "_is_accelerate_prepared", False):
+        return
+    del model._is_accelerate_prepared
+    if "_original_forward" in model.__dict__:
+        model.forward = model.__dict__.pop("_original_forward")
+    trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not model]

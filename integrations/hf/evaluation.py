@@ -3,27 +3,32 @@ the loss only, exactly the single-process ``Trainer``'s (Note [Evaluation under 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
+from mesh_cp.integrations.hf.collate import TOKEN_COUNTS
+from mesh_cp.integrations.hf.compat import eval_order, forget_eval_prepare, remove_unused_columns
+
 # Note [Evaluation under CP]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Single-process Trainer.evaluate() cuts the eval set, in order, into batches of eval_batch_size examples and
-# reports the mean over batches of each batch's token-mean loss (every batch's loss is repeated eval_batch_size
-# times before the mean, so the last, shorter batch weighs as much as the others). Under DP x CP:
+# Single-process Trainer.evaluate() cuts the eval set, in the order of its eval sampler (the set's own order, or
+# the length-grouped order of train_sampling_strategy="group_by_length"), into batches of eval_batch_size examples
+# and reports the mean over examples of their batch's token-mean loss: every batch's loss is repeated
+# eval_batch_size times and gather_for_metrics trims the repeats of the last, shorter batch to its examples, so a
+# batch weighs as many examples as it has. Under DP x CP:
 #
 # - batch b goes to DP replica b % dp_size, whose every CP rank gets the same examples through the collator
-#   (ShardingCollator: this rank's shard, num_items_in_batch the label count of the whole batch); replicas with
-#   fewer batches repeat one at the end, so every rank runs the same number of forwards (ZeRO 3 gathers
-#   parameters over all ranks in every forward), and the repeats are not counted;
+#   (the client's collator, then this rank's shard: num_items_in_batch is the label count of the whole batch);
+#   replicas with fewer batches repeat one at the end, so every rank runs the same number of forwards (ZeRO 3
+#   gathers parameters over all ranks in every forward), and the repeats are not counted;
 # - a rank's loss is its share of the batch's token mean (its tokens' sum over the batch's label count), so the
 #   batch's loss is the sum of the shares over the CP group (one all-reduce per batch, inside the group);
-# - the batches' losses are averaged once at the end over the DP group (one all-reduce over the ranks that hold
-#   the same CP rank), so a CP group's loss counts once, not cp_size times.
+# - the batches' losses, each weighted by its example count, are averaged once at the end over the DP group (one
+#   all-reduce over the ranks that hold the same CP rank), so a CP group's loss counts once, not cp_size times.
 #
 # Trainer's own per-batch gather (gather_for_metrics over all ranks, as if every rank held different examples)
 # is replaced by the identity for the loop's duration. Logits are not gathered: evaluate() and predict() give the
@@ -31,17 +36,19 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 
 class ReplicaBatches(Sampler[list[int]]):
-    """Batch sampler of DP replica ``replica``: batches ``replica, replica + replicas, ...`` of the eval set cut in
-    order into batches of ``batch_size`` examples, then repeats of its first batch up to the count of the replica
-    with the most (:attr:`real_batches` of them are real). ``drop_last`` drops a last, shorter batch."""
+    """Batch sampler of DP replica ``replica``: batches ``replica, replica + replicas, ...`` of ``order`` (the eval
+    set's indices in the single process's order) cut into batches of ``batch_size`` examples, then repeats of its
+    first batch up to the count of the replica with the most (:attr:`real_batches` of them are real).
+    ``drop_last`` drops a last, shorter batch."""
 
-    def __init__(self, length: int, batch_size: int, *, replica: int, replicas: int, drop_last: bool):
+    def __init__(self, order: Sequence[int], batch_size: int, *, replica: int, replicas: int, drop_last: bool):
+        order, length = list(order), len(order)
         batches = length // batch_size if drop_last else -(-length // batch_size)
         starts = range(replica * batch_size, batches * batch_size, replicas * batch_size)
-        self.batches = [list(range(s, min(s + batch_size, length))) for s in starts]
+        self.batches = [order[s : min(s + batch_size, length)] for s in starts]
         self.real_batches = len(self.batches)
         steps = -(-batches // replicas)
-        padding = self.batches[:1] or [list(range(min(batch_size, length)))]
+        padding = self.batches[:1] or [order[: min(batch_size, length)]]
         self.batches += padding * (steps - self.real_batches)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -52,8 +59,9 @@ class ReplicaBatches(Sampler[list[int]]):
 
 
 def eval_dataloader(trainer: Any, dataset: Any) -> DataLoader:
-    """The eval (or test) ``DataLoader`` of this rank: its replica's :class:`ReplicaBatches`, collated by the
-    trainer's collator (the same examples on every rank of a CP group, sharded); ``real_batches`` set on it."""
+    """The eval (or test) ``DataLoader`` of this rank: its replica's :class:`ReplicaBatches` of the single process's
+    eval order, collated by the trainer's collator (the same examples on every rank of a CP group, sharded);
+    ``replica_batches`` (the sampler) set on it."""
     if dataset is None:
         raise ValueError("Trainer: evaluation requires an eval_dataset.")
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
@@ -61,21 +69,18 @@ def eval_dataloader(trainer: Any, dataset: Any) -> DataLoader:
             f"MeshCPTrainer evaluates datasets with a length (it deals their batches to the DP replicas in order); "
             f"got {type(dataset).__name__}: pass a map-style dataset (a list or a datasets.Dataset)"
         )
-    if trainer.args.train_sampling_strategy == "group_by_length":
-        raise NotImplementedError(
-            "MeshCPTrainer evaluates in the order of the eval set; train_sampling_strategy='group_by_length' would "
-            "regroup its batches by length: use 'random' or 'sequential'"
-        )
+    dataset, collate = remove_unused_columns(trainer, dataset, trainer.data_collator, "Evaluation")
+    order = eval_order(trainer, dataset)
     parallel = trainer.parallel
-    sampler = ReplicaBatches(
-        len(dataset),
+    batches = ReplicaBatches(
+        order,
         trainer.args.eval_batch_size,
         replica=parallel.dp_rank,
         replicas=parallel.dp_size,
         drop_last=trainer.args.dataloader_drop_last,
     )
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=trainer.data_collator)
-    loader.real_batches = sampler.real_batches
+    loader = DataLoader(dataset, batch_sampler=batches, collate_fn=collate)
+    loader.replica_batches = batches
     return loader
 
 
@@ -121,8 +126,8 @@ def batch_loss(trainer: Any, model: torch.nn.Module, inputs: dict) -> torch.Tens
     count = inputs.get("num_items_in_batch")
     if count is None:
         raise ValueError(
-            "MeshCPTrainer evaluates batches of ShardingCollator (they carry num_items_in_batch, the batch's label "
-            "count); pass data_collator=ShardingCollator(...) or leave it out"
+            "MeshCPTrainer evaluates batches of its own collator (they carry num_items_in_batch, the batch's label "
+            "count); leave trainer.data_collator as the trainer set it"
         )
     with torch.no_grad(), trainer.compute_loss_context_manager():
         loss = trainer.compute_loss(model, inputs, num_items_in_batch=count)
@@ -131,13 +136,17 @@ def batch_loss(trainer: Any, model: torch.nn.Module, inputs: dict) -> torch.Tens
     return loss
 
 
-def replicas_mean(losses: list[torch.Tensor], trainer: Any) -> float | None:
-    """The mean of every replica's batch losses (``losses``: this replica's), over the DP group; non-finite losses
-    left out when ``logging_nan_inf_filter`` and some are finite (as Trainer). ``None`` when there are none."""
+def replicas_mean(losses: list[torch.Tensor], sizes: list[int], trainer: Any) -> float | None:
+    """The mean over every replica's examples of their batch's loss (``losses``: this replica's batches' losses,
+    ``sizes`` their example counts), over the DP group; non-finite losses left out when ``logging_nan_inf_filter``
+    and some are finite (as Trainer). ``None`` when there are none."""
     device = losses[0].device if losses else trainer.args.device
     local = torch.stack(losses).double() if losses else torch.zeros(0, dtype=torch.float64, device=device)
+    weights = torch.tensor(sizes, dtype=torch.float64, device=device)
     finite = torch.isfinite(local)
-    totals = torch.stack([local[finite].sum(), finite.sum().double(), local.sum(), local.new_tensor(len(losses))])
+    totals = torch.stack(
+        [(local * weights)[finite].sum(), weights[finite].sum(), (local * weights).sum(), weights.sum()]
+    )
     dist.all_reduce(totals, group=trainer.parallel.dp_group)
     finite_sum, finite_count, total, count = totals.tolist()
     if count == 0:
@@ -160,6 +169,8 @@ class MeshCPEvaluation:
         return eval_dataloader(self, test_dataset)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = dict(inputs)
+        inputs.pop(TOKEN_COUNTS, None)
         loss = batch_loss(self, model, self._prepare_inputs(inputs))
         self._mesh_cp_eval_losses.append(loss)
         return loss, None, None
@@ -169,8 +180,8 @@ class MeshCPEvaluation:
     ):
         loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
         check_evaluation(self, loss_only)
-        real = getattr(dataloader, "real_batches", None)
-        if real is None:
+        batches = getattr(dataloader, "replica_batches", None)
+        if batches is None:
             raise ValueError(
                 "MeshCPTrainer.evaluation_loop needs a dataloader of get_eval_dataloader / get_test_dataloader (it "
                 "deals the batches to the DP replicas)"
@@ -182,7 +193,10 @@ class MeshCPEvaluation:
             output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
         finally:
             self.gather_function = gather
-        loss = replicas_mean(self._mesh_cp_eval_losses[:real], self)
+            forget_eval_prepare(self)
+        real = batches.real_batches
+        sizes = [len(b) for b in batches.batches[:real]]
+        loss = replicas_mean(self._mesh_cp_eval_losses[:real], sizes, self)
         self._mesh_cp_eval_losses = []
         output.metrics.pop(f"{metric_key_prefix}_loss", None)
         if loss is not None:

@@ -1,65 +1,100 @@
-"""transformers' ``Trainer`` with a DP x CP layout: every rank of a CP group fed the same examples, sharded,
-and the layout built from a DeepSpeed config's ``"mesh_attention"`` block when none is given."""
+"""transformers' ``Trainer`` (and its subclasses: TRL's ``SFTTrainer``) with a DP x CP layout: the single process's
+batches, each DP replica collating its part and every rank of its CP group taking its shard; the layout built from
+a DeepSpeed config's ``"mesh_attention"`` block when none is given."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, IterableDataset
 
 from mesh_cp.config import MeshConfig
 from mesh_cp.integrations import ds_attention_shape
 from mesh_cp.integrations.hf.attach import attach
+from mesh_cp.integrations.hf.collate import TOKEN_COUNTS, ShardCollated, replica_examples
+from mesh_cp.integrations.hf.compat import (
+    LengthGroupedSampler,
+    correct_trl_tokens,
+    prepare_as_single_process,
+    remove_unused_columns,
+    seed_worker,
+)
 from mesh_cp.integrations.hf.evaluation import MeshCPEvaluation, check_evaluation
 from mesh_cp.runtime.batch import ShardingCollator
 from mesh_cp.runtime.parallel import DataContextParallel
 
 
-def mesh_cp_trainer_class():
-    """``transformers.Trainer`` subclass that trains with a :class:`DataContextParallel` layout.
+def mesh_cp_trainer_class(base: type | None = None) -> type:
+    """A subclass of ``base`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``, a user's) that trains
+    with a :class:`DataContextParallel` layout: ``MeshCPTrainerMixin`` placed before ``base``.
 
-    ``MeshCPTrainer(model=..., args=..., train_dataset=..., parallel=parallel, pad_token_id=...)``: attaches
-    its mesh to the model, feeds every rank of a CP group the same examples (a
-    ``DistributedSampler`` over the DP replicas, reshuffled every epoch: Trainer calls the dataloader's
-    ``set_epoch``) through :class:`ShardingCollator`, and lets Trainer's
-    own token counting do the rest: with ``average_tokens_across_devices`` (required) the loss is the
-    model's sum over this rank's tokens over the label count of all ranks, times the world size, so
-    the DDP gradient mean over all DP x CP ranks is the gradient of the global mean loss.
+    ``MeshCPTrainer(model=..., args=..., train_dataset=..., parallel=parallel)`` (with ``base``'s own keywords:
+    ``data_collator``, ``processing_class``, TRL's ``SFTConfig`` ...) attaches its mesh to the model and trains
+    exactly what a single process would train with ``per_device_train_batch_size`` times the DP degree:
 
-    ``evaluate()`` (also during training, ``eval_strategy="steps"``) gives ``eval_loss`` equal to single-process
-    ``Trainer.evaluate()`` on the same eval set and ``per_device_eval_batch_size``: the eval set's batches, in order,
-    are dealt to the DP replicas, each batch's loss summed over its CP group's shares and the batches' losses
-    averaged once over the replicas (Note [Evaluation under CP] in :mod:`mesh_cp.integrations.hf.evaluation`).
-    ``predict()`` gives the loss only (``metrics["test_loss"]``; needs ``prediction_loss_only=True``); logits are
-    not gathered, so ``compute_metrics`` and ``include_for_metrics`` are refused by name.
+    - the training batches are the single process's (the same sampler: ``train_sampling_strategy`` random,
+      sequential or group_by_length, ``data_seed``, ``dataloader_drop_last``, reshuffled every epoch); every DP
+      replica collates its contiguous part of each with the client's collator (``data_collator``, the one TRL
+      builds for padding, packing or padding-free, or :class:`~mesh_cp.integrations.hf.collate.PadExamples` when
+      there is none), and every rank of its CP group takes its shard of that
+      (:func:`~mesh_cp.integrations.hf.collate.shard_collated`: packed documents, padding and labels honoured or
+      refused by name);
+    - Trainer's own token counting makes the loss exact: with ``average_tokens_across_devices`` (required) the loss
+      of a rank is its tokens' sum over the label count of all ranks, times the world size, so the gradient mean
+      over all DP x CP ranks (DDP's, or DeepSpeed's at every ZeRO stage) is the gradient of the global mean;
+    - the throughput metrics and token counters (``train_samples_per_second``, ``include_num_input_tokens_seen``,
+      TRL's ``num_tokens``) count every replica's examples and tokens once.
 
-    With DeepSpeed (``TrainingArguments(deepspeed="ds_config.json")``, or ``--deepspeed`` on the command
-    line) leave ``parallel`` out: the trainer builds it from the config's ``"mesh_attention"`` block
-    (:class:`mesh_cp.config.MeshConfig`), and DeepSpeed's gradient mean over all ranks is exact at
-    every ZeRO stage for the same reason.
+    ``evaluate()`` and ``predict()`` report the loss single-process ``Trainer.evaluate()`` reports (Note [Evaluation
+    under CP] in :mod:`mesh_cp.integrations.hf.evaluation`). What would change the result under CP and is not
+    honoured is refused by name when the trainer is built (:data:`REFUSED_OPTIONS`).
 
-    The head-parallel x mesh hybrid comes either way: ``DataContextParallel.create(group, cp_size=..., tile=...,
-    heads=u)`` as ``parallel``, or ``"heads": u`` in the block; the collator pads to the mesh's
-    :meth:`~mesh_cp.CPMesh.seq_multiple` and shards in its layout.
+    With DeepSpeed (``TrainingArguments(deepspeed="ds_config.json")``) leave ``parallel`` out: the trainer builds it
+    from the config's ``"mesh_attention"`` block (:class:`mesh_cp.config.MeshConfig`). TRL::
+
+        SFTTrainer = hf.mesh_cp_trainer_class(trl.SFTTrainer)
+        trainer = SFTTrainer(model=model, args=SFTConfig(..., packing=True), train_dataset=ds, parallel=parallel)
     """
+    if base is None:
+        from transformers import Trainer
+
+        base = Trainer
+    return _trainer_class(base)
+
+
+@functools.cache
+def _trainer_class(base: type) -> type:
     from transformers import Trainer
 
-    class MeshCPTrainer(_MeshCPTraining, MeshCPEvaluation, Trainer):
-        pass
+    if not (isinstance(base, type) and issubclass(base, Trainer)):
+        raise ValueError(f"base must be transformers.Trainer or a subclass of it, got {base!r}")
+    if issubclass(base, MeshCPTrainerMixin):
+        return base
+    return type(f"MeshCP{base.__name__}", (MeshCPTrainerMixin, base), {"__module__": __name__})
 
-    return MeshCPTrainer
+
+REFUSED_OPTIONS: dict[str, str] = {
+    "label_smoothing_factor": "Trainer's label smoother shifts the labels of each rank's shard again (mesh_cp's are "
+    "shifted on the full sequence); set it to 0",
+    "neftune_noise_alpha": "NEFTune scales its embedding noise by the sequence length, which is a shard's under CP; "
+    "leave it None",
+    "average_tokens_across_devices": "the loss of a CP rank is its share of the global token mean, which needs "
+    "Trainer's token count over all ranks; set it to True",
+}
+"""``TrainingArguments`` fields (and TRL ``SFTConfig`` fields) refused with a value other than the default, and why."""
 
 
-class _MeshCPTraining:
-    """What :func:`mesh_cp_trainer_class` adds to ``transformers.Trainer`` (placed before it in the bases)."""
+class MeshCPTrainerMixin(MeshCPEvaluation):
+    """What :func:`mesh_cp_trainer_class` adds to a ``transformers.Trainer`` (placed before it in the bases)."""
 
     def __init__(
         self,
         *args,
         parallel: DataContextParallel | None = None,
         layout: DataContextParallel | None = None,
-        pad_token_id: int,
+        pad_token_id: int | None = None,
         **kwargs,
     ):
         if args:
@@ -68,58 +103,169 @@ class _MeshCPTraining:
             if parallel is not None:
                 raise ValueError("pass parallel= (layout= is its earlier name), not both")
             parallel = layout
-        if parallel is None:
-            parallel = _parallel_from_deepspeed_args(kwargs.get("args"), kwargs.get("model"))
-        elif isinstance(parallel, DataContextParallel):
-            attach(kwargs["model"], parallel.mesh)
-        else:
+        if parallel is not None and not isinstance(parallel, DataContextParallel):
             raise ValueError(f"parallel must be a DataContextParallel, got {type(parallel).__name__}")
-        kwargs.setdefault("data_collator", ShardingCollator(parallel.mesh, pad_token_id=pad_token_id))
-        super().__init__(**kwargs)
-        if not self.args.average_tokens_across_devices:
+        client_collator = kwargs.get("data_collator")
+        if isinstance(client_collator, (ShardingCollator, ShardCollated)):
             raise ValueError(
-                "MeshCPTrainer needs TrainingArguments(average_tokens_across_devices=True): the loss of a CP "
-                "rank is its share of the global token mean"
+                f"data_collator is mesh_cp's {type(client_collator).__name__}, which shards: MeshCPTrainer shards the "
+                f"batches itself; pass the collator that builds the full batch (or none)"
             )
-        if self.args.label_smoothing_factor:
-            raise NotImplementedError(
-                f"label_smoothing_factor={self.args.label_smoothing_factor}: Trainer's label smoother shifts the labels "
-                f"of each rank's shard again (ShardingCollator's are shifted on the full sequence); set it to 0"
-            )
+        super().__init__(**kwargs)
+        check_options(self)
+        if parallel is None:
+            parallel = _parallel_from_deepspeed_args(self.args, self.model)
+        else:
+            attach(self.model, parallel.mesh)
         self.parallel = parallel
+        pad = _pad_token_id(self, pad_token_id)
+        collator = self.data_collator if client_collator is not None or not _is_trainer_default(self) else None
+        self.data_collator = ShardCollated(collator, parallel.mesh, pad_token_id=pad, token_counts=True)
         if self.args.eval_strategy != "no":
             check_evaluation(self, prediction_loss_only=True)  # before training, not at its first evaluation
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        sampler = DistributedSampler(
-            self.train_dataset,
-            num_replicas=self.parallel.dp_size,
-            rank=self.parallel.dp_rank,
-            shuffle=True,
-            seed=self.args.seed,
+        dataset, collate = remove_unused_columns(self, self.train_dataset, self.data_collator, "Training")
+        global_batch = self._train_batch_size * self.parallel.dp_size
+        sampler = None
+        if not isinstance(dataset, IterableDataset):
+            sampler = self._get_train_sampler(dataset)
+            if isinstance(sampler, LengthGroupedSampler):
+                sampler.batch_size *= self.parallel.dp_size  # the groups of the single process's batches
+        loader = DataLoader(
+            dataset,
+            batch_size=global_batch,
+            sampler=sampler,
+            collate_fn=_ReplicaCollate(collate, self.parallel.dp_rank, self.parallel.dp_size),
+            drop_last=self.args.dataloader_drop_last,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers,
+            prefetch_factor=self.args.dataloader_prefetch_factor,
+            worker_init_fn=functools.partial(
+                seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
+            ),
         )
-        batches = _EpochBatchSampler(sampler, self._train_batch_size, drop_last=self.args.dataloader_drop_last)
-        return _EpochDataLoader(self.train_dataset, batch_sampler=batches, collate_fn=self.data_collator)
+        return prepare_as_single_process(self.accelerator, loader)
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Examples per optimizer step: every DP replica's once (Trainer would divide the world by its own CP
+        degree, which mesh_cp does not set)."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.parallel.dp_size
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        _check_gradients_averaged(self, model)
+        counts = inputs.pop(TOKEN_COUNTS, None)
+        before = getattr(self, "_total_train_tokens", None)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if counts is not None:
+            self._mesh_cp_counts = counts
+            if before is not None:  # TRL's SFTTrainer counts tokens in compute_loss from the shard: count the batch's
+                correct_trl_tokens(self, before, self._replica_total(counts[1] if counts[1] >= 0 else counts[3]))
+        return loss
+
+    def _track_num_input_tokens(self, inputs):
+        """``include_num_input_tokens_seen``: the tokens of every replica's batch, counted once (Trainer's own count
+        reads the shard's ``input_ids`` and ``attention_mask``)."""
+        mode = self.args.include_num_input_tokens_seen
+        counts = getattr(self, "_mesh_cp_counts", None)
+        if mode == "no" or counts is None:
+            return
+        if mode == "non_padding":
+            tokens = counts[1] if counts[1] >= 0 else counts[2]
+        else:
+            tokens = counts[0]
+        self.state.num_input_tokens_seen += self._replica_total(tokens)
+
+    def _replica_total(self, value) -> int:
+        """The sum over the DP replicas of a count every rank of a replica holds."""
+        mine = torch.as_tensor(value if self.parallel.mesh.rank == 0 else 0, dtype=torch.int64, device=self.args.device)
+        return int(self.accelerator.gather(mine.reshape(1)).sum())
 
 
-class _EpochBatchSampler(BatchSampler):
-    """A ``BatchSampler`` whose ``set_epoch`` reshuffles its sampler. Resuming mid-epoch, Trainer first wraps the
-    batch sampler to skip the batches already trained (accelerate's ``skip_first_batches`` builds a new plain
-    ``DataLoader`` around it, which has no ``set_epoch``) and then sets the epoch through the wrapped batch
-    sampler's ``set_epoch``: without this one the resumed epoch would be read in epoch 0's order."""
+def _check_gradients_averaged(trainer: Any, model: torch.nn.Module) -> None:
+    """Every rank's loss is its share of the batch's, scaled by the world size: the gradient is exact only once it
+    is averaged over all ranks (DDP's or DeepSpeed's). Refuse a step of a model that nothing averages."""
+    if trainer.accelerator.num_processes == 1 or trainer.is_deepspeed_enabled:
+        return
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if not isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+        raise RuntimeError(
+            f"MeshCPTrainer is training a {type(inner).__name__} that is not wrapped in DistributedDataParallel on "
+            f"{trainer.accelerator.num_processes} processes: its gradients would not be averaged over the DP x CP "
+            f"ranks; let Trainer.train() prepare the model (do not prepare it with accelerate beforehand)"
+        )
 
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
+
+class _ReplicaCollate:
+    """Collate function of a DP replica: its part of the global batch (:func:`replica_examples`), then
+    ``collate``."""
+
+    def __init__(self, collate, replica: int, replicas: int):
+        self.collate, self.replica, self.replicas = collate, replica, replicas
+
+    def __call__(self, examples):
+        return self.collate(replica_examples(examples, self.replica, self.replicas))
 
 
-class _EpochDataLoader(DataLoader):
-    """A ``DataLoader`` whose ``set_epoch`` reshuffles its sampler: Trainer calls ``set_epoch(epoch)`` on a
-    training dataloader that has one, before every epoch (a plain ``DataLoader`` would repeat the order)."""
+def check_options(trainer: Any) -> None:
+    """Refuse, by name and with the fix, the options that would change what is trained under CP
+    (:data:`REFUSED_OPTIONS`, ``train_sampling_strategy="batch_rebalance"``, accelerate's own CP or SP)."""
+    args = trainer.args
+    if args.label_smoothing_factor:
+        raise NotImplementedError(
+            f"label_smoothing_factor={args.label_smoothing_factor}: {REFUSED_OPTIONS['label_smoothing_factor']}"
+        )
+    if getattr(args, "neftune_noise_alpha", None) is not None:
+        raise NotImplementedError(
+            f"neftune_noise_alpha={args.neftune_noise_alpha}: {REFUSED_OPTIONS['neftune_noise_alpha']}"
+        )
+    if not args.average_tokens_across_devices:
+        raise ValueError(f"average_tokens_across_devices=False: {REFUSED_OPTIONS['average_tokens_across_devices']}")
+    if args.train_sampling_strategy == "batch_rebalance":
+        raise NotImplementedError(
+            "train_sampling_strategy='batch_rebalance' deals examples to ranks by length, so the ranks of a CP group "
+            "would hold different examples; use 'random', 'sequential' or 'group_by_length'"
+        )
+    parallelism = getattr(trainer.accelerator, "parallelism_config", None)
+    for name in ("cp_size", "sp_size", "tp_size"):
+        size = getattr(parallelism, name, 1) or 1
+        if size > 1:
+            raise NotImplementedError(
+                f"accelerate's parallelism_config has {name}={size}: mesh_cp does the context parallelism itself and "
+                f"does not combine with accelerate's CP, SP or TP; build the layout with hf.parallel_from_accelerate "
+                f"(which reads the same block) and leave {name} at 1 in what accelerate is given"
+            )
+    if getattr(args, "use_liger_kernel", False):
+        raise NotImplementedError(
+            "use_liger_kernel=True replaces the model's loss and attention code, which mesh_cp does not check; set it "
+            "to False"
+        )
 
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
+
+def _is_trainer_default(trainer: Any) -> bool:
+    """Whether ``trainer.data_collator`` is one ``transformers.Trainer`` picked for want of one (it gives no
+    causal-LM labels: mesh_cp's :class:`PadExamples` stands in for it)."""
+    from transformers import DataCollatorWithPadding, default_data_collator
+
+    return trainer.data_collator is default_data_collator or type(trainer.data_collator) is DataCollatorWithPadding
+
+
+def _pad_token_id(trainer: Any, given: int | None) -> int:
+    """``pad_token_id`` as given, else the tokenizer's (TRL sets it), else the model config's."""
+    if given is not None:
+        return given
+    for source in (getattr(trainer, "processing_class", None), getattr(trainer.model, "config", None)):
+        source = getattr(source, "tokenizer", source)
+        value = getattr(source, "pad_token_id", None)
+        if value is not None:
+            return int(value)
+    raise ValueError(
+        "MeshCPTrainer needs a pad token id to pad rows to the mesh's length multiple: pass pad_token_id=..., or a "
+        "processing_class (tokenizer) with a pad token"
+    )
 
 
 def _parallel_from_deepspeed_args(training_args: Any, model: torch.nn.Module) -> DataContextParallel:

@@ -218,6 +218,11 @@ class ShardingCollator:
         batch = shard_batch(
             input_ids, mesh=self.mesh, labels=label_ids, layout=self.layout, device=self.device, **options
         )
+        return self.batch_dict(batch)
+
+    @staticmethod
+    def batch_dict(batch: ShardedBatch) -> dict[str, Tensor]:
+        """The keyword arguments of ``model(**batch)`` for a :class:`ShardedBatch` (what this collator returns)."""
         out = {
             "input_ids": batch.input_ids,
             "position_ids": batch.position_ids,

@@ -1,0 +1,196 @@
+"""TRL's ``SFTTrainer``, single-process or with mesh_cp on 4 processes (DP 2 x CP 2, tile 1x2), on the same data and
+seed: one JSON line per case with what the trainer reported (every step's loss, TRL's ``num_tokens``, token accuracy
+and entropy, the eval loss, throughput).
+
+    python sft_script.py OUT.json                      # the single-process reference (global batches of DP x B)
+    accelerate launch ... sft_script.py OUT.json --mesh   # mesh_cp: every replica B examples of each batch
+
+test_trl.py runs both and compares them case by case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
+
+from mesh_cp.testing.models import VOCAB, tiny_config
+
+DP, CP, BATCH, STEPS = 2, 2, 2, 3
+
+
+def MODEL():  # noqa: N802
+    """A tiny GQA Llama with weights large enough that its predictions are far from uniform (a wrong position or
+    a document boundary crossed moves the loss by far more than rounding does)."""
+    return tiny_config("LlamaConfig", num_key_value_heads=2, initializer_range=0.5)
+
+
+EVAL_BATCH, EVAL_EXAMPLES = 2, 5  # the replicas get 2 and 1 batches, the last one short
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny models' vocabulary: ``<pad>`` 0, ``<eos>`` 1, words ``w0``, ``w1``..."""
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<pad>")
+
+
+def texts(count: int, low: int, high: int, seed: int) -> list[str]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
+    return [" ".join(f"w{int(w)}" for w in torch.randint(0, VOCAB - 2, (n,), generator=gen)) for n in lengths]
+
+
+def datasets() -> dict[str, Dataset]:
+    prompts, completions = texts(16, 4, 10, 3), texts(16, 3, 12, 4)
+    return {
+        "ragged": Dataset.from_dict({"text": texts(16, 10, 30, 1)}),
+        "short": Dataset.from_dict({"text": texts(48, 3, 14, 2)}),  # several documents per packed row
+        "completion": Dataset.from_dict({"prompt": prompts, "completion": completions}),
+        "eval": Dataset.from_dict({"text": texts(EVAL_EXAMPLES, 8, 20, 5)}),
+    }
+
+
+CASES: dict[str, tuple[str, dict]] = {
+    "padded": ("ragged", {}),
+    "packing_bfd": ("short", {"packing": True, "max_length": 40}),
+    "packing_wrapped": ("short", {"packing": True, "packing_strategy": "wrapped", "max_length": 40}),
+    "padding_free": ("ragged", {"padding_free": True, "max_length": None}),
+    "completion_only": ("completion", {"completion_only_loss": True}),
+    "no_gradient_checkpointing": ("short", {"packing": True, "max_length": 40, "gradient_checkpointing": False}),
+    "bf16": ("ragged", {"bf16": True}),
+    "sequential": ("ragged", {"train_sampling_strategy": "sequential"}),
+}
+"""Case name -> (train set, SFTConfig fields beside :data:`BASE`). Every case also evaluates on the eval set."""
+
+BASE = {"bf16": False, "gradient_checkpointing": True}
+"""SFTConfig's defaults are bf16 autocast and gradient checkpointing: the cases run in fp32 (exact to rounding) with
+gradient checkpointing unless they say otherwise."""
+
+
+def run_case(name: str, mesh, output_dir: str) -> dict:
+    data, fields = CASES[name]
+    sets = datasets()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MODEL(), attn_implementation="sdpa")
+    args = SFTConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=BATCH if mesh is not None else BATCH * DP,
+        per_device_eval_batch_size=EVAL_BATCH,
+        max_steps=STEPS,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        **(BASE | fields),
+    )
+    if mesh is None:
+        trainer_class = SFTTrainer
+    else:
+        from mesh_cp.integrations import hf
+
+        trainer_class = hf.mesh_cp_trainer_class(SFTTrainer)
+    extra = {} if mesh is None else {"parallel": mesh}
+    trainer = trainer_class(
+        model=model,
+        args=args,
+        train_dataset=sets[data],
+        eval_dataset=sets["eval"],
+        processing_class=tokenizer(),
+        **extra,
+    )
+    before = (
+        trainer.evaluate()["eval_loss"] if not os.environ.get("NO_EVAL_BEFORE") else 0.0
+    )  # the same weights on both sides: rounding apart, equal
+    metrics = trainer.train().metrics
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    evaluated = trainer.evaluate()
+    return {
+        "case": name,
+        "eval_loss_before": before,
+        "loss": [h["loss"] for h in steps],
+        "num_tokens": [h["num_tokens"] for h in steps],
+        "mean_token_accuracy": [h["mean_token_accuracy"] for h in steps],
+        "entropy": [h["entropy"] for h in steps],
+        "eval_loss": evaluated["eval_loss"],
+        "eval_samples": evaluated["eval_samples_per_second"] * evaluated["eval_runtime"],
+        "train_samples": metrics["train_samples_per_second"] * metrics["train_runtime"],
+    }
+
+
+REFUSED = {
+    "label_smoothing_factor": {"label_smoothing_factor": 0.1},
+    "neftune_noise_alpha": {"neftune_noise_alpha": 5.0},
+    "average_tokens_across_devices": {"average_tokens_across_devices": False},
+    "batch_rebalance": {"train_sampling_strategy": "batch_rebalance"},
+    "use_liger_kernel": {"use_liger_kernel": True},
+}
+"""Options the mesh_cp trainer refuses, with the fields that set them; the message must name the option."""
+
+
+def refusals(mesh, output_dir: str) -> dict[str, str]:
+    """The message of each refused option (:data:`REFUSED`), "accepted" if it was not refused."""
+    from mesh_cp.integrations import hf
+
+    messages = {}
+    for name, fields in REFUSED.items():
+        args = SFTConfig(output_dir=output_dir, use_cpu=True, report_to=[], **(BASE | fields))
+        model = AutoModelForCausalLM.from_config(MODEL(), attn_implementation="sdpa")
+        try:
+            hf.mesh_cp_trainer_class(SFTTrainer)(
+                model=model, args=args, train_dataset=datasets()["ragged"], processing_class=tokenizer(), parallel=mesh
+            )
+        except (ValueError, NotImplementedError, ImportError) as err:
+            messages[name] = f"{type(err).__name__}: {err}"
+        else:
+            messages[name] = "accepted"
+    return messages
+
+
+def main(out: str, mesh: bool, cases: list[str]) -> None:
+    parallel = None
+    if mesh:
+        import torch.distributed as dist
+        from accelerate import PartialState
+
+        from mesh_cp.integrations import hf
+        from mesh_cp.testing import gloo_exit_workaround
+
+        gloo_exit_workaround()
+        PartialState()
+        parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=CP, tile=(1, CP))
+        assert parallel.dp_size == DP, parallel
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in cases:
+            results.append(run_case(name, parallel, tmp))
+        if mesh:
+            results.append({"case": "refusals", "messages": refusals(parallel, tmp)})
+    if not mesh or torch.distributed.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    if mesh:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--mesh", action="store_true")
+    parser.add_argument("--cases", default=",".join(CASES))
+    cli = parser.parse_args()
+    main(cli.out, cli.mesh, cli.cases.split(","))
