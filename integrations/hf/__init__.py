@@ -3,7 +3,7 @@
 ::
 
     import mesh_cp
-    from mesh_cp.integrations import hf
+    from mesh_cp.integrations import hf               # registers attn_implementation="mesh_cp" with transformers
 
     model = hf.attach(AutoModelForCausalLM.from_config(config), mesh)   # every attention layer runs over mesh
     batch = hf.shard_batch(input_ids, mesh=mesh)      # this rank's input_ids, global position_ids, shift_labels
@@ -26,6 +26,14 @@ per-layer sliding windows and softcapped logits are exact: a batch with document
 attention dropout, caches other than mesh_cp's and models that do not compute their attention through
 transformers' ``AttentionInterface`` raise with the reason.
 
+Importing this package registers ``attn_implementation="mesh_cp"`` (:func:`register`), so
+``from_pretrained(..., attn_implementation="mesh_cp")`` and ``from_config(...)`` take it; such a model still needs
+``hf.attach(model, mesh)`` before its first forward (the attention refuses to run without a mesh).
+
+Under ``accelerate launch``, :func:`parallel_from_accelerate` builds the DP x CP layout from the config file's
+``parallelism_config`` block, and :func:`accelerator_parallelism_config` is what the ``Accelerator`` is given instead
+(Note [accelerate's parallelism_config] in :mod:`mesh_cp.integrations.hf.accelerate_config`).
+
 Generation: :func:`generate` (or :func:`prefill`, then ``model.generate(past_key_values=cache)``) prefills the
 prompts sharded over the mesh and decodes with Tree Attention over a :class:`ShardedKVCache` (Note [Sharded
 generation] in :mod:`mesh_cp.integrations.hf.generation`).
@@ -33,33 +41,44 @@ generation] in :mod:`mesh_cp.integrations.hf.generation`).
 
 from __future__ import annotations
 
+from mesh_cp.integrations.hf.accelerate_config import accelerator_parallelism_config, parallel_from_accelerate
 from mesh_cp.integrations.hf.attach import LENGTH_DEPENDENT_ROPE, attach
 from mesh_cp.integrations.hf.attention import ATTENTION_KEYWORDS, NAME, PACKING_KEYWORDS, mesh_cp_attention, register
+from mesh_cp.integrations.hf.collate import BATCH_KEYS, PadExamples, ShardCollated, shard_collated
 from mesh_cp.integrations.hf.generation import ShardedKVCache, generate, prefill
 from mesh_cp.integrations.hf.masks import MASK_KEYWORDS, mesh_cp_mask
-from mesh_cp.integrations.hf.trainer import mesh_cp_trainer_class
+from mesh_cp.integrations.hf.trainer import MeshCPTrainerMixin, mesh_cp_trainer_class
 from mesh_cp.runtime.batch import IGNORE_INDEX, ShardedBatch, ShardingCollator, causal_lm_loss, shard_batch
 from mesh_cp.runtime.parallel import DataContextParallel, reduce_gradients
 
+register()  # attn_implementation="mesh_cp" works in from_pretrained / from_config once this package is imported
+
 __all__ = [
     "ATTENTION_KEYWORDS",
+    "BATCH_KEYS",
     "IGNORE_INDEX",
     "LENGTH_DEPENDENT_ROPE",
     "MASK_KEYWORDS",
+    "MeshCPTrainerMixin",
     "NAME",
+    "PadExamples",
     "PACKING_KEYWORDS",
     "DataContextParallel",
     "ShardedBatch",
+    "ShardCollated",
     "ShardedKVCache",
     "ShardingCollator",
+    "accelerator_parallelism_config",
     "attach",
     "causal_lm_loss",
     "generate",
     "mesh_cp_attention",
     "mesh_cp_mask",
     "mesh_cp_trainer_class",
+    "parallel_from_accelerate",
     "prefill",
     "reduce_gradients",
     "register",
     "shard_batch",
+    "shard_collated",
 ]

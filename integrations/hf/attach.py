@@ -168,11 +168,14 @@ def _detach(model: torch.nn.Module) -> None:
                     extra.pop(hook_id, None)
 
 
+_POSITIONS_KIND = "(global positions, or positions inside each document of the mesh_cp_mask)"
+_POSITIONS_FIX = (
+    "a shard numbered from 0 would be silently wrong, and packed rows (positions restarting per document) need the "
+    "mesh_cp_mask of ShardingCollator(packed=True) / shard_batch(documents=...); pass the position_ids and "
+    "mesh_cp_mask of shard_batch / ShardingCollator"
+)
 _POSITIONS_MESSAGE = (
-    "position_ids are not this rank's positions of its tokens (global positions, or positions inside each document "
-    "of the mesh_cp_mask), in every row: a shard numbered from 0 would be silently wrong, and packed rows (positions "
-    "restarting per document) need the mesh_cp_mask of ShardingCollator(packed=True) / shard_batch(documents=...); "
-    "pass the position_ids and mesh_cp_mask of shard_batch / ShardingCollator"
+    f"position_ids are not this rank's positions of its tokens {_POSITIONS_KIND}, in every row: {_POSITIONS_FIX}"
 )
 
 
@@ -208,16 +211,42 @@ class _Attachment:
         expected = self._expected_positions(seq_local, position_ids, mask)
         kind = (tuple(position_ids.shape), position_ids.device, position_ids.dtype, mask is None)
         if expected is not None and position_ids.dim() <= 2 and kind in self._position_kinds:
-            check_on_device((position_ids == expected).all(), ValueError(_POSITIONS_MESSAGE))
+            try:  # raises at once on the CPU only; then the error shows where they differ
+                check_on_device((position_ids == expected).all(), ValueError(_POSITIONS_MESSAGE))
+            except ValueError:
+                raise self._positions_error(position_ids, expected) from None
         elif expected is None or position_ids.dim() > 2 or not bool((position_ids == expected).all()):
-            shown = position_ids.reshape(-1, seq_local)[0].tolist()
-            wanted = "none" if expected is None else _preview(expected.reshape(-1, seq_local)[0].tolist())
-            raise ValueError(
-                f"position_ids {_preview(shown)} are not this rank's positions of a sequence of "
-                f"{seq_local * self.mesh.size} tokens in the {self.layout} layout ({wanted}): {_POSITIONS_MESSAGE}"
-            )
+            raise self._positions_error(position_ids, expected)
         self._position_kinds.add(kind)
         self._checked = (weakref.ref(position_ids), state)
+
+    def _positions_error(self, position_ids: Tensor, expected: Tensor | None) -> ValueError:
+        """The error of :meth:`check_positions`: the first row and index where ``position_ids`` differ from
+        ``expected``, with the values got and expected around it."""
+        seq_local = position_ids.shape[-1]
+        wrong = (
+            f"position_ids are not this rank's positions of a sequence of {seq_local * self.mesh.size} tokens in "
+            f"the {self.layout} layout {_POSITIONS_KIND}"
+        )
+        if position_ids.dim() > 2:
+            return ValueError(
+                f"{wrong}: they have shape {tuple(position_ids.shape)}, and mesh_cp takes (batch, sequence) positions "
+                f"(not the several position axes of multimodal RoPE); {_POSITIONS_FIX}"
+            )
+        if expected is None:
+            return ValueError(
+                f"{wrong}: no positions fit a shard of shape {tuple(position_ids.shape)} (a sequence length the layout "
+                f"does not take, or rows other than the mesh_cp_mask's); {_POSITIONS_FIX}"
+            )
+        got = position_ids.reshape(-1, seq_local).cpu()
+        want = expected.reshape(-1, seq_local).cpu().expand_as(got)
+        row, index = (got != want).nonzero()[0].tolist()
+        start, stop = max(index - 3, 0), min(index + 4, seq_local)
+        return ValueError(
+            f"{wrong}: row {row} first differs at index {index} of {seq_local}, at indices {start}..{stop - 1} got "
+            f"{_window(got[row].tolist(), start, stop)}, expected {_window(want[row].tolist(), start, stop)}; "
+            f"{_POSITIONS_FIX}"
+        )
 
     def _expected_positions(self, seq_local: int, position_ids: Tensor, mask: AttentionMask | None) -> Tensor | None:
         """What :meth:`check_positions` compares with; ``None`` when no positions can fit (a length the layout
@@ -308,5 +337,7 @@ class _Attachment:
         return type(output)(cut) if isinstance(output, (tuple, list)) else cut[0]
 
 
-def _preview(values: list[int], n: int = 6) -> str:
-    return str(values) if len(values) <= n else f"[{', '.join(map(str, values[:n]))}, ...] ({len(values)} values)"
+def _window(values: list[int], start: int, stop: int) -> str:
+    """``values[start:stop]`` as a list, with ``...`` where values were left out before or after."""
+    shown = [*(["..."] if start > 0 else []), *map(str, values[start:stop]), *(["..."] if stop < len(values) else [])]
+    return f"[{', '.join(shown)}]"

@@ -41,8 +41,8 @@ by name."""
 
 TOKEN_COUNTS = "mesh_cp_tokens"
 """The key under which :func:`shard_collated` gives the token counts of the whole (unsharded) batch, for the
-trainer's token counters: ``[input_ids.numel(), attention_mask.sum() (-1: no mask), tokens other than
-pad_token_id, the row length]`` (what transformers' and TRL's counters read off the batch a single process sees).
+trainer's token counters: ``[attention_mask.sum() (-1: no mask), tokens other than pad_token_id, the row
+length]`` (what transformers' and TRL's counters read off the batch a single process sees).
 The trainer takes it out of the batch before the model sees it."""
 
 
@@ -80,32 +80,7 @@ def shard_collated(
             f"{tuple(labels.shape)}"
         )
     attention_mask = _tensor(batch, "attention_mask") if batch.get("attention_mask") is not None else None
-    positions = _tensor(batch, "position_ids") if batch.get("position_ids") is not None else None
-    documents = None
-    if positions is not None:
-        if positions.shape != input_ids.shape:
-            raise ValueError(
-                f"position_ids shape {tuple(positions.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
-            )
-        if attention_mask is not None:
-            _check_padded_positions(positions, attention_mask)
-        else:
-            documents = [
-                _row_documents(row, ids, pad_token_id, r)
-                for r, (row, ids) in enumerate(zip(positions, input_ids, strict=True))
-            ]
-            _check_packing_keys(batch, positions)
-            if all(len(row) <= 1 and sum(row) == input_ids.shape[1] for row in documents):
-                documents = None  # one unpadded document per row: plain causal rows
-    elif any(batch.get(k) is not None for k in BATCH_KEYS if k.startswith(("cu_seq", "max_length", "seq_idx"))):
-        given = [
-            k for k in BATCH_KEYS if k.startswith(("cu_seq", "max_length", "seq_idx")) and batch.get(k) is not None
-        ]
-        raise ValueError(
-            f"the collated batch has {given} but no position_ids: mesh_cp reads a packed row's documents from "
-            f"position_ids restarting at 0; have the collator return them (padding_free / return_position_ids)"
-        )
-    rows, seq = input_ids.shape
+    documents = _documents(batch, input_ids, attention_mask, pad_token_id)
     real = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     if documents is not None:
         real = torch.zeros_like(input_ids)
@@ -120,10 +95,9 @@ def shard_collated(
     out = ShardingCollator.batch_dict(sharded)
     if token_counts:
         counts = [
-            input_ids.numel(),
             -1 if attention_mask is None else int(attention_mask.sum()),
             int((input_ids != pad_token_id).sum()),
-            seq,
+            input_ids.shape[1],
         ]
         out[TOKEN_COUNTS] = torch.tensor(counts, dtype=torch.int64)
     return out
@@ -200,6 +174,36 @@ def replica_examples(examples: Sequence[Any], replica: int, replicas: int) -> li
             f"dataset length that fills every batch"
         )
     return [{**first, "labels": [IGNORE_INDEX] * len(first["input_ids"])}]
+
+
+def _documents(
+    batch: Mapping[str, Any], input_ids: Tensor, attention_mask: Tensor | None, pad_token_id: int
+) -> list[list[int]] | None:
+    """The packed documents of every row (their lengths), read from ``position_ids`` that restart at 0 and checked
+    against the other packing keys; ``None`` for plain or padded rows (their positions, if given, checked)."""
+    packing = [k for k in BATCH_KEYS if k.startswith(("cu_seq", "max_length", "seq_idx")) and batch.get(k) is not None]
+    if batch.get("position_ids") is None:
+        if packing:
+            raise ValueError(
+                f"the collated batch has {packing} but no position_ids: mesh_cp reads a packed row's documents from "
+                f"position_ids restarting at 0; have the collator return them (padding_free / return_position_ids)"
+            )
+        return None
+    positions = _tensor(batch, "position_ids")
+    if positions.shape != input_ids.shape:
+        raise ValueError(
+            f"position_ids shape {tuple(positions.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+        )
+    if attention_mask is not None:
+        _check_padded_positions(positions, attention_mask)
+        return None
+    documents = [
+        _row_documents(row, ids, pad_token_id, r) for r, (row, ids) in enumerate(zip(positions, input_ids, strict=True))
+    ]
+    _check_packing_keys(batch, positions)
+    if all(len(row) <= 1 and sum(row) == input_ids.shape[1] for row in documents):
+        return None  # one unpadded document per row: plain causal rows
+    return documents
 
 
 def _tensor(batch: Mapping[str, Any], key: str) -> Tensor:

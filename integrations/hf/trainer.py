@@ -163,21 +163,16 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
         if counts is not None:
             self._mesh_cp_counts = counts
             if before is not None:  # TRL's SFTTrainer counts tokens in compute_loss from the shard: count the batch's
-                correct_trl_tokens(self, before, self._replica_total(counts[1] if counts[1] >= 0 else counts[3]))
+                correct_trl_tokens(self, before, self._replica_total(counts[0] if counts[0] >= 0 else counts[2]))
         return loss
 
     def _track_num_input_tokens(self, inputs):
-        """``include_num_input_tokens_seen``: the tokens of every replica's batch, counted once (Trainer's own count
-        reads the shard's ``input_ids`` and ``attention_mask``)."""
-        mode = self.args.include_num_input_tokens_seen
+        """``include_num_input_tokens_seen="non_padding"``: the tokens of every replica's batch, counted once as a
+        single process counts them (Trainer's own count reads the shard); ``"all"`` is refused (check_options)."""
         counts = getattr(self, "_mesh_cp_counts", None)
-        if mode == "no" or counts is None:
+        if self.args.include_num_input_tokens_seen != "non_padding" or counts is None:
             return
-        if mode == "non_padding":
-            tokens = counts[1] if counts[1] >= 0 else counts[2]
-        else:
-            tokens = counts[0]
-        self.state.num_input_tokens_seen += self._replica_total(tokens)
+        self.state.num_input_tokens_seen += self._replica_total(counts[0] if counts[0] >= 0 else counts[1])
 
     def _replica_total(self, value) -> int:
         """The sum over the DP replicas of a count every rank of a replica holds."""
@@ -224,6 +219,11 @@ def check_options(trainer: Any) -> None:
         )
     if not args.average_tokens_across_devices:
         raise ValueError(f"average_tokens_across_devices=False: {REFUSED_OPTIONS['average_tokens_across_devices']}")
+    if args.include_num_input_tokens_seen not in ("no", "non_padding", False):
+        raise NotImplementedError(
+            f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} counts padding, which depends on how "
+            f"the batch is cut over the DP replicas and padded for the mesh; use 'non_padding' (counted exactly) or 'no'"
+        )
     if args.train_sampling_strategy == "batch_rebalance":
         raise NotImplementedError(
             "train_sampling_strategy='batch_rebalance' deals examples to ranks by length, so the ranks of a CP group "

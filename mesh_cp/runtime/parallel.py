@@ -52,6 +52,11 @@ class DataContextParallel:
         chosen by ``tile="auto"``) and ``mesh_options`` (``topology``, ``shape``, ``memory_budget``, ``timeout``,
         ``debug``) go to :meth:`CPMesh.create`."""
         if group is None:
+            if not dist.is_initialized():  # dist.group.WORLD is None until then
+                raise ValueError(
+                    "no default process group: call torch.distributed.init_process_group(...) first (or launch with "
+                    "torchrun / accelerate launch), then pass dist.group.WORLD"
+                )
             raise ValueError("group=None is not accepted: pass the process group to split (e.g. dist.group.WORLD)")
         world = dist.get_world_size(group)
         if not isinstance(cp_size, int) or cp_size < 1 or world % cp_size:

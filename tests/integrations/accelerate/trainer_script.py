@@ -4,9 +4,10 @@ the layout from the config's ``"mesh_attention"`` block.
 
 DP 2 x CP 2 (tile 1x2; with ``--cp-heads 2`` the head-parallel x mesh hybrid, 2 heads x tile 1x1) trains a tiny Llama for 2 epochs of 3 SGD steps on ragged examples; the result must
 equal single-process training on the same global batches (both replicas' examples, right-padded, mean token
-loss), each epoch in the order of the replicas' ``DistributedSampler`` reshuffled for it. The script also
-asserts, from the examples the collator saw, that every rank of a CP group saw the same examples, that each
-epoch followed that order, and that the two epochs' orders differ. Prints ``rank R params err E``.
+loss). The script also asserts, from the examples the collator saw, that every rank of a CP group saw the same
+examples, that every step's replicas saw different examples, that each epoch saw every example once and that the
+two epochs' orders differ (test_trainer.py compares the order with the real single-process Trainer's). Prints
+``rank R params err E``.
 
 Resume: the run saves a checkpoint one step into the second epoch; a new trainer (other initial weights) resumes
 from it with ``train(resume_from_checkpoint=...)`` and must see exactly the batches after it and end with the
@@ -27,7 +28,6 @@ import copy
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
-from torch.utils.data import DistributedSampler
 from transformers import AutoModelForCausalLM, TrainingArguments
 
 from mesh_cp.integrations import hf
@@ -50,10 +50,6 @@ class RecordingCollator:
         return self.collate(examples)
 
 
-def reference_batch(data: list[dict], sampler_order: list[list[int]], step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return padded([data[i] for order in sampler_order for i in order[step * BATCH : (step + 1) * BATCH]])
-
-
 def padded(examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ``(input_ids, attention_mask)`` of ``examples``."""
     length = max(len(e["input_ids"]) for e in examples)
@@ -67,12 +63,14 @@ def padded(examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def reference_eval_loss(model: torch.nn.Module, examples: list[dict]) -> float:
-    """Single-process Trainer.evaluate(): the mean over batches of EVAL_BATCH examples of their token-mean loss."""
-    losses = []
+    """Single-process Trainer.evaluate(): the mean over examples of their batch's token-mean loss (batches of
+    EVAL_BATCH examples; test_trainer.py compares with the real Trainer)."""
+    losses, sizes = [], []
     for start in range(0, len(examples), EVAL_BATCH):
         ids, mask = padded(examples[start : start + EVAL_BATCH])
         losses.append(model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)
-    return torch.stack(losses).mean().item()
+        sizes.append(len(ids))
+    return (torch.stack(losses) * torch.tensor(sizes)).sum().item() / sum(sizes)
 
 
 def check_refusals(trainer, eval_data: list[dict]) -> None:
@@ -93,20 +91,11 @@ def check_refusals(trainer, eval_data: list[dict]) -> None:
 def build_trainer(model, args, data, eval_data, layout):
     """MeshCPTrainer on ``layout`` (``None``: built from the DeepSpeed config), its collator recording batches."""
     trainer_class = hf.mesh_cp_trainer_class()
-    if layout is None:  # built by the trainer from the DeepSpeed config: its collator is the default one
-        trainer = trainer_class(model=model, args=args, train_dataset=data, eval_dataset=eval_data, pad_token_id=0)
-        trainer.data_collator = RecordingCollator(trainer.data_collator)
-        return trainer
-    collator = RecordingCollator(hf.ShardingCollator(layout.mesh, pad_token_id=0))
-    return trainer_class(
-        model=model,
-        args=args,
-        train_dataset=data,
-        eval_dataset=eval_data,
-        parallel=layout,
-        pad_token_id=0,
-        data_collator=collator,
-    )
+    extra = {} if layout is None else {"parallel": layout}  # None: built from the DeepSpeed config
+    trainer = trainer_class(model=model, args=args, train_dataset=data, eval_dataset=eval_data, pad_token_id=0, **extra)
+    trainer.data_collator.collator = RecordingCollator(trainer.data_collator.collator)  # the default PadExamples
+    trainer.seen = trainer.data_collator.collator.seen
+    return trainer
 
 
 def trained_parameters(trainer, deepspeed: str | None) -> list[torch.Tensor]:
@@ -121,7 +110,7 @@ def trained_parameters(trainer, deepspeed: str | None) -> list[torch.Tensor]:
     ]
 
 
-def check_resume(output_dir: str, args, data, trained, orders, cp_heads: int) -> float:
+def check_resume(output_dir: str, args, data, trained, batches, cp_heads: int) -> float:
     """A new trainer resumes from the checkpoint of step RESUME_STEP (Trainer restores model, optimizer, scheduler,
     RNG states and the data position: the second epoch's reshuffled order, its first batch skipped) and trains to
     the end; returns the largest difference of its parameters from the uninterrupted run's ``trained``. Asserts it
@@ -134,10 +123,8 @@ def check_resume(output_dir: str, args, data, trained, orders, cp_heads: int) ->
     trainer = build_trainer(model, args, data, None, layout)
     trainer.train(resume_from_checkpoint=f"{output_dir}/checkpoint-{RESUME_STEP}")
     assert trainer.state.global_step == STEPS * EPOCHS, trainer.state
-    replica = dist.get_rank() // trainer.parallel.mesh.size
-    first = RESUME_STEP - STEPS  # batches of the second epoch already trained
-    expected = [orders[1][replica][s * BATCH : (s + 1) * BATCH] for s in range(first, STEPS)]
-    assert trainer.data_collator.seen == expected, (trainer.data_collator.seen, expected)
+    expected = batches[RESUME_STEP:]  # this replica's batches after the checkpoint in the uninterrupted run
+    assert trainer.seen == expected, (trainer.seen, expected)
     resumed = trained_parameters(trainer, None)
     return max((p - q).abs().max().item() for p, q in zip(resumed, trained, strict=True))
 
@@ -183,6 +170,7 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
         eval_strategy="steps",
         eval_steps=STEPS,
         per_device_eval_batch_size=EVAL_BATCH,
+        remove_unused_columns=False,  # the examples' "index" reaches the recording collator
     )
     trainer = build_trainer(model, args, data, eval_data, layout)
     layout = trainer.parallel
@@ -198,27 +186,22 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
     assert prediction.predictions is None and prediction.label_ids is None, prediction
     eval_losses.append(prediction.metrics["test_loss"])
 
-    orders = []  # per epoch, per replica: the order its DistributedSampler gives that epoch
-    for epoch in range(EPOCHS):
-        orders.append([])
-        for r in range(layout.dp_size):
-            sampler = DistributedSampler(data, num_replicas=layout.dp_size, rank=r, seed=0)
-            sampler.set_epoch(epoch)
-            orders[-1].append(list(sampler))
     seen = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, trainer.data_collator.seen)
+    dist.all_gather_object(seen, [b for b in trainer.seen if b[0] < EVAL_INDEX])  # the training batches
+    cp = layout.mesh.size
     for rank, batches in enumerate(seen):
-        replica = rank // layout.mesh.size
-        assert batches == seen[replica * layout.mesh.size], f"CP ranks of replica {replica} saw different examples"
-        batches = [b for b in batches if b[0] < EVAL_INDEX]  # the training batches (the eval ones are checked by loss)
-        expected = [orders[e][replica][s * BATCH : (s + 1) * BATCH] for e in range(EPOCHS) for s in range(STEPS)]
-        assert batches == expected, f"rank {rank} saw {batches}, its sampler's epochs give {expected}"
-    assert all(orders[0][r] != orders[1][r] for r in range(layout.dp_size)), orders
+        assert batches == seen[rank // cp * cp], f"CP ranks of replica {rank // cp} saw different examples"
+    replicas = [seen[r * cp] for r in range(layout.dp_size)]
+    steps = [[i for part in parts for i in part] for parts in zip(*replicas, strict=True)]  # the global batches
+    assert len(steps) == STEPS * EPOCHS and all(len(b) == BATCH * dp_size == len(set(b)) for b in steps), steps
+    epochs = [sorted(i for b in steps[e * STEPS : (e + 1) * STEPS] for i in b) for e in range(EPOCHS)]
+    assert all(order == list(range(len(data))) for order in epochs), epochs  # every example once an epoch
+    assert steps[:STEPS] != steps[STEPS:], steps  # reshuffled for the second epoch
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
     reference_eval = []
     for epoch in range(EPOCHS):
         for step in range(STEPS):
-            ids, mask = reference_batch(data, orders[epoch], step)
+            ids, mask = padded([data[i] for i in steps[epoch * STEPS + step]])
             reference(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -228,7 +211,8 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
     trained = trained_parameters(trainer, deepspeed)
     err = max((p - q).abs().max().item() for p, q in zip(trained, reference.parameters(), strict=True))
     if deepspeed is None:  # accelerate allows one Accelerator with a DeepSpeed plugin per process
-        resume_err = check_resume(output_dir, args, data, trained, orders, cp_heads)
+        mine = [b for b in trainer.seen if b[0] < EVAL_INDEX]
+        resume_err = check_resume(output_dir, args, data, trained, mine, cp_heads)
         print(f"rank {dist.get_rank()} resume err {resume_err:.3e}", flush=True)
     print(f"rank {dist.get_rank()} params err {err:.3e}", flush=True)
     print(f"rank {dist.get_rank()} eval err {eval_err:.3e} losses {eval_losses}", flush=True)

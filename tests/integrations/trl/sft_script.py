@@ -137,6 +137,7 @@ REFUSED = {
     "average_tokens_across_devices": {"average_tokens_across_devices": False},
     "batch_rebalance": {"train_sampling_strategy": "batch_rebalance"},
     "use_liger_kernel": {"use_liger_kernel": True},
+    "include_num_input_tokens_seen": {"include_num_input_tokens_seen": "all"},
 }
 """Options the mesh_cp trainer refuses, with the fields that set them; the message must name the option."""
 

@@ -43,7 +43,7 @@ def runs(tmp_path_factory) -> tuple[dict, dict]:
         [sys.executable, str(SCRIPT), str(reference)], capture_output=True, text=True, env=env, cwd=out, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    accelerate_launch(SCRIPT, str(mesh), "--mesh", port=29631, cwd=out)
+    accelerate_launch(SCRIPT, str(mesh), "--mesh", port=29632, cwd=out)
     read = lambda path: {r["case"]: r for r in json.loads(path.read_text())}  # noqa: E731
     return read(reference), read(mesh)
 

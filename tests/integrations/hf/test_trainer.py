@@ -1,0 +1,61 @@
+"""transformers' ``Trainer`` with mesh_cp (``hf.mesh_cp_trainer_class()``, 4 gloo processes under ``accelerate
+launch``: DP 2 x CP 2) against the real single-process ``Trainer`` on the same data and seed, with batches of
+DP x B (trainer_cases.py runs both): random, sequential and length-grouped sampling, ``data_seed``, gradient
+checkpointing and accumulation, ``dataloader_drop_last``, ``include_num_input_tokens_seen="non_padding"``.
+
+Every case, in fp32: every step's loss within 1e-5; the token counter equal; ``evaluate()`` before training with a
+partial last batch (5 examples in batches of 2) within 1e-6; ``predict()`` after training within 1e-5; the
+throughput metrics (samples per second times runtime) within 5% of the reference's samples.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+from tests.integrations.accelerate.test_accelerate import ROOT, accelerate_launch  # noqa: E402
+from tests.integrations.hf.trainer_cases import CASES  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("trainer_cases.py")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict]:
+    """``(reference, mesh)``: case name -> what the trainer reported."""
+    out = tmp_path_factory.mktemp("trainer")
+    reference, mesh = out / "reference.json", out / "mesh.json"
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(out)}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(reference)], capture_output=True, text=True, env=env, cwd=out, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    accelerate_launch(SCRIPT, str(mesh), "--mesh", port=29633, cwd=out)
+    read = lambda path: {r["case"]: r for r in json.loads(path.read_text())}  # noqa: E731
+    return read(reference), read(mesh)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_trainer_equals_single_process(runs, case: str) -> None:
+    reference, mesh = runs[0][case], runs[1][case]
+    assert len(mesh["loss"]) == len(reference["loss"]) == 4, (mesh, reference)
+    err = max(abs(a - b) for a, b in zip(mesh["loss"], reference["loss"], strict=True))
+    assert err <= 1e-5, (mesh["loss"], reference["loss"])
+    assert mesh["tokens_seen"] == reference["tokens_seen"], (mesh["tokens_seen"], reference["tokens_seen"])
+    assert abs(mesh["eval_loss_before"] - reference["eval_loss_before"]) <= 1e-6, (mesh, reference)
+    assert abs(mesh["test_loss"] - reference["test_loss"]) <= 1e-5, (mesh["test_loss"], reference["test_loss"])
+    for samples in ("train_samples", "eval_samples"):
+        assert abs(mesh[samples] / reference[samples] - 1) <= 0.05, (samples, mesh[samples], reference[samples])
+
+
+def test_sampling_strategies_differ(runs) -> None:
+    """The orders compared above are different orders (a sampler ignored would show)."""
+    mesh = runs[1]
+    assert mesh["random"]["loss"] != mesh["sequential"]["loss"] != mesh["group_by_length"]["loss"]
+    assert mesh["random"]["loss"] != mesh["data_seed"]["loss"]
+    assert mesh["tokens_non_padding"]["tokens_seen"][-1] > 0

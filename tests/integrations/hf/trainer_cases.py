@@ -1,0 +1,138 @@
+"""transformers' ``Trainer``, single-process or with mesh_cp on 4 processes (DP 2 x CP 2, tile 1x2), on the same data
+and seed, one case per option that changes what is trained or reported: one JSON line per case with every step's
+loss, the token counter, the throughput and ``evaluate()`` / ``predict()`` with a partial last batch.
+
+    python trainer_cases.py OUT.json                         # the single-process reference (batches of DP x B)
+    accelerate launch ... trainer_cases.py OUT.json --mesh   # mesh_cp
+
+test_trainer.py runs both and compares them case by case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import torch
+from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+from mesh_cp.testing.models import VOCAB, tiny_config
+
+DP, CP, BATCH, STEPS = 2, 2, 2, 4
+EVAL_BATCH, EVAL_EXAMPLES = 2, 5  # the replicas get 2 and 1 batches, the last one short
+
+CASES: dict[str, dict] = {
+    "random": {},
+    "sequential": {"train_sampling_strategy": "sequential"},
+    "group_by_length": {"train_sampling_strategy": "group_by_length"},
+    "gradient_checkpointing": {"gradient_checkpointing": True},
+    "gradient_accumulation": {"gradient_accumulation_steps": 2},
+    "drop_last": {"dataloader_drop_last": True, "max_steps": -1, "num_train_epochs": 1},
+    "tokens_non_padding": {"include_num_input_tokens_seen": "non_padding"},
+    "data_seed": {"data_seed": 7},
+}
+"""Case name -> TrainingArguments fields."""
+
+
+def model_config():
+    """A tiny GQA Llama with weights large enough that its predictions are far from uniform."""
+    return tiny_config("LlamaConfig", num_key_value_heads=2, initializer_range=0.5, pad_token_id=0)
+
+
+class Tokenizer:
+    """What DataCollatorForLanguageModeling reads of a tokenizer (pad token 0, right padding)."""
+
+    pad_token_id, pad_token, padding_side, model_input_names = 0, "<pad>", "right", ["input_ids"]
+
+    def pad(self, examples, return_tensors="pt", pad_to_multiple_of=None, **_):
+        length = max(len(e["input_ids"]) for e in examples)
+        ids = torch.zeros(len(examples), length, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, e in enumerate(examples):
+            ids[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
+            mask[row, : len(e["input_ids"])] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def examples(count: int, low: int, high: int, seed: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
+    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=gen).tolist()} for n in lengths]
+
+
+def run_case(name: str, mesh, output_dir: str) -> dict:
+    train, held_out = examples(18, 6, 30, 1), examples(EVAL_EXAMPLES, 6, 20, 2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config(), attn_implementation="sdpa")
+    fields = {"max_steps": STEPS} | CASES[name]
+    args = TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=BATCH if mesh is not None else BATCH * DP,
+        per_device_eval_batch_size=EVAL_BATCH,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        **fields,
+    )
+    collator = DataCollatorForLanguageModeling(Tokenizer(), mlm=False)
+    if mesh is None:
+        trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator)
+    else:
+        from mesh_cp.integrations import hf
+
+        trainer = hf.mesh_cp_trainer_class()(
+            model=model, args=args, train_dataset=train, data_collator=collator, parallel=mesh
+        )
+    before = trainer.evaluate(held_out)
+    metrics = trainer.train().metrics
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    args.prediction_loss_only = True
+    predicted = trainer.predict(held_out).metrics
+    return {
+        "case": name,
+        "loss": [h["loss"] for h in steps],
+        "tokens_seen": [h.get("num_input_tokens_seen") for h in steps],
+        "eval_loss_before": before["eval_loss"],
+        "eval_samples": before["eval_samples_per_second"] * before["eval_runtime"],
+        "test_loss": predicted["test_loss"],
+        "train_samples": metrics["train_samples_per_second"] * metrics["train_runtime"],
+    }
+
+
+def main(out: str, mesh: bool, cases: list[str]) -> None:
+    parallel = None
+    if mesh:
+        import torch.distributed as dist
+        from accelerate import PartialState
+
+        from mesh_cp.integrations import hf
+        from mesh_cp.testing import gloo_exit_workaround
+
+        gloo_exit_workaround()
+        PartialState()
+        parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=CP, tile=(1, CP))
+        assert parallel.dp_size == DP, parallel
+    with tempfile.TemporaryDirectory() as tmp:
+        results = [run_case(name, parallel, tmp) for name in cases]
+    if not mesh or torch.distributed.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    if mesh:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--mesh", action="store_true")
+    parser.add_argument("--cases", default=",".join(CASES))
+    cli = parser.parse_args()
+    main(cli.out, cli.mesh, cli.cases.split(","))
