@@ -6,9 +6,10 @@ run over a mesh, whichever adapter built the model) and :func:`ds_attention_shap
 DeepSpeed config's ``"tile": "auto"`` predicts for, read by the DeepSpeed adapter and by the Hugging
 Face ``Trainer`` given a DeepSpeed config).
 
-There is no accelerate adapter: ``accelerate launch`` starts the processes and the process group and
+accelerate needs no adapter of its own: ``accelerate launch`` starts the processes and the process group and
 does mixed precision, and the public API of :mod:`mesh_cp` with the Hugging Face adapter does the rest
-(``examples/accelerate/finetune.py``). The example programs live in ``examples/``, not in this package.
+(``examples/accelerate/finetune.py``); the Hugging Face adapter reads the CP sizes of an accelerate config file's
+``parallelism_config`` block (``hf.parallel_from_accelerate``). The example programs live in ``examples/``, not in this package.
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ accelerate needs no adapter of its own: ``accelerate launch`` starts the process
 and ``Accelerator.autocast`` does mixed precision; mesh_cp's public API and its Hugging Face adapter do the
 rest: the DP x CP layout (:class:`mesh_cp.DataContextParallel`), the sharded batches
 (:func:`mesh_cp.shard_batch`), the loss (:func:`mesh_cp.causal_lm_loss`) and the model's ``mesh_cp``
-attention (:func:`mesh_cp.integrations.hf.attach`). accelerate's own
-``ParallelismConfig`` only knows its torch context parallelism (``cp_backend="torch"``, CUDA only), so it is
-not used.
+attention (:func:`mesh_cp.integrations.hf.attach`). The CP sizes may instead come from the accelerate config
+file's ``parallelism_config`` block (``hf.parallel_from_accelerate``, docs/accelerate.md).
 
 Each process binds GPU ``LOCAL_RANK`` before accelerate makes the NCCL group; the model, the reference
 and each step's batch shard live on ``accelerator.device``, the token sequences on the host.

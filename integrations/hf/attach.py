@@ -170,9 +170,9 @@ def _detach(model: torch.nn.Module) -> None:
 
 _POSITIONS_KIND = "(global positions, or positions inside each document of the mesh_cp_mask)"
 _POSITIONS_FIX = (
-    "a shard numbered from 0 would be silently wrong, and packed rows (positions restarting per document) need the "
-    "mesh_cp_mask of ShardingCollator(packed=True) / shard_batch(documents=...); pass the position_ids and "
-    "mesh_cp_mask of shard_batch / ShardingCollator"
+    "a shard numbered from 0 would be silently wrong, and packed rows (positions restarting per document) need a "
+    "mesh_cp_mask; pass the position_ids and mesh_cp_mask of shard_batch / ShardingCollator, or of "
+    "hf.ShardCollated(your_collator, mesh) (what hf.mesh_cp_trainer_class(...) uses, TRL's packing included)"
 )
 _POSITIONS_MESSAGE = (
     f"position_ids are not this rank's positions of its tokens {_POSITIONS_KIND}, in every row: {_POSITIONS_FIX}"

@@ -94,7 +94,7 @@ def test_position_mismatch_shows_where_they_differ() -> None:
         "at indices 67..73 got [..., 195, 196, 197, 199, 199, 200, 201, ...], expected [..., 195, 196, 197, 198, 199, "
         "200, 201, ...]; a shard numbered from 0 would be silently wrong"
     )
-    fix = "pass the position_ids and mesh_cp_mask of shard_batch / ShardingCollator"
+    fix = "(what hf.mesh_cp_trainer_class(...) uses, TRL's packing included)"
     assert sorted(messages) == ["device", "host"], messages
     for message in messages.values():
-        assert message.startswith(where) and message.endswith(fix), message
+        assert message.startswith(where) and message.endswith(fix) and "hf.ShardCollated" in message, message
