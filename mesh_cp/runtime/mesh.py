@@ -295,6 +295,11 @@ class CPMesh:
 
 def _check_cp_group(group: ProcessGroup) -> None:
     """Raise ``ValueError`` unless ``group`` is a process group this rank belongs to."""
+    if group is None and not dist.is_initialized():  # dist.group.WORLD is None until then
+        raise ValueError(
+            "no default process group: call torch.distributed.init_process_group(...) first (or launch with torchrun "
+            "/ accelerate launch), then pass dist.group.WORLD"
+        )
     if group is None:
         raise ValueError(
             "group=None is not accepted: pass the context-parallel process group explicitly "

@@ -47,13 +47,18 @@ def test_import_registers_the_attention_implementation(tmp_path) -> None:
 
 
 def test_layout_before_the_process_group_names_init_process_group() -> None:
+    from mesh_cp.runtime.mesh import CPMesh
     from mesh_cp.runtime.parallel import DataContextParallel
 
     if dist.is_initialized():
         pytest.skip("this process already has a default process group")
     assert dist.group.WORLD is None  # what a user passes before init_process_group
-    with pytest.raises(ValueError, match=r"no default process group: call torch\.distributed\.init_process_group"):
-        DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=(1, 2))
+    for create in (
+        lambda: DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=(1, 2)),
+        lambda: CPMesh.create(dist.group.WORLD, tile=(1, 2)),
+    ):
+        with pytest.raises(ValueError, match=r"no default process group: call torch\.distributed\.init_process_group"):
+            create()
 
 
 def positions_worker(rank: int, world: int) -> dict[str, str]:
