@@ -264,6 +264,10 @@ class _Attachment:
             self._expected[key] = mesh_cp.position_ids(seq, mesh=self.mesh, layout=self.layout, device=device)
         return self._expected[key]
 
+    # The hooks run eagerly under torch.compile, like the attention (Note [Opaque to torch.compile] in
+    # mesh_cp.runtime.attention): their bookkeeping of the previous forward would otherwise be guarded on and
+    # recompiled.
+    @torch.compiler.disable(reason="mesh_cp's per-forward checks read host state; they run eagerly")
     def before_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the attached model: check ``position_ids``, start the layer count. A step of decoding
         over a :class:`~mesh_cp.integrations.hf.generation.ShardedKVCache` that holds tokens feeds every rank the same
@@ -288,6 +292,7 @@ class _Attachment:
             )
         self.check_positions(positions, kwargs.get("mesh_cp_mask"))
 
+    @torch.compiler.disable(reason="mesh_cp's per-forward checks read host state; they run eagerly")
     def after_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Forward hook of the attached model: on the first forward, check that every attention layer called
         :func:`mesh_cp_attention`."""

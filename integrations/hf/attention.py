@@ -53,6 +53,10 @@ they must describe (on its own, a rank's shard cannot tell documents that cross 
 # lse is differentiable, so the gradients of q, k, v and s follow from this formula.
 
 
+# Opaque to torch.compile, like mesh_attn_func (Note [Opaque to torch.compile] in mesh_cp.runtime.attention): the
+# whole call is, so that its Python checks (keywords, masks, position_ids, the count of layers that called) run
+# eagerly too, with one graph break per attention layer; the rest of the model is compiled around it.
+@torch.compiler.disable(reason="mesh_cp attention communicates over the CP group; it runs eagerly")
 def mesh_cp_attention(
     module: torch.nn.Module,
     query: Tensor,
@@ -188,8 +192,10 @@ def _check_packing_keywords(kwargs: Mapping[str, Any], mask: AttentionMask | Non
     if mask is None or mask.rows != 1:
         raise NotImplementedError(
             f"mesh_cp attention got {', '.join(given)} without the mesh_cp_mask of one packed row: a rank's shard "
-            f"cannot tell documents that cross shards; build packed batches with ShardingCollator(packed=True) or "
-            f"shard_batch(documents=...) and call the model with their mesh_cp_mask"
+            f"cannot tell documents that cross shards; shard a packed collator's batches (TRL's padding-free, "
+            f"DataCollatorWithFlattening) with hf.ShardCollated(collator, mesh) or hf.mesh_cp_trainer_class(...), or "
+            f"build them with ShardingCollator(packed=True) / shard_batch(documents=...), and call the model with "
+            f"their mesh_cp_mask"
         )
     spans = mask.row_documents(0, seq)
     if not spans:

@@ -25,6 +25,7 @@ __all__ = [
     "LengthGroupedSampler",
     "cache_keyword",
     "correct_trl_tokens",
+    "eval_metric_lists",
     "eval_order",
     "forget_eval_prepare",
     "given_cache",
@@ -142,3 +143,12 @@ def forget_eval_prepare(trainer: Any) -> None:
     if "_original_forward" in model.__dict__:
         model.forward = model.__dict__.pop("_original_forward")
     trainer.accelerator._models[:] = [m for m in trainer.accelerator._models if m is not model]
+
+
+def eval_metric_lists(trainer: Any) -> dict[str, list]:
+    """The per-batch metric lists a trainer appends to during evaluation: TRL's ``SFTTrainer._metrics["eval"]``
+    (private; ``num_tokens``, a running total, left out), empty for ``transformers.Trainer``."""
+    metrics = getattr(trainer, "_metrics", None)
+    if not isinstance(metrics, Mapping) or "eval" not in metrics:
+        return {}
+    return {key: values for key, values in metrics["eval"].items() if key != "num_tokens"}

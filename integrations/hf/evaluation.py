@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from mesh_cp.integrations.hf.collate import TOKEN_COUNTS
-from mesh_cp.integrations.hf.compat import eval_order, forget_eval_prepare, remove_unused_columns
+from mesh_cp.integrations.hf.compat import eval_metric_lists, eval_order, forget_eval_prepare, remove_unused_columns
 
 # Note [Evaluation under CP]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -189,12 +189,15 @@ class MeshCPEvaluation:
         self._mesh_cp_eval_losses = []
         gather = self.gather_function
         self.gather_function = _this_rank  # Note [Evaluation under CP]: no gather as of different examples
+        metrics = BatchMetrics(self, self.parallel)
         try:
-            output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
+            with metrics:
+                output = super().evaluation_loop(dataloader, description, True, ignore_keys, metric_key_prefix)
         finally:
             self.gather_function = gather
             forget_eval_prepare(self)
         real = batches.real_batches
+        metrics.keep_real(real)
         sizes = [len(b) for b in batches.batches[:real]]
         loss = replicas_mean(self._mesh_cp_eval_losses[:real], sizes, self)
         self._mesh_cp_eval_losses = []
@@ -202,6 +205,41 @@ class MeshCPEvaluation:
         if loss is not None:
             output.metrics[f"{metric_key_prefix}_loss"] = loss
         return output
+
+
+class BatchMetrics:
+    """Per-batch metrics a trainer computes itself during evaluation (TRL's ``entropy`` and ``mean_token_accuracy``,
+    gathered with ``accelerator.gather_for_metrics`` in its ``compute_loss``), made a single process's: while the
+    context is open, ``gather_for_metrics`` sums over the CP group only (a batch's tokens are its CP group's shards),
+    so each batch's value is that batch's; :meth:`keep_real` then drops the repeated batches and puts every replica's
+    values together (Note [Evaluation under CP])."""
+
+    def __init__(self, trainer: Any, parallel: Any):
+        self.trainer, self.parallel = trainer, parallel
+        self.accelerator = trainer.accelerator
+
+    def __enter__(self) -> BatchMetrics:
+        self.before = {key: len(values) for key, values in eval_metric_lists(self.trainer).items()}
+        group = self.parallel.mesh.group
+
+        def over_cp_group(tensor: torch.Tensor) -> torch.Tensor:
+            tensor = tensor.detach().clone()
+            dist.all_reduce(tensor, group=group)
+            return tensor
+
+        self.accelerator.gather_for_metrics = over_cp_group
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.accelerator.gather_for_metrics  # the instance attribute: the class's method again
+
+    def keep_real(self, real: int) -> None:
+        for key, values in eval_metric_lists(self.trainer).items():
+            start = self.before.get(key, 0)
+            mine = values[start : start + real] if len(values) > start else []
+            every = [None] * self.parallel.dp_size
+            dist.all_gather_object(every, mine, group=self.parallel.dp_group)
+            values[start:] = [v for replica in every for v in replica]
 
 
 def _this_rank(tensor: torch.Tensor) -> torch.Tensor:

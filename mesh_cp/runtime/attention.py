@@ -56,6 +56,15 @@ class MeshAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+# Note [Opaque to torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.compile (Dynamo) cannot trace mesh attention: the check of a new call signature gathers it over the CP
+# group (CPMesh.check_same_call) and the schedules post point-to-point and collective communication on process
+# groups, whose members Dynamo refuses to read (UnsafeScriptObjectError), around a plan of host-side Python
+# objects. So mesh_attn_func is an opaque region: torch.compiler.disable makes Dynamo break the graph at the
+# call and run it eagerly, and the code around it is compiled. Autograd is unaffected: MeshAttnFunc records
+# its backward as in eager mode, and the compiled backward of the graph after the call hands it the gradient.
+@torch.compiler.disable(reason="mesh attention communicates over the CP group; it runs eagerly")
 def mesh_attn_func(
     q: Tensor,
     k: Tensor,
@@ -119,6 +128,9 @@ def mesh_attn_func(
     type and options. That is checked (:meth:`CPMesh.check_same_call`) the first time this rank makes
     a call with new ones, and on every call when ``mesh.debug`` is set; a difference raises
     ``ValueError`` on every rank, naming each rank's value.
+
+    Under ``torch.compile`` the call is an opaque region, run eagerly between the compiled graphs (Note [Opaque
+    to torch.compile]).
     """
     _check_arguments(mesh, q, k, v)
     cast_to = autocast_dtype(q.device.type)

@@ -1,7 +1,8 @@
 """transformers' ``Trainer`` with mesh_cp (``hf.mesh_cp_trainer_class()``, 4 gloo processes under ``accelerate
 launch``: DP 2 x CP 2) against the real single-process ``Trainer`` on the same data and seed, with batches of
 DP x B (trainer_cases.py runs both): random, sequential and length-grouped sampling, ``data_seed``, gradient
-checkpointing and accumulation, ``dataloader_drop_last``, ``include_num_input_tokens_seen="non_padding"``.
+checkpointing and accumulation, ``dataloader_drop_last``, ``include_num_input_tokens_seen="non_padding"``, and
+transformers' padding-free ``DataCollatorWithFlattening`` (documents kept apart by their ``position_ids``).
 
 Every case, in fp32: every step's loss within 1e-5; the token counter equal; ``evaluate()`` before training with a
 partial last batch (5 examples in batches of 2) within 1e-6; ``predict()`` after training within 1e-5; the
@@ -59,3 +60,6 @@ def test_sampling_strategies_differ(runs) -> None:
     assert mesh["random"]["loss"] != mesh["sequential"]["loss"] != mesh["group_by_length"]["loss"]
     assert mesh["random"]["loss"] != mesh["data_seed"]["loss"]
     assert mesh["tokens_non_padding"]["tokens_seen"][-1] > 0
+    # Documents kept apart in one row train exactly as the same examples in padded rows; attending across the
+    # boundaries would not.
+    assert max(abs(a - b) for a, b in zip(mesh["flattening"]["loss"], mesh["random"]["loss"], strict=True)) <= 1e-5

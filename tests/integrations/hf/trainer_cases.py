@@ -15,7 +15,13 @@ import json
 import tempfile
 
 import torch
-from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorForLanguageModeling,
+    DataCollatorWithFlattening,
+    Trainer,
+    TrainingArguments,
+)
 
 from mesh_cp.testing.models import VOCAB, tiny_config
 
@@ -31,8 +37,10 @@ CASES: dict[str, dict] = {
     "drop_last": {"dataloader_drop_last": True, "max_steps": -1, "num_train_epochs": 1},
     "tokens_non_padding": {"include_num_input_tokens_seen": "non_padding"},
     "data_seed": {"data_seed": 7},
+    "flattening": {"collator": "flattening"},
 }
-"""Case name -> TrainingArguments fields."""
+"""Case name -> TrainingArguments fields (``collator``: ``"flattening"`` for transformers' padding-free
+``DataCollatorWithFlattening`` with its flash-attention keywords and ``seq_idx``; default a padding collator)."""
 
 
 def model_config():
@@ -66,6 +74,7 @@ def run_case(name: str, mesh, output_dir: str) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(), attn_implementation="sdpa")
     fields = {"max_steps": STEPS} | CASES[name]
+    packed = fields.pop("collator", None) == "flattening"
     args = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=BATCH if mesh is not None else BATCH * DP,
@@ -81,7 +90,10 @@ def run_case(name: str, mesh, output_dir: str) -> dict:
         seed=0,
         **fields,
     )
-    collator = DataCollatorForLanguageModeling(Tokenizer(), mlm=False)
+    if packed:  # one row of documents; single-process SDPA keeps them apart by their restarting position_ids
+        collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
+    else:
+        collator = DataCollatorForLanguageModeling(Tokenizer(), mlm=False)
     if mesh is None:
         trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator)
     else:

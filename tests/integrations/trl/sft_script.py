@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 
 import torch
@@ -112,15 +111,15 @@ def run_case(name: str, mesh, output_dir: str) -> dict:
         processing_class=tokenizer(),
         **extra,
     )
-    before = (
-        trainer.evaluate()["eval_loss"] if not os.environ.get("NO_EVAL_BEFORE") else 0.0
-    )  # the same weights on both sides: rounding apart, equal
+    before = trainer.evaluate()  # the same weights on both sides: rounding apart, equal
     metrics = trainer.train().metrics
     steps = [h for h in trainer.state.log_history if "loss" in h]
     evaluated = trainer.evaluate()
     return {
         "case": name,
-        "eval_loss_before": before,
+        "eval_loss_before": before["eval_loss"],
+        "eval_entropy_before": before["eval_entropy"],
+        "eval_accuracy_before": before["eval_mean_token_accuracy"],
         "loss": [h["loss"] for h in steps],
         "num_tokens": [h["num_tokens"] for h in steps],
         "mean_token_accuracy": [h["mean_token_accuracy"] for h in steps],

@@ -4,7 +4,8 @@ global batches of DP x B (sft_script.py runs both).
 
 Every case, in fp32: every step's loss within 1e-5, TRL's ``num_tokens`` equal, token accuracy and entropy within
 1e-5, ``evaluate()`` before training (a partial last batch: 5 examples in batches of 2) within 1e-6 and after
-training within 1e-4 (the trained weights differ by rounding), and the throughput metrics within 5% of the
+training within 1e-4 (the trained weights differ by rounding), TRL's eval entropy and token accuracy before
+training within 1e-6, and the throughput metrics within 5% of the
 reference's samples. bf16 autocast runs and stays within bf16 rounding. Each refused option is refused by name.
 """
 
@@ -62,6 +63,8 @@ def test_sft_trainer_equals_single_process(runs, case: str) -> None:
     for metric in ("mean_token_accuracy", "entropy"):
         assert _err(mesh[metric], reference[metric]) <= 1e-5, (metric, mesh[metric], reference[metric])
     assert abs(mesh["eval_loss_before"] - reference["eval_loss_before"]) <= 1e-6, (mesh, reference)
+    for metric in ("eval_entropy_before", "eval_accuracy_before"):  # TRL's per-batch metrics, each batch once
+        assert abs(mesh[metric] - reference[metric]) <= 1e-6, (metric, mesh[metric], reference[metric])
     assert abs(mesh["eval_loss"] - reference["eval_loss"]) <= 1e-4, (mesh["eval_loss"], reference["eval_loss"])
     for samples in ("train_samples", "eval_samples"):  # samples per second x runtime: each replica's counted once
         assert abs(mesh[samples] / reference[samples] - 1) <= 0.05, (samples, mesh[samples], reference[samples])
