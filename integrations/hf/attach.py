@@ -170,8 +170,8 @@ def _detach(model: torch.nn.Module) -> None:
 
 _POSITIONS_KIND = "(global positions, or positions inside each document of the mesh_cp_mask)"
 _POSITIONS_FIX = (
-    "a shard numbered from 0 would be silently wrong, and packed rows (positions restarting per document) need a "
-    "mesh_cp_mask; pass the position_ids and mesh_cp_mask of shard_batch / ShardingCollator, or of "
+    "a shard numbered from 0 would be silently wrong, and packed rows (positions restarting per document) need the "
+    "mesh_cp_mask of their documents; pass the position_ids and mesh_cp_mask of shard_batch / ShardingCollator, or of "
     "hf.ShardCollated(your_collator, mesh) (what hf.mesh_cp_trainer_class(...) uses, TRL's packing included)"
 )
 _POSITIONS_MESSAGE = (

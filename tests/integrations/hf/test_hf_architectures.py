@@ -2,7 +2,8 @@
 
 Every architecture runs with its distinctive feature on (qk-norm, partial rotary, attention sinks, RoPE
 scalings, layers without RoPE, sliding windows, softcapping, multi-head latent attention, learned
-absolute positions, ALiBi, MoE, Granite's multipliers, models without transformers' AttentionInterface).
+absolute positions, ALiBi, MoE, Granite's multipliers, models without transformers' AttentionInterface: which
+those are is read from the installed transformers, where GPT-J moved to it in 5.24).
 Exact means: this rank's logits and every parameter gradient (summed over the CP group) within 1e-5 of
 the single-process model (SDPA, or eager where the model has no SDPA path) in fp32. Refused means: an
 error whose message names the feature. The test asserts the whole table of outcomes against
@@ -36,6 +37,17 @@ FEATURES = {
     "attn_temperature_tuning": r"attn_temperature_tuning scales the queries",
 }
 
+
+def _through_attention_interface(model_type: str) -> str:
+    """``"exact"`` where the installed transformers computes ``model_type``'s attention through its
+    AttentionInterface (GPT-J does from transformers 5.24), else ``"refused:AttentionInterface"``."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return "exact" if "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(module) else "refused:AttentionInterface"
+
+
 # Architecture -> (tile, expected outcome). Exact unless the feature cannot be computed over the mesh.
 EXPECTED = {
     "qwen3 (qk-norm)": ("2x2", "exact"),
@@ -63,8 +75,8 @@ EXPECTED = {
     "mistral (sliding window 8 < 32)": ("2x2", "exact"),
     "qwen2_moe (sliding window 8 < 32, in the mask only)": ("2x2", "exact"),
     "llama4 (attn_temperature_tuning, chunked attention)": ("2x2", "refused:attn_temperature_tuning"),
-    "falcon (no AttentionInterface)": ("2x2", "refused:AttentionInterface"),
-    "gptj (no AttentionInterface)": ("2x2", "refused:AttentionInterface"),
+    "falcon (its own attention code)": ("2x2", _through_attention_interface("falcon")),
+    "gptj (AttentionInterface from transformers 5.24)": ("2x2", _through_attention_interface("gptj")),
     "bloom (ALiBi, no AttentionInterface)": ("2x2", "refused:AttentionInterface"),
     "mpt (ALiBi, no AttentionInterface)": ("2x2", "refused:AttentionInterface"),
 }
@@ -190,10 +202,10 @@ def architectures() -> dict:
             attention_chunk_size=16,
             attn_temperature_tuning=True,
         ),
-        "falcon (no AttentionInterface)": tf.FalconConfig(
+        "falcon (its own attention code)": tf.FalconConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **ids
         ),
-        "gptj (no AttentionInterface)": tf.GPTJConfig(
+        "gptj (AttentionInterface from transformers 5.24)": tf.GPTJConfig(
             vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256, **ids
         ),
         "bloom (ALiBi, no AttentionInterface)": tf.BloomConfig(

@@ -75,14 +75,16 @@ BASE = {"bf16": False, "gradient_checkpointing": True}
 gradient checkpointing unless they say otherwise."""
 
 
-def run_case(name: str, mesh, output_dir: str) -> dict:
+def run_case(name: str, mesh, output_dir: str, deepspeed: str | None = None) -> dict:
+    """One case: single-process ``SFTTrainer`` when ``mesh`` is None, else mesh_cp's on the layout ``mesh`` (or, with
+    ``deepspeed``, the layout the trainer builds from that config's ``"mesh_attention"`` block)."""
     data, fields = CASES[name]
     sets = datasets()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(MODEL(), attn_implementation="sdpa")
     args = SFTConfig(
         output_dir=output_dir,
-        per_device_train_batch_size=BATCH if mesh is not None else BATCH * DP,
+        per_device_train_batch_size=BATCH if mesh is not None or deepspeed else BATCH * DP,
         per_device_eval_batch_size=EVAL_BATCH,
         max_steps=STEPS,
         learning_rate=0.1,
@@ -94,15 +96,16 @@ def run_case(name: str, mesh, output_dir: str) -> dict:
         report_to=[],
         use_cpu=True,
         seed=0,
+        deepspeed=deepspeed,
         **(BASE | fields),
     )
-    if mesh is None:
+    if mesh is None and deepspeed is None:
         trainer_class = SFTTrainer
     else:
         from mesh_cp.integrations import hf
 
         trainer_class = hf.mesh_cp_trainer_class(SFTTrainer)
-    extra = {} if mesh is None else {"parallel": mesh}
+    extra = {} if mesh is None else {"parallel": mesh}  # with deepspeed: built from the config's block
     trainer = trainer_class(
         model=model,
         args=args,
@@ -160,9 +163,16 @@ def refusals(mesh, output_dir: str) -> dict[str, str]:
     return messages
 
 
-def main(out: str, mesh: bool, cases: list[str]) -> None:
+def main(out: str, mesh: bool, cases: list[str], deepspeed: str | None = None) -> None:
     parallel = None
-    if mesh:
+    if deepspeed:  # the deepspeed launcher; the trainer makes the process group and the layout
+        from mesh_cp.testing import gloo_exit_workaround
+
+        gloo_exit_workaround()
+        mesh = True
+        with tempfile.TemporaryDirectory() as tmp:
+            results = [run_case(name, None, tmp, deepspeed) for name in cases]
+    elif mesh:
         import torch.distributed as dist
         from accelerate import PartialState
 
@@ -173,12 +183,11 @@ def main(out: str, mesh: bool, cases: list[str]) -> None:
         PartialState()
         parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=CP, tile=(1, CP))
         assert parallel.dp_size == DP, parallel
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in cases:
-            results.append(run_case(name, parallel, tmp))
-        if mesh:
-            results.append({"case": "refusals", "messages": refusals(parallel, tmp)})
+    if not deepspeed:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = [run_case(name, parallel, tmp) for name in cases]
+            if mesh:
+                results.append({"case": "refusals", "messages": refusals(parallel, tmp)})
     if not mesh or torch.distributed.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -191,6 +200,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--mesh", action="store_true")
+    parser.add_argument("--deepspeed", default=None, help="DeepSpeed config with a mesh_attention block")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--cases", default=",".join(CASES))
     cli = parser.parse_args()
-    main(cli.out, cli.mesh, cli.cases.split(","))
+    main(cli.out, cli.mesh, cli.cases.split(","), cli.deepspeed)

@@ -98,3 +98,27 @@ def test_refused_options_are_named(runs, option: str) -> None:
     message = runs[1]["refusals"]["messages"][option]
     assert message != "accepted", option
     assert option in message, message
+
+
+def test_sft_trainer_with_deepspeed_block_equals_single_process(runs, tmp_path: Path) -> None:
+    """``SFTConfig(deepspeed=...)`` with the shipped ZeRO 3 config, its block set to DP 2 x CP 2 (tile 1x2): the
+    trainer builds the layout from the block; packing with short documents trains as the single process does."""
+    import os
+
+    config = json.loads((ROOT / "configs" / "ds_mesh_cp.json").read_text())
+    config["mesh_attention"] |= {"cp_size": 2, "tile": "1x2"}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "deepspeed.json"
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port", "29635", str(SCRIPT)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [*cmd, str(out), "--deepspeed", str(path), "--cases", "packing_bfd"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mesh = {r["case"]: r for r in json.loads(out.read_text())}["packing_bfd"]
+    reference = runs[0]["packing_bfd"]
+    assert _err(mesh["loss"], reference["loss"]) <= 1e-5, (mesh["loss"], reference["loss"])
+    assert mesh["num_tokens"] == reference["num_tokens"]
+    assert abs(mesh["eval_loss_before"] - reference["eval_loss_before"]) <= 1e-6, (mesh, reference)
