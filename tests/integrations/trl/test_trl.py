@@ -121,4 +121,4 @@ def test_sft_trainer_with_deepspeed_block_equals_single_process(runs, tmp_path: 
     reference = runs[0]["packing_bfd"]
     assert _err(mesh["loss"], reference["loss"]) <= 1e-5, (mesh["loss"], reference["loss"])
     assert mesh["num_tokens"] == reference["num_tokens"]
-    assert abs(mesh["eval_loss_before"] - reference["eval_loss_before"]) <= 1e-6, (mesh, reference)
+    assert abs(mesh["eval_loss"] - reference["eval_loss"]) <= 1e-4, (mesh["eval_loss"], reference["eval_loss"])
