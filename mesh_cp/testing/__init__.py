@@ -6,6 +6,6 @@ Not needed to train; nothing in :mod:`mesh_cp.runtime` imports it.
 
 from mesh_cp.testing.errors import expect_error
 from mesh_cp.testing.memory import MemoryPeak
-from mesh_cp.testing.spawn import gloo_exit_workaround, spawn_gloo
+from mesh_cp.testing.spawn import gloo_exit_workaround, run_sections, section_results, spawn_gloo
 
-__all__ = ["MemoryPeak", "expect_error", "gloo_exit_workaround", "spawn_gloo"]
+__all__ = ["MemoryPeak", "expect_error", "gloo_exit_workaround", "run_sections", "section_results", "spawn_gloo"]

@@ -12,6 +12,7 @@ import os
 import pickle
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -102,4 +103,25 @@ def spawn_gloo(
         for rank in range(world):
             with open(os.path.join(tmp, f"result_{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
+    return results
+
+
+def run_sections(sections: dict[str, Callable[[int, int], dict]], rank: int, world: int) -> dict[str, dict]:
+    """Run every ``section(rank, world)`` of ``sections`` (one spawned group serving many tests), in order: each
+    section's result under its name, or, when it raises, ``{"section raised": <the traceback>}``
+    (:func:`section_results` fails the test that reads it)."""
+    results: dict[str, dict] = {}
+    for name, section in sections.items():
+        try:
+            results[name] = section(rank, world)
+        except Exception as err:  # noqa: BLE001 - reported by the section's test
+            results[name] = {"section raised": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"}
+    return results
+
+
+def section_results(per_rank: list[dict[str, dict]], name: str) -> list[dict]:
+    """Section ``name``'s results on every rank (:func:`run_sections`); fails with the traceback if it raised."""
+    results = [res[name] for res in per_rank]
+    for rank, res in enumerate(results):
+        assert "section raised" not in res, f"rank {rank}: {res['section raised']}"
     return results

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import os
-import traceback
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import mesh_cp  # noqa: E402
-from mesh_cp.testing import spawn_gloo  # noqa: E402
+from mesh_cp.testing import run_sections, section_results, spawn_gloo  # noqa: E402
 from mesh_cp.testing.models import VOCAB, tiny_causal_lms  # noqa: E402
 
 TOL = 1e-5
@@ -233,17 +232,11 @@ SECTIONS = {"compiled model": compiled_model_section, "trainer": trainer_section
 
 
 def world4_worker(rank: int, world: int) -> dict[str, dict]:
-    """Every section in one spawned group; a section that raises reports its traceback."""
+    """Every section in one spawned group."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    results: dict[str, dict] = {}
-    for name, section in SECTIONS.items():
-        try:
-            results[name] = section(rank, world)
-        except Exception as err:  # noqa: BLE001 - reported by the section's test
-            results[name] = {"section raised": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"}
-    return results
+    return run_sections(SECTIONS, rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -251,12 +244,7 @@ def world4() -> list[dict[str, dict]]:
     return spawn_gloo(world4_worker, 4)
 
 
-def section(per_rank: list[dict[str, dict]], name: str) -> list[dict]:
-    """One section's results on every rank; fails with the traceback if it raised."""
-    results = [res[name] for res in per_rank]
-    for rank, res in enumerate(results):
-        assert "section raised" not in res, f"rank {rank}: {res['section raised']}"
-    return results
+section = section_results
 
 
 def test_compiled_model_matches_single_process_sdpa(world4) -> None:

@@ -14,7 +14,6 @@ The P = 4 cases share one spawned group (:func:`world4`); each test reads its ow
 from __future__ import annotations
 
 import copy
-import traceback
 import types
 
 import pytest
@@ -24,7 +23,7 @@ pytest.importorskip("transformers")
 
 import mesh_cp  # noqa: E402
 from mesh_cp.core import factorizations  # noqa: E402
-from mesh_cp.testing import expect_error, spawn_gloo  # noqa: E402
+from mesh_cp.testing import expect_error, run_sections, section_results, spawn_gloo  # noqa: E402
 from mesh_cp.testing.models import VOCAB, tiny_causal_lms, tiny_config  # noqa: E402
 
 TOL = 1e-5
@@ -239,17 +238,11 @@ def _refusals(mesh, hf) -> dict:
 
 
 def world4_worker(rank: int, world: int) -> dict[str, dict]:
-    """Every P = 4 section in one spawned group; a section that raises reports its traceback."""
+    """Every section in one spawned group."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    results: dict[str, dict] = {}
-    for name, section in WORLD4_SECTIONS.items():
-        try:
-            results[name] = section(rank, world)
-        except Exception as err:  # noqa: BLE001 - reported by the section's test
-            results[name] = {"section raised": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"}
-    return results
+    return run_sections(WORLD4_SECTIONS, rank, world)
 
 
 @pytest.fixture(scope="module")
@@ -257,12 +250,7 @@ def world4() -> list[dict[str, dict]]:
     return spawn_gloo(world4_worker, 4)
 
 
-def section(per_rank: list[dict[str, dict]], name: str) -> list[dict]:
-    """One section's results on every rank; fails with the traceback if it raised."""
-    results = [res[name] for res in per_rank]
-    for rank, res in enumerate(results):
-        assert "section raised" not in res, f"rank {rank}: {res['section raised']}"
-    return results
+section = section_results
 
 
 @pytest.mark.parametrize("world", [4, 2])

@@ -11,16 +11,13 @@ throughput metrics (samples per second times runtime) within 5% of the reference
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("accelerate")
 
-from tests.integrations.accelerate.test_accelerate import ROOT, accelerate_launch  # noqa: E402
+from tests.integrations.clients import reference_and_mesh  # noqa: E402
 from tests.integrations.hf.trainer_cases import CASES  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("trainer_cases.py")
@@ -29,16 +26,7 @@ SCRIPT = Path(__file__).with_name("trainer_cases.py")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict, dict]:
     """``(reference, mesh)``: case name -> what the trainer reported."""
-    out = tmp_path_factory.mktemp("trainer")
-    reference, mesh = out / "reference.json", out / "mesh.json"
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(out)}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(reference)], capture_output=True, text=True, env=env, cwd=out, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    accelerate_launch(SCRIPT, str(mesh), "--mesh", port=29633, cwd=out)
-    read = lambda path: {r["case"]: r for r in json.loads(path.read_text())}  # noqa: E731
-    return read(reference), read(mesh)
+    return reference_and_mesh(SCRIPT, tmp_path_factory.mktemp("trainer"), port=29633)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -11,7 +11,6 @@ test_trainer.py runs both and compares them case by case.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 
 import torch
@@ -24,6 +23,7 @@ from transformers import (
 )
 
 from mesh_cp.testing.models import VOCAB, tiny_config
+from tests.integrations.clients import SGD_RUN, launched_layout, write_results
 
 DP, CP, BATCH, STEPS = 2, 2, 2, 4
 EVAL_BATCH, EVAL_EXAMPLES = 2, 5  # the replicas get 2 and 1 batches, the last one short
@@ -80,15 +80,7 @@ def run_case(name: str, mesh, output_dir: str) -> dict:
         per_device_train_batch_size=BATCH if mesh is not None else BATCH * DP,
         per_device_eval_batch_size=EVAL_BATCH,
         learning_rate=0.05,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        **fields,
+        **(SGD_RUN | fields),
     )
     if packed:  # one row of documents; single-process SDPA keeps them apart by their restarting position_ids
         collator = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
@@ -119,26 +111,10 @@ def run_case(name: str, mesh, output_dir: str) -> dict:
 
 
 def main(out: str, mesh: bool, cases: list[str]) -> None:
-    parallel = None
-    if mesh:
-        import torch.distributed as dist
-        from accelerate import PartialState
-
-        from mesh_cp.integrations import hf
-        from mesh_cp.testing import gloo_exit_workaround
-
-        gloo_exit_workaround()
-        PartialState()
-        parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=CP, tile=(1, CP))
-        assert parallel.dp_size == DP, parallel
+    parallel = launched_layout(CP, DP) if mesh else None
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_case(name, parallel, tmp) for name in cases]
-    if not mesh or torch.distributed.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    if mesh:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    write_results(out, results, mesh)
 
 
 if __name__ == "__main__":

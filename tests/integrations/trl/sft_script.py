@@ -11,7 +11,6 @@ test_trl.py runs both and compares them case by case.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 
 import torch
@@ -21,6 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
 from mesh_cp.testing.models import VOCAB, tiny_config
+from tests.integrations.clients import SGD_RUN, launched_layout, write_results
 
 DP, CP, BATCH, STEPS = 2, 2, 2, 3
 
@@ -91,16 +91,8 @@ def run_case(name: str, mesh, output_dir: str, deepspeed: str | None = None) -> 
         per_device_eval_batch_size=EVAL_BATCH,
         max_steps=STEPS,
         learning_rate=0.1,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
         deepspeed=deepspeed,
-        **(BASE | fields),
+        **(SGD_RUN | BASE | fields),
     )
     if mesh is None and deepspeed is None:
         trainer_class = SFTTrainer
@@ -169,36 +161,18 @@ def refusals(mesh, output_dir: str) -> dict[str, str]:
 
 
 def main(out: str, mesh: bool, cases: list[str], deepspeed: str | None = None) -> None:
-    parallel = None
-    if deepspeed:  # the deepspeed launcher; the trainer makes the process group and the layout
-        from mesh_cp.testing import gloo_exit_workaround
+    with tempfile.TemporaryDirectory() as tmp:
+        if deepspeed:  # the deepspeed launcher; the trainer makes the process group and the layout
+            from mesh_cp.testing import gloo_exit_workaround
 
-        gloo_exit_workaround()
-        mesh = True
-        with tempfile.TemporaryDirectory() as tmp:
+            gloo_exit_workaround()
             results = [run_case(name, None, tmp, deepspeed) for name in cases]
-    elif mesh:
-        import torch.distributed as dist
-        from accelerate import PartialState
-
-        from mesh_cp.integrations import hf
-        from mesh_cp.testing import gloo_exit_workaround
-
-        gloo_exit_workaround()
-        PartialState()
-        parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=CP, tile=(1, CP))
-        assert parallel.dp_size == DP, parallel
-    if not deepspeed:
-        with tempfile.TemporaryDirectory() as tmp:
+        else:
+            parallel = launched_layout(CP, DP) if mesh else None
             results = [run_case(name, parallel, tmp) for name in cases]
             if mesh:
                 results.append({"case": "refusals", "messages": refusals(parallel, tmp)})
-    if not mesh or torch.distributed.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    if mesh:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    write_results(out, results, mesh or deepspeed is not None)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.integrations.accelerate.test_accelerate import ROOT, accelerate_launch  # noqa: E402
+from tests.integrations.clients import ROOT, reference_and_mesh  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("sft_script.py")
 FP32_CASES = [
@@ -37,16 +37,7 @@ FP32_CASES = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict, dict]:
     """``(reference, mesh)``: case name -> what the trainer reported."""
-    out = tmp_path_factory.mktemp("trl")
-    reference, mesh = out / "reference.json", out / "mesh.json"
-    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(out)}
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(reference)], capture_output=True, text=True, env=env, cwd=out, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    accelerate_launch(SCRIPT, str(mesh), "--mesh", port=29632, cwd=out)
-    read = lambda path: {r["case"]: r for r in json.loads(path.read_text())}  # noqa: E731
-    return read(reference), read(mesh)
+    return reference_and_mesh(SCRIPT, tmp_path_factory.mktemp("trl"), port=29632)
 
 
 def _err(a: list[float], b: list[float]) -> float:

@@ -1,0 +1,66 @@
+"""What the tests that compare mesh_cp with a real single-process client share: the DP x CP layout of a launched
+script, its results file, and the two runs of such a script (single-process reference, and mesh_cp under
+``accelerate launch``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SGD_RUN = {
+    "optim": "sgd",
+    "lr_scheduler_type": "constant",
+    "max_grad_norm": 0.0,
+    "logging_steps": 1,
+    "save_strategy": "no",
+    "report_to": [],
+    "use_cpu": True,
+    "seed": 0,
+}
+"""TrainingArguments of a compared run: plain SGD at a constant rate, every step's loss logged, nothing saved."""
+
+
+def launched_layout(cp: int, dp: int):
+    """The DP x CP layout (tile 1 x ``cp``) of a script under ``accelerate launch``, whose process group accelerate
+    makes."""
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    from mesh_cp.integrations import hf
+    from mesh_cp.testing import gloo_exit_workaround
+
+    gloo_exit_workaround()
+    PartialState()
+    parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=cp, tile=(1, cp))
+    assert parallel.dp_size == dp, parallel
+    return parallel
+
+
+def write_results(out: str, results: list[dict], distributed: bool) -> None:
+    """``results`` as JSON into ``out`` (rank 0 of a distributed run), then the end of a gloo run."""
+    if not distributed or torch.distributed.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    if distributed:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def reference_and_mesh(script: Path, out: Path, port: int) -> tuple[dict, dict]:
+    """Run ``script OUT`` in one plain process (the reference) and ``script OUT --mesh`` under ``accelerate launch``;
+    ``(reference, mesh)``: case name -> result."""
+    from tests.integrations.accelerate.test_accelerate import accelerate_launch
+
+    reference, mesh = out / "reference.json", out / "mesh.json"
+    env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(out)}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(reference)], capture_output=True, text=True, env=env, cwd=out, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    accelerate_launch(script, str(mesh), "--mesh", port=port, cwd=out)
+    return tuple({r["case"]: r for r in json.loads(path.read_text())} for path in (reference, mesh))
