@@ -39,7 +39,16 @@ def tokenizer() -> PreTrainedTokenizerFast:
     vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<pad>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }} <eos> "
+    "{% endgeneration %}{% else %}{{ m['content'] }} {% endif %}{% endfor %}"
+)
+"""Turns laid back to back, each assistant turn ending in ``<eos>`` and marked for ``assistant_only_loss``."""
 
 
 def texts(count: int, low: int, high: int, seed: int) -> list[str]:
@@ -54,6 +63,14 @@ def datasets() -> dict[str, Dataset]:
         "ragged": Dataset.from_dict({"text": texts(16, 10, 30, 1)}),
         "short": Dataset.from_dict({"text": texts(48, 3, 14, 2)}),  # several documents per packed row
         "completion": Dataset.from_dict({"prompt": prompts, "completion": completions}),
+        "chat": Dataset.from_dict(
+            {
+                "messages": [
+                    [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+                    for p, c in zip(prompts, completions, strict=True)
+                ]
+            }
+        ),
         "eval": Dataset.from_dict({"text": texts(EVAL_EXAMPLES, 8, 20, 5)}),
     }
 
@@ -64,6 +81,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "packing_wrapped": ("short", {"packing": True, "packing_strategy": "wrapped", "max_length": 40}),
     "padding_free": ("ragged", {"padding_free": True, "max_length": None}),
     "completion_only": ("completion", {"completion_only_loss": True}),
+    "assistant_only": ("chat", {"assistant_only_loss": True}),
     "no_gradient_checkpointing": ("short", {"packing": True, "max_length": 40, "gradient_checkpointing": False}),
     "bf16": ("ragged", {"bf16": True}),
     "sequential": ("ragged", {"train_sampling_strategy": "sequential"}),

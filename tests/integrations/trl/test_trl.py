@@ -29,6 +29,7 @@ FP32_CASES = [
     "packing_wrapped",
     "padding_free",
     "completion_only",
+    "assistant_only",
     "no_gradient_checkpointing",
     "sequential",
 ]
