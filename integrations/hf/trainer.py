@@ -144,6 +144,8 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers,
             prefetch_factor=self.args.dataloader_prefetch_factor,
+            multiprocessing_context=getattr(self.args, "dataloader_multiprocessing_context", None),
+            in_order=getattr(self.args, "dataloader_in_order", True),
             worker_init_fn=functools.partial(
                 seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
             ),
