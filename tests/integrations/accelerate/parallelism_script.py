@@ -2,11 +2,14 @@
 processes (test_parallelism_config.py): the Accelerator gets :func:`hf.accelerator_parallelism_config` and builds no
 device mesh, and :func:`hf.parallel_from_accelerate` builds mesh_cp's layout from the block. Also from
 ``ParallelismConfig`` objects: ``dp_shard_size`` counted as DP replicas, and sizes that do not cover the world
-refused. Prints one JSON line per rank."""
+refused. Each rank writes its result as JSON to ``OUT_DIR/rank<R>.json`` (printed lines of several processes
+interleave)."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import torch.distributed as dist
 from accelerate import Accelerator, ParallelismConfig
@@ -41,7 +44,7 @@ def main() -> None:
         "accelerate_mesh": accelerator.torch_device_mesh is not None,
         "accelerate_cp": accelerator.parallelism_config.cp_size,
     }
-    print("result " + json.dumps(result), flush=True)
+    Path(sys.argv[1], f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -120,14 +120,20 @@ def test_accelerate_launch_with_a_parallelism_config_block(tmp_path: Path) -> No
     config.write_text((ROOT / "configs" / "accelerate_mesh_cp.yaml").read_text() + "parallelism_config:\n" + block)
     accelerate = Path(sys.executable).with_name("accelerate")
     script = Path(__file__).with_name("parallelism_script.py")
-    cmd = [str(accelerate), "launch", "--config_file", str(config), "--main_process_port", "29631", str(script)]
+    cmd = [
+        str(accelerate),
+        "launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        "29631",
+        str(script),
+        str(tmp_path),
+    ]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = sorted(
-        (json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("result ")),
-        key=lambda r: r["rank"],
-    )
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
     assert [r["rank"] for r in results] == [0, 1, 2, 3], proc.stdout[-3000:]
     for r in results:
         rank = r["rank"]
