@@ -26,6 +26,17 @@ SGD_RUN = {
 """TrainingArguments of a compared run: plain SGD at a constant rate, every step's loss logged, nothing saved."""
 
 
+def padded(examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(input_ids, attention_mask)`` of ``examples`` (pad token 0)."""
+    length = max(len(e["input_ids"]) for e in examples)
+    ids = torch.zeros(len(examples), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(examples):
+        ids[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
+        mask[row, : len(e["input_ids"])] = 1
+    return ids, mask
+
+
 def launched_layout(cp: int, dp: int):
     """The DP x CP layout (tile 1 x ``cp``) of a script under ``accelerate launch``, whose process group accelerate
     makes."""

@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 from mesh_cp.integrations import hf
 from mesh_cp.testing import gloo_exit_workaround
 from mesh_cp.testing.models import VOCAB, tiny_causal_lms
+from tests.integrations.clients import padded
 
 STEPS, EPOCHS, BATCH, LR = 3, 2, 2, 0.1
 EVAL_EXAMPLES, EVAL_BATCH, EVAL_INDEX = 5, 2, 1000  # eval examples are numbered from EVAL_INDEX
@@ -48,17 +49,6 @@ class RecordingCollator:
     def __call__(self, examples):
         self.seen.append([e["index"] for e in examples])
         return self.collate(examples)
-
-
-def padded(examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``(input_ids, attention_mask)`` of ``examples``."""
-    length = max(len(e["input_ids"]) for e in examples)
-    ids = torch.zeros(len(examples), length, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, e in enumerate(examples):
-        ids[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
-        mask[row, : len(e["input_ids"])] = 1
-    return ids, mask
 
 
 @torch.no_grad()

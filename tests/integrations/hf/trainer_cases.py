@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from mesh_cp.testing.models import VOCAB, tiny_config
-from tests.integrations.clients import SGD_RUN, launched_layout, write_results
+from tests.integrations.clients import SGD_RUN, launched_layout, padded, write_results
 
 DP, CP, BATCH, STEPS = 2, 2, 2, 4
 EVAL_BATCH, EVAL_EXAMPLES = 2, 5  # the replicas get 2 and 1 batches, the last one short
@@ -54,12 +54,7 @@ class Tokenizer:
     pad_token_id, pad_token, padding_side, model_input_names = 0, "<pad>", "right", ["input_ids"]
 
     def pad(self, examples, return_tensors="pt", pad_to_multiple_of=None, **_):
-        length = max(len(e["input_ids"]) for e in examples)
-        ids = torch.zeros(len(examples), length, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, e in enumerate(examples):
-            ids[row, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
-            mask[row, : len(e["input_ids"])] = 1
+        ids, mask = padded(examples)
         return {"input_ids": ids, "attention_mask": mask}
 
 
