@@ -21,6 +21,30 @@ from mesh_cp.config import BLOCK, MeshConfig
 from mesh_cp.core import AttentionShape, most_square_tile
 
 
+def parallel_from_config(config: MeshConfig, group: Any = None, *, shape: AttentionShape | None = None) -> Any:
+    """The :class:`mesh_cp.DataContextParallel` an enabled ``config`` asks for, over ``group`` (default: the world).
+
+    A concrete tile without a topology is ``CPMesh.create``'s; ``"tile": "auto"`` or a ``"topology"`` go through
+    :func:`mesh_cp.auto_mesh` (the cost model), which needs ``shape`` (the per-rank
+    :class:`~mesh_cp.core.AttentionShape`) for ``"auto"``."""
+    import torch.distributed as dist
+
+    from mesh_cp.runtime import DataContextParallel
+
+    if not config.enabled:
+        raise ValueError(f"the mesh config is not enabled ({config}); set enabled=True to build a layout")
+    group = dist.group.WORLD if group is None else group
+    tile = config.tile_for(dist.get_world_size(group))
+    if tile != "auto" and config.topology is None:
+        return DataContextParallel.create(
+            group, cp_size=config.cp_size, tile=tile, head_parallel=config.head_parallel or 1
+        )
+    from mesh_cp.auto import auto_mesh
+
+    options = {"topology": config.topology, "shape": shape, "tile": tile, "head_parallel": config.head_parallel}
+    return DataContextParallel.create(group, cp_size=config.cp_size, mesh=lambda cp: auto_mesh(cp, **options))
+
+
 def _is_hf_model(model: Any) -> bool:
     """Whether ``model`` is a transformers ``PreTrainedModel`` (``False`` when transformers is not installed)."""
     try:
@@ -76,4 +100,4 @@ def ds_attention_shape(model: Any, config: MeshConfig, ds_config: Mapping[str, A
     )
 
 
-__all__ = ["ds_attention_shape", "switch_attention"]
+__all__ = ["ds_attention_shape", "parallel_from_config", "switch_attention"]

@@ -3,11 +3,11 @@
 ::
 
     "mesh_attention": {"enabled": true, "cp_size": 4, "tile": "2x2", "schedule": "overlap"}
-    "mesh_attention": {"enabled": true, "cp_size": 8, "heads": 2, "tile": "2x2"}   # head-parallel x mesh
+    "mesh_attention": {"enabled": true, "cp_size": 8, "head_parallel": 2, "tile": "2x2"}   # head-parallel x mesh
     "mesh_attention": {"enabled": true, "cp_size": 8, "tile": "auto", "topology": "h100", "seq_len": 131072}
 
 Pure Python (no torch): read by the DeepSpeed adapter and by the Hugging Face ``Trainer`` given a
-DeepSpeed config; :meth:`mesh_cp.runtime.parallel.DataContextParallel.from_config` builds the layout.
+DeepSpeed config; :func:`mesh_cp.integrations.parallel_from_config` builds the layout.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from mesh_cp.core.options import Backward, Schedule, check_option
+from mesh_cp.core.head_parallel import head_parallel_unavailable
+from mesh_cp.core.options import Backward, Schedule, check_option, positive_int, refuse_renamed
 from mesh_cp.core.tiling import Tiling, most_square_tile
 
 BLOCK = "mesh_attention"
@@ -31,15 +32,15 @@ class MeshConfig:
     """Switch Mesh-Attention on (``False``: the block is ignored)."""
     cp_size: int | None = None
     """Ranks per context-parallel group (consecutive ranks); must divide the world size."""
-    heads: int | None = None
+    head_parallel: int | None = None
     """``u``, the head-parallel degree of the head-parallel x mesh hybrid (Note [Head-parallel x mesh] in
     :mod:`mesh_cp.runtime.heads`): groups of ``u`` consecutive CP ranks exchange heads by all-to-all and
     ``tile`` tiles the ``cp_size / u`` ranks that then hold the same heads; ``u`` must divide ``cp_size`` and
     the model's query heads. ``1``: plain Mesh-Attention. Left out (``None``): 1 with a tile, and with ``"tile":
-    "auto"`` chosen by the cost model with the tile (``heads`` given: the tile for that ``u``), as
-    :meth:`mesh_cp.CPMesh.create`'s ``heads=None``."""
+    "auto"`` chosen by the cost model with the tile (given: the tile for that ``u``), as
+    :func:`mesh_cp.auto_mesh`'s ``head_parallel=None``. The former key ``"heads"`` is refused, naming this one."""
     tile: str | None = None
-    """``"AxB"`` with ``A * B = cp_size / heads``, or ``"auto"`` (needs ``topology`` and ``seq_len``); default the
+    """``"AxB"`` with ``A * B = cp_size / head_parallel``, or ``"auto"`` (needs ``topology`` and ``seq_len``); default the
     most square tile."""
     schedule: Schedule = "overlap"
     """``"overlap"`` or ``"collective"`` (:func:`mesh_cp.mesh_attn_func`)."""
@@ -53,10 +54,12 @@ class MeshConfig:
 
     def __post_init__(self) -> None:
         _check_type("enabled", self.enabled, bool)
-        for name in ("cp_size", "seq_len", "heads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f'"{BLOCK}": "{name}" must be a positive integer, got {value!r}')
+        for name in ("cp_size", "seq_len", "head_parallel"):
+            if getattr(self, name) is not None:
+                try:
+                    positive_int(f'"{name}"', getattr(self, name))
+                except ValueError as err:
+                    raise ValueError(f'"{BLOCK}": {err}') from None
         for name in ("tile", "topology"):
             if getattr(self, name) is not None:
                 _check_type(name, getattr(self, name), str)
@@ -75,6 +78,7 @@ class MeshConfig:
             return None
         if not isinstance(block, Mapping):
             raise ValueError(f'"{BLOCK}" must be a JSON object, got {block!r}')
+        refuse_renamed(block, where=f'"{BLOCK}"')
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(block) - set(known))
         if unknown:
@@ -91,7 +95,7 @@ class MeshConfig:
         :meth:`tile_for`'s)."""
         if self.cp_size is None:
             raise ValueError(f'"{BLOCK}": "enabled": true needs "cp_size" (ranks per context-parallel group)')
-        self._check_heads()
+        self._check_head_parallel()
         if self.tile == "auto":
             missing = [k for k in ("topology", "seq_len") if getattr(self, k) is None]
             if missing:
@@ -111,14 +115,12 @@ class MeshConfig:
                 f"(the zig-zag layout gives every rank two equal half-chunks)"
             )
 
-    def _check_heads(self) -> None:
-        """``heads`` divides ``cp_size``."""
-        if self.heads is not None and self.cp_size % self.heads:
-            divisors = [d for d in range(1, self.cp_size + 1) if self.cp_size % d == 0]
-            raise ValueError(
-                f'"{BLOCK}": "heads" {self.heads} does not divide "cp_size" {self.cp_size}: the head-parallel '
-                f"degree splits each CP group into groups of heads ranks; choose one of {divisors}"
-            )
+    def _check_head_parallel(self) -> None:
+        """``head_parallel`` divides ``cp_size``."""
+        if self.head_parallel is not None:
+            reason = head_parallel_unavailable(self.cp_size, self.head_parallel)
+            if reason is not None:
+                raise ValueError(f'"{BLOCK}": {reason} ("cp_size")')
 
     def _check_tile(self) -> None:
         try:
@@ -127,18 +129,18 @@ class MeshConfig:
             if self.mesh_ranks == self.cp_size:
                 raise
             raise ValueError(
-                f'"{BLOCK}": "tile" {self.tile} must tile cp_size / heads = {self.cp_size} / {self.heads} = '
+                f'"{BLOCK}": "tile" {self.tile} must tile cp_size / head_parallel = {self.cp_size} / {self.head_parallel} = '
                 f"{self.mesh_ranks} mesh ranks: {err}"
             ) from None
 
     @property
     def mesh_ranks(self) -> int:
-        """The ranks the tile tiles: ``cp_size / heads`` (``cp_size`` when ``heads`` is left out)."""
-        return self.cp_size // (self.heads or 1)
+        """The ranks the tile tiles: ``cp_size / head_parallel`` (``cp_size`` when it is left out)."""
+        return self.cp_size // (self.head_parallel or 1)
 
     @property
     def seq_multiple(self) -> int:
-        """The multiple a sequence length must be (zig-zag layout): ``2 * cp_size``, whatever ``heads``
+        """The multiple a sequence length must be (zig-zag layout): ``2 * cp_size``, whatever ``head_parallel``
         (:meth:`mesh_cp.CPMesh.seq_multiple`)."""
         return 2 * self.cp_size
 

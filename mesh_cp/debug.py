@@ -150,10 +150,12 @@ class CommCounter(TorchDispatchMode):
         return sum(r.bytes_sent for r in self.records)
 
     def bytes_by_role(self, mesh: CPMesh) -> dict[str, int]:
-        """Bytes per group of ``mesh``: ``"q"``, ``"kv"``, ``"cp"``, ``"check"``, and ``"other"`` for any other."""
+        """Bytes per group of ``mesh`` (:func:`group_roles`: ``"heads"``, ``"q"``, ``"kv"``, ``"cp"``,
+        ``"check"``), and ``"other"`` for any other group."""
+        roles = group_roles(mesh)
         totals: dict[str, int] = defaultdict(int)
         for r in self.records:
-            totals[mesh.role_of(r.group_name) or "other"] += r.bytes_sent
+            totals[roles.get(r.group_name, "other")] += r.bytes_sent
         return dict(totals)
 
     def bytes_by_link(self, node_of: Callable[[int], int]) -> dict[str, int]:
@@ -168,3 +170,15 @@ class CommCounter(TorchDispatchMode):
 
     def reset(self) -> None:
         self.records.clear()
+
+
+def group_roles(mesh: CPMesh) -> dict[str, str]:
+    """Process-group name -> its role in ``mesh``: ``"q"`` (the Q-group), ``"kv"`` (the KV-group), ``"cp"`` (the
+    CP group), ``"heads"`` (the head group) and ``"check"`` (the group of the call checks). A group that plays
+    two roles is named by the first of that order."""
+    roles = (("q", mesh.q_group), ("kv", mesh.kv_group), ("cp", mesh.group), ("heads", mesh.head_group))
+    names: dict[str, str] = {}
+    for role, group in (*roles, ("check", mesh.check_group)):
+        if group is not None:
+            names.setdefault(group.group_name, role)
+    return names

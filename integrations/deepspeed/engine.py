@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mesh_cp.config import MeshConfig
-from mesh_cp.integrations import ds_attention_shape, switch_attention
+from mesh_cp.integrations import ds_attention_shape, parallel_from_config, switch_attention
 from mesh_cp.integrations.deepspeed.config import check_no_conflicts, check_training_data, load_config
 from mesh_cp.integrations.deepspeed.data import training_dataloader
 from mesh_cp.runtime.batch import ShardedBatch, causal_lm_loss, shard_batch
@@ -123,7 +123,7 @@ def layout_from_config(config: dict[str, Any], model: torch.nn.Module | None = N
     if cfg is None or not cfg.enabled:
         return None
     shape = ds_attention_shape(model, cfg, config) if cfg.tile == "auto" else None
-    parallel = DataContextParallel.from_config(cfg, shape=shape)
+    parallel = parallel_from_config(cfg, shape=shape)
     if model is not None:
         switch_attention(model, parallel.mesh, **cfg.attention_options)
     return MeshAttention(config=cfg, parallel=parallel)

@@ -13,13 +13,13 @@ import torch
 from torch import Tensor
 
 import mesh_cp
+from mesh_cp.core.head_parallel import HeadCounts, check_head_parallel
 from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.options import check_layout, check_option
 from mesh_cp.integrations.hf.attention import NAME, register
 from mesh_cp.integrations.hf.compat import given_cache
 from mesh_cp.runtime.batch import document_positions
 from mesh_cp.runtime.device_checks import check_on_device
-from mesh_cp.runtime.heads import check_heads
 from mesh_cp.runtime.mesh import CPMesh
 
 LENGTH_DEPENDENT_ROPE: tuple[str, ...] = ("dynamic", "longrope")
@@ -48,7 +48,7 @@ def attach(
     ``schedule`` and ``backward`` of :func:`mesh_cp.mesh_attn_func`; ``layout`` is how :func:`shard_batch`
     sharded the sequence). Returns ``model``; attaching again replaces the earlier attachment.
 
-    ``mesh`` may be a head-parallel x mesh hybrid (``CPMesh.create(group, tile=..., heads=u)``): shard the batch
+    ``mesh`` may be a head-parallel x mesh hybrid (``CPMesh.create(group, tile=..., head_parallel=u)``): shard the batch
     with :func:`shard_batch` / :class:`ShardingCollator` over the same mesh (they follow its layout), and every
     layer's query heads must split over ``u`` and its K/V heads split or repeat (checked here).
 
@@ -99,9 +99,9 @@ def _check_attach_arguments(model: torch.nn.Module, mesh: CPMesh, schedule: str,
 
 
 def _check_head_counts(layers: list[tuple[str, torch.nn.Module]], mesh: CPMesh) -> None:
-    """With head-parallel ranks (``mesh.heads > 1``), every layer's query heads must split over them and its K/V
-    heads split or repeat (:func:`mesh_cp.runtime.heads.check_heads`); refused here, before any forward."""
-    if mesh.heads == 1:
+    """With head-parallel ranks (``mesh.head_parallel > 1``), every layer's query heads must split over them and
+    its K/V heads split or repeat (:func:`mesh_cp.core.check_head_parallel`); refused here, before any forward."""
+    if mesh.head_parallel == 1:
         return
     for name, layer in layers:
         heads = getattr(layer.config, "num_attention_heads", None)
@@ -109,7 +109,7 @@ def _check_head_counts(layers: list[tuple[str, torch.nn.Module]], mesh: CPMesh) 
             continue  # checked by the attention call itself
         kv_heads = getattr(layer.config, "num_key_value_heads", None) or heads
         try:
-            check_heads(mesh, heads, kv_heads)
+            check_head_parallel(mesh.size, mesh.head_parallel, HeadCounts(heads, kv_heads))
         except ValueError as err:
             raise ValueError(f"{name} ({type(layer).__name__}): {err}") from None
 

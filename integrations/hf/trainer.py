@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from mesh_cp.config import MeshConfig
-from mesh_cp.integrations import ds_attention_shape
+from mesh_cp.integrations import ds_attention_shape, parallel_from_config
 from mesh_cp.integrations.hf.attach import attach
 from mesh_cp.integrations.hf.collate import TOKEN_COUNTS, ShardCollated, replica_examples
 from mesh_cp.integrations.hf.compat import (
@@ -286,6 +286,6 @@ def _parallel_from_deepspeed_args(training_args: Any, model: torch.nn.Module) ->
             '"tile": ...} to it, or pass parallel= to MeshCPTrainer'
         )
     shape = ds_attention_shape(model, cfg, ds_config.config) if cfg.tile == "auto" else None
-    parallel = DataContextParallel.from_config(cfg, shape=shape)
+    parallel = parallel_from_config(cfg, shape=shape)
     attach(model, parallel.mesh, **cfg.attention_options)
     return parallel

@@ -1,33 +1,27 @@
 """Plan (pure data) and numerics (torch tensors) of Mesh-Attention; no torch.distributed here.
 
-``tiling`` (who computes which block) -> ``layout`` (which tokens a rank holds) -> ``plan`` (blocks,
-transfers, bytes) -> ``schedule`` (the overlapped schedule as data); ``hybrid`` wraps a plan in the
-all-to-alls of head-parallel ranks; ``options`` names the choices and ``numerics`` holds the one LSE merge.
+``tiling`` (who computes which block) -> ``layout`` (which tokens a rank holds) -> ``blocks`` (what part of a
+block is computed) -> ``plan`` (the head exchange, blocks, transfers, bytes: one object per call) -> ``schedule``
+(the overlapped schedule as data); ``head_parallel`` holds the groups and checks of the head-parallel degree;
+``options`` names the choices and ``numerics`` holds the one LSE merge.
 """
 
+from mesh_cp.core.blocks import BlockWork, MaskKind, block_work, mask_kind
 from mesh_cp.core.decode import DecodeReduction, DecodeShape
-from mesh_cp.core.hybrid import (
-    HybridPlan,
+from mesh_cp.core.head_parallel import (
+    HeadCounts,
+    check_head_parallel,
     head_group_ranks,
-    hybrid_unavailable,
-    inner_shape,
-    make_hybrid_plan,
+    head_parallel_unavailable,
     mesh_group_ranks,
-    valid_heads,
+    mesh_shape,
+    valid_head_parallel,
 )
 from mesh_cp.core.layout import check_seq_len, chunk_ranges, layout_permutation, local_positions
 from mesh_cp.core.masks import AttentionMask
-from mesh_cp.core.options import BACKWARD_MODES, LAYOUTS, SCHEDULES, check_layout, check_option
-from mesh_cp.core.plan import (
-    AttentionPlan,
-    AttentionShape,
-    BlockWork,
-    MaskKind,
-    Transfer,
-    block_work,
-    make_plan,
-    mask_kind,
-)
+from mesh_cp.core.options import BACKWARD_MODES, LAYOUTS, SCHEDULES, check_layout, check_option, positive_int
+from mesh_cp.core.plan import AttentionPlan, Transfer, make_plan
+from mesh_cp.core.shape import AttentionShape
 from mesh_cp.core.tiling import Tiling, factorizations, most_square_tile
 
 __all__ = [
@@ -40,25 +34,26 @@ __all__ = [
     "BlockWork",
     "DecodeReduction",
     "DecodeShape",
-    "HybridPlan",
+    "HeadCounts",
     "MaskKind",
     "Tiling",
     "Transfer",
     "block_work",
+    "check_head_parallel",
     "check_layout",
     "check_option",
     "check_seq_len",
     "chunk_ranges",
     "factorizations",
     "head_group_ranks",
-    "hybrid_unavailable",
-    "inner_shape",
+    "head_parallel_unavailable",
     "layout_permutation",
     "local_positions",
-    "make_hybrid_plan",
     "make_plan",
     "mask_kind",
     "mesh_group_ranks",
+    "mesh_shape",
     "most_square_tile",
-    "valid_heads",
+    "positive_int",
+    "valid_head_parallel",
 ]

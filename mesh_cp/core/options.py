@@ -36,3 +36,39 @@ def check_option(name: str, value: object) -> str:
 def check_layout(layout: object) -> str:
     """``check_option("layout", layout)``."""
     return check_option("layout", layout)
+
+
+def positive_int(name: str, value: object, *, what: str = "") -> int:
+    """Return ``value`` when it is an ``int`` (not a ``bool``) of at least 1; otherwise raise ``ValueError`` naming
+    ``name``, the value and, when given, ``what`` it counts (``"ranks of the CP group"``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        counts = f" ({what})" if what else ""
+        raise ValueError(f"{name} must be a positive int{counts}, got {value!r}")
+    return value
+
+
+def positive_or_none(name: str, value: object, *, unit: str = "") -> object:
+    """Return ``value`` when it is ``None`` or a positive number (``unit`` says of what, such as ``"bytes"``);
+    otherwise raise ``ValueError`` naming it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        of = f" of {unit}" if unit else ""
+        raise ValueError(f"{name} must be a positive number{of} or None, got {value!r}")
+    return value
+
+
+RENAMED: dict[str, str] = {"heads": "head_parallel"}
+"""Former spellings of options and what they are called now (refused by :func:`refuse_renamed`)."""
+
+
+def refuse_renamed(options: dict, *, where: str) -> None:
+    """Raise ``ValueError`` when ``options`` (keyword arguments or a config block) uses a former spelling of
+    :data:`RENAMED`, naming the new one; ``where`` names the function or block that was called."""
+    old = [name for name in RENAMED if name in options]
+    if old:
+        name = old[0]
+        raise ValueError(
+            f"{where}: {name!r} was renamed {RENAMED[name]!r} (the head-parallel degree u; 'heads' counts query "
+            f"heads only); pass {RENAMED[name]}={options[name]!r}"
+        )

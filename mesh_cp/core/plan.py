@@ -3,107 +3,23 @@
 Pure Python (no torch): the executors run this plan, the communication counter checks what they sent
 against it, and the simulator (:mod:`mesh_cp.sim`, also the peak-memory model) reads it. The tiling is
 Note [Mesh tiling] in :mod:`mesh_cp.core.tiling`; the layouts are in :mod:`mesh_cp.core.layout`.
-
-Note [Zig-zag causal balance]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-For causal attention the sequence is cut into ``2P`` half-chunks and rank ``g`` holds the pair
-``(g, 2P-1-g)``, in that order. Every off-diagonal block then costs exactly half a dense block::
-
-    y < x : KV_FIRST_HALF   both Q halves attend the first KV half, no mask
-    y > x : Q_SECOND_HALF   only the second Q half attends, to both KV halves, no mask
-    y = x : CAUSAL          ordinary causal attention over the rank's own chunk
-
-(The local order of a zig-zag chunk is increasing in global position, so the diagonal block is the
-usual top-left causal mask.) Every rank owns exactly one diagonal block, so every ``a x b`` tile is
-perfectly balanced. With the contiguous layout a causal block is FULL below the diagonal and SKIP
-above it, which leaves the first ranks idle.
+The blocks and Note [Zig-zag causal balance] are in :mod:`mesh_cp.core.blocks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from mesh_cp.core.layout import check_layout
+from mesh_cp.core.blocks import BlockWork, MaskKind, block_work
+from mesh_cp.core.head_parallel import check_head_parallel, mesh_shape
 from mesh_cp.core.masks import NO_MASK, AttentionMask, Tile, block_tiles, rectangle_pairs, tile_segments
-from mesh_cp.core.options import Backward, Layout, Phase, Schedule, check_option
+from mesh_cp.core.options import Backward, Layout, Phase, Schedule, check_option, positive_or_none
 from mesh_cp.core.schedule import OverlapSchedule, build_overlap_schedule
+from mesh_cp.core.shape import AttentionShape
 from mesh_cp.core.tiling import Tiling
-
-# ----------------------------------------------------------------------------------------------
-# Blocks
-
-
-class MaskKind(enum.Enum):
-    """What part of block ``(x, y)`` is computed; see Note [Zig-zag causal balance]."""
-
-    FULL = "full"
-    CAUSAL = "causal"
-    KV_FIRST_HALF = "kv_first_half"
-    Q_SECOND_HALF = "q_second_half"
-    SKIP = "skip"
-    MASKED = "masked"
-    """An :class:`~mesh_cp.core.masks.AttentionMask` removes some pairs: one call with an explicit mask
-    (Note [Masked blocks] in :mod:`mesh_cp.core.masks`)."""
-
-
-def mask_kind(x: int, y: int, *, causal: bool, layout: str) -> MaskKind:
-    if not causal:
-        return MaskKind.FULL
-    if x == y:
-        return MaskKind.CAUSAL
-    if layout == "zigzag":
-        return MaskKind.KV_FIRST_HALF if y < x else MaskKind.Q_SECOND_HALF
-    check_layout(layout)
-    return MaskKind.FULL if y < x else MaskKind.SKIP
-
-
-@dataclass(frozen=True)
-class BlockWork:
-    """One kernel call: Q rows ``q_rows`` of chunk ``x`` against KV rows ``kv_rows`` of chunk ``y``."""
-
-    x: int
-    y: int
-    kind: MaskKind
-    q_rows: tuple[int, int]
-    """Local row range ``[start, stop)`` of Q chunk ``x`` that takes part."""
-    kv_rows: tuple[int, int]
-    """Local row range ``[start, stop)`` of KV chunk ``y`` that takes part."""
-    masked_pairs: int | None = None
-    """For a ``MASKED`` block, the pairs the mask leaves, averaged over the batch rows."""
-
-    @property
-    def causal(self) -> bool:
-        return self.kind is MaskKind.CAUSAL
-
-    @property
-    def pairs(self) -> int:
-        """Query-key pairs computed (the block's compute cost)."""
-        if self.masked_pairs is not None:
-            return self.masked_pairs
-        nq = self.q_rows[1] - self.q_rows[0]
-        nk = self.kv_rows[1] - self.kv_rows[0]
-        return nq * (nq + 1) // 2 if self.causal else nq * nk
-
-
-def block_work(x: int, y: int, *, causal: bool, layout: str, seq_local: int) -> BlockWork | None:
-    """The kernel call for block ``(x, y)``, or ``None`` when the mask leaves nothing to compute."""
-    kind = mask_kind(x, y, causal=causal, layout=layout)
-    half = seq_local // 2
-    rows = {
-        MaskKind.FULL: ((0, seq_local), (0, seq_local)),
-        MaskKind.CAUSAL: ((0, seq_local), (0, seq_local)),
-        MaskKind.KV_FIRST_HALF: ((0, seq_local), (0, half)),
-        MaskKind.Q_SECOND_HALF: ((half, seq_local), (0, seq_local)),
-    }
-    if kind is MaskKind.SKIP:
-        return None
-    q_rows, kv_rows = rows[kind]
-    return BlockWork(x=x, y=y, kind=kind, q_rows=q_rows, kv_rows=kv_rows)
-
 
 # ----------------------------------------------------------------------------------------------
 # Transfers
@@ -119,7 +35,7 @@ class Transfer:
     """
 
     phase: Phase
-    group: Literal["q", "kv"]
+    group: Literal["heads", "q", "kv"]
     op: Literal["all_gather", "all_to_all"]
     what: str
     group_size: int
@@ -132,55 +48,18 @@ class Transfer:
 
 
 @dataclass(frozen=True)
-class AttentionShape:
-    """Per-rank tensor sizes of one attention call."""
-
-    batch: int
-    seq_local: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    itemsize: int
-    """Bytes per element of q, k, v (2 for bf16/fp16, 4 for fp32)."""
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "seq_local", "heads", "kv_heads", "head_dim", "itemsize"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"AttentionShape.{name} must be a positive int, got {value!r}")
-        if self.heads % self.kv_heads:
-            raise ValueError(
-                f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads} (GQA/MQA); "
-                f"use a kv_heads that divides {self.heads}"
-            )
-
-    @property
-    def acc_itemsize(self) -> int:
-        """Bytes per element of accumulators (o, lse, delta, dq, dk, dv): fp32, or fp64 for fp64."""
-        return 8 if self.itemsize == 8 else 4
-
-    @property
-    def chunk_elems(self) -> int:
-        """One ``C``: elements of a local Q chunk, ``batch * seq_local * heads * head_dim``."""
-        return self.batch * self.seq_local * self.heads * self.head_dim
-
-    @property
-    def kv_ratio(self) -> float:
-        """``r = kv_heads / heads``."""
-        return self.kv_heads / self.heads
-
-    @property
-    def stats_elems(self) -> int:
-        """Elements of one lse (or delta) chunk, ``batch * heads * seq_local``."""
-        return self.batch * self.heads * self.seq_local
-
-
-@dataclass(frozen=True)
 class AttentionPlan:
-    """Everything one attention call does, as data: blocks, transfers, bytes and buffers."""
+    """Everything one attention call does, as data: the head exchange, blocks, transfers, bytes and buffers.
+
+    ``P = head_parallel * tiling.world`` CP ranks. With ``head_parallel = u > 1`` the call first exchanges heads
+    inside groups of ``u`` ranks and the ``m = tiling.world`` ranks holding the same heads compute the blocks
+    (Note [Head-parallel x mesh plan] in :mod:`mesh_cp.core.head_parallel`); ``u = 1`` has no exchange. Block
+    methods (:meth:`blocks`, :meth:`block_at`, :meth:`overlap`) take a *mesh rank* (the CP rank ``// u``)."""
 
     tiling: Tiling
+    """The ``a x b`` tiling of the ``m`` mesh ranks (``P`` ranks when ``head_parallel = 1``)."""
     shape: AttentionShape
+    """Per-rank sizes of the call's inputs: ``S / P`` tokens, all heads."""
     causal: bool
     layout: Layout
     backward: Backward = "regather"
@@ -195,26 +74,41 @@ class AttentionPlan:
     """Most bytes of gathered Q/KV chunks the overlapped schedule may hold at once (``None``: no limit)."""
     mask: AttentionMask | None = None
     """Documents, padding and a window beyond ``causal`` (``None``: none); see Note [Masked blocks]."""
+    head_parallel: int = 1
+    """``u``: ranks per head group that exchange heads by all-to-all (1: none)."""
+    return_lse: bool = False
+    """The call returns the lse: with ``u > 1`` it travels back (and its gradient in) through the head exchange."""
 
     def __post_init__(self) -> None:
         check_option("layout", self.layout)
         check_option("backward", self.backward)
         check_option("schedule", self.schedule)
+        check_head_parallel(self.world, self.head_parallel, self.shape)
         if self.layout == "zigzag" and self.shape.seq_local % 2:
             raise ValueError(
                 f"seq_local {self.shape.seq_local} must be even for the zigzag layout "
-                f"(global seq_len must be a multiple of 2*P = {2 * self.tiling.world}); pad the sequence"
+                f"(global seq_len must be a multiple of 2*P = {2 * self.world}); pad the sequence"
             )
         if len(self.link_cost) != 2 or min(self.link_cost) <= 0:
             raise ValueError(f"link_cost must be two positive numbers (Q ring, KV ring), got {self.link_cost!r}")
         if self.mask is not None:
             self.mask.check(self.shape.batch, self.seq_len, self.causal)
-        if self.buffer_budget is not None and self.buffer_budget < 1:
-            raise ValueError(f"buffer_budget must be a positive number of bytes or None, got {self.buffer_budget!r}")
+        positive_or_none("buffer_budget", self.buffer_budget, unit="bytes")
+
+    @property
+    def world(self) -> int:
+        """``P = u * m``, the ranks of the CP group."""
+        return self.head_parallel * self.tiling.world
+
+    @functools.cached_property
+    def mesh_shape(self) -> AttentionShape:
+        """Per-rank sizes the blocks are computed on: :attr:`shape` after the head exchange (``S / m`` tokens,
+        ``H / u`` heads; :func:`~mesh_cp.core.head_parallel.mesh_shape`), :attr:`shape` itself for ``u = 1``."""
+        return mesh_shape(self.head_parallel, self.shape)
 
     @property
     def seq_len(self) -> int:
-        return self.shape.seq_local * self.tiling.world
+        return self.shape.seq_local * self.world
 
     def blocks(self, rank: int) -> tuple[BlockWork, ...]:
         """Kernel calls of ``rank``, in execution order (its diagonal block first)."""
@@ -227,8 +121,9 @@ class AttentionPlan:
         return sum(w.pairs for w in self.blocks(rank))
 
     def transfers(self, phase: Phase) -> tuple[Transfer, ...]:
-        """The collectives of ``phase``, in issue order; groups of size 1 move nothing."""
-        s, a, b = self.shape, self.tiling.a, self.tiling.b
+        """The collectives of the mesh in ``phase``, in issue order (the collective schedule's; the head exchange is
+        :meth:`all_to_alls`); groups of size 1 move nothing."""
+        s, a, b = self.mesh_shape, self.tiling.a, self.tiling.b
         item, acc = s.itemsize, s.acc_itemsize
         q_bytes, kv_bytes = self.chunk_bytes()
         stats_bytes = s.stats_elems * acc
@@ -256,13 +151,13 @@ class AttentionPlan:
         )
 
     def chunk_bytes(self) -> tuple[int, int]:
-        """Bytes of one Q chunk and of one KV chunk (K and V), in the input dtype."""
-        s = self.shape
+        """Bytes of one Q chunk and of one KV chunk (K and V) of the mesh (:attr:`mesh_shape`), in the input dtype."""
+        s = self.mesh_shape
         return s.chunk_elems * s.itemsize, 2 * s.batch * s.seq_local * s.kv_heads * s.head_dim * s.itemsize
 
     def step_bytes(self, phase: Phase) -> dict[tuple[str, str], int]:
         """Bytes one rank sends per step of the overlapped schedule, by ``(ring, "move" | "reduce")``."""
-        s = self.shape
+        s = self.mesh_shape
         q_bytes, kv_bytes = self.chunk_bytes()
         acc, stats = s.acc_itemsize, s.stats_elems * s.acc_itemsize
         if phase == "forward":
@@ -319,7 +214,7 @@ class AttentionPlan:
         return {"seq_len": self.seq_len, "world": self.tiling.world, "layout": self.layout, "causal": self.causal}
 
     def _work_options(self) -> dict:
-        return {"causal": self.causal, "layout": self.layout, "seq_local": self.shape.seq_local}
+        return {"causal": self.causal, "layout": self.layout, "seq_local": self.mesh_shape.seq_local}
 
     def _masked(self, w: BlockWork | None) -> BlockWork | None:
         """``w`` under :attr:`mask`: ``None`` when no row keeps a pair, ``w`` when the mask removes none,
@@ -333,20 +228,48 @@ class AttentionPlan:
             return w
         return dataclasses.replace(w, kind=MaskKind.MASKED, masked_pairs=sum(pairs) // len(pairs))
 
+    def all_to_alls(self, phase: Phase) -> tuple[Transfer, ...]:
+        """The head exchange of ``phase`` in issue order (Note [Head-parallel x mesh plan]): one all-to-all per
+        tensor over the head group, ``what`` its name and ``piece_bytes`` the ``X / u`` sent to each peer (``X``
+        its bytes per rank in the head layout, a repeated K/V counted with its repeats). Empty for ``u = 1``."""
+        check_option("phase", phase)
+        u = self.head_parallel
+        if u == 1:
+            return ()
+        s = self.mesh_shape
+        q_bytes, kv_bytes = self.chunk_bytes()
+        lse = [s.stats_elems * s.acc_itemsize] if self.return_lse else []
+        if phase == "forward":
+            moves = [("q", q_bytes), ("k", kv_bytes // 2), ("v", kv_bytes // 2), ("out", q_bytes)]
+            moves += [("lse", n) for n in lse]
+        else:
+            moves = [("dout", q_bytes), *(("dlse", n) for n in lse)]
+            moves += [("dq", q_bytes), ("dk", kv_bytes // 2), ("dv", kv_bytes // 2)]
+        return tuple(
+            Transfer(phase=phase, group="heads", op="all_to_all", what=what, group_size=u, piece_bytes=x // u)
+            for what, x in moves
+        )
+
     def bytes_sent(self, phase: Phase, group: str | None = None) -> int:
-        """Bytes one rank sends in ``phase`` (optionally only within the ``"q"`` or ``"kv"`` group).
+        """Bytes one rank sends in ``phase``: all of them, or only within its head group (``"heads"``), its Q-group
+        (``"q"``) or its KV-group (``"kv"``).
 
         Both schedules send the same bytes: a ring all-gather or reduce-scatter step moves what the
         bandwidth-optimal collective moves.
         """
+        heads = sum(t.bytes_sent for t in self.all_to_alls(phase))
+        if group == "heads":
+            return heads
         if self.schedule == "collective":
-            return sum(t.bytes_sent for t in self.transfers(phase) if group is None or t.group == group)
-        nbytes = self.step_bytes(phase)
-        return sum(
-            nbytes[(step.ring, step.kind)]
-            for step in self.overlap(phase).steps()
-            if group is None or step.ring == group
-        )
+            mesh = sum(t.bytes_sent for t in self.transfers(phase) if group is None or t.group == group)
+        else:
+            nbytes = self.step_bytes(phase)
+            mesh = sum(
+                nbytes[(step.ring, step.kind)]
+                for step in self.overlap(phase).steps()
+                if group is None or step.ring == group
+            )
+        return mesh + (heads if group is None else 0)
 
     def traffic_units(self, phase: Phase) -> float:
         """The traffic formula of docs/ALGORITHMS.md in units of ``C`` (lse/delta left out).
@@ -356,18 +279,21 @@ class AttentionPlan:
         for fp32 inputs only — :meth:`bytes_sent` is exact for every dtype.
 
         forward ``2(a-1) + 2r(b-1)``; backward ``3(a-1) + 4r(b-1)`` with re-gather and
-        ``2(a-1) + 2r(b-1)`` when the forward's chunks are reused.
+        ``2(a-1) + 2r(b-1)`` when the forward's chunks are reused; ``r`` is the mesh's K/V ratio. With
+        ``u > 1`` the head exchange adds ``(2 + 2r)(u - 1) / u`` (Note [Head-parallel x mesh plan]).
         """
-        a, b, r = self.tiling.a, self.tiling.b, self.shape.kv_ratio
+        a, b, r, u = self.tiling.a, self.tiling.b, self.mesh_shape.kv_ratio, self.head_parallel
+        heads = (2 + 2 * r) * (u - 1) / u
         if phase == "forward" or self.backward == "reuse":
-            return 2 * (a - 1) + 2 * r * (b - 1)
-        return 3 * (a - 1) + 4 * r * (b - 1)
+            return heads + 2 * (a - 1) + 2 * r * (b - 1)
+        return heads + 3 * (a - 1) + 4 * r * (b - 1)
 
     def stats_bytes_sent(self, phase: Phase) -> int:
-        """Bytes of lse/delta statistics one rank sends in ``phase`` (not in the formula)."""
-        per_chunk = self.shape.stats_elems * self.shape.acc_itemsize
-        a = self.tiling.a
-        return (a - 1) * per_chunk * (1 if phase == "forward" else 2)
+        """Bytes of lse/delta statistics one rank sends in ``phase`` (not in the formula): the mesh's, and the
+        lse (forward) or its gradient (backward) in the head exchange when the call returns the lse."""
+        per_chunk = self.mesh_shape.stats_elems * self.mesh_shape.acc_itemsize
+        heads = sum(t.bytes_sent for t in self.all_to_alls(phase) if t.what in ("lse", "dlse"))
+        return (self.tiling.a - 1) * per_chunk * (1 if phase == "forward" else 2) + heads
 
 
 @functools.lru_cache(maxsize=256)
@@ -382,8 +308,10 @@ def make_plan(
     link_cost: tuple[float, float] = (1.0, 1.0),
     buffer_budget: int | None = None,
     mask: AttentionMask | None = None,
+    head_parallel: int = 1,
+    return_lse: bool = False,
 ) -> AttentionPlan:
-    """Cached :class:`AttentionPlan` constructor (plans are immutable and reused across layers)."""
+    """Cached :class:`AttentionPlan` constructor (plans are immutable and reused across layers and steps)."""
     return AttentionPlan(
         tiling=tiling,
         shape=shape,
@@ -394,4 +322,6 @@ def make_plan(
         link_cost=link_cost,
         buffer_budget=buffer_budget,
         mask=mask,
+        head_parallel=head_parallel,
+        return_lse=return_lse,
     )

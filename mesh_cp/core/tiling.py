@@ -32,6 +32,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from mesh_cp.core.options import positive_int
+
 
 def factorizations(world: int) -> tuple[tuple[int, int], ...]:
     """Every tile ``(a, b)`` with ``a * b == world``, ``a`` ascending (``(1, world)`` is the ring)."""
@@ -58,9 +60,7 @@ class Tiling:
 
     def __post_init__(self) -> None:
         for name in ("world", "a", "b"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Tiling.{name} must be a positive int, got {value!r}")
+            positive_int(f"Tiling.{name}", getattr(self, name))
         if self.a * self.b != self.world:
             options = ", ".join(f"{a}x{b}" for a, b in factorizations(self.world))
             raise ValueError(

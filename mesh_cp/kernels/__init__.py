@@ -1,8 +1,10 @@
 """Block-attention kernels behind one interface, chosen by name from a small registry.
 
 Each backend lives in its own module and only that module imports its kernel library. Every
-registered kernel class has ``unsupported(device, dtype, head_dim) -> str | None``, the reason it
-cannot run such inputs there (``None``: it can), which ``"auto"`` and named choices consult.
+registered kernel class declares what it takes and runs as data, its class attribute ``capabilities``
+(a :class:`Capabilities`: the optional keywords of :class:`BlockKernel` it takes, its devices, dtypes and
+head-dim limits), and has ``not_supported_reasons(device, dtype, head_dim) -> tuple[str, ...]``, every
+reason it cannot run such inputs there (empty: it can), which ``"auto"`` and named choices consult.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from typing import Literal, get_args
 
 import torch
 
-from mesh_cp.kernels.base import BlockKernel, out_for_delta
+from mesh_cp.kernels.base import (
+    NO_CAPABILITIES,
+    OPTIONAL_KEYWORDS,
+    BlockKernel,
+    Capabilities,
+    capabilities_of,
+    out_for_delta,
+)
 
 logger = logging.getLogger("mesh_cp")
 
@@ -31,8 +40,8 @@ KERNEL_NAMES: tuple[str, ...] = get_args(KernelName)
 _CACHE: dict[str, BlockKernel] = {}
 # (device, dtype, head_dim) -> (kernel name, reason), decided and logged once.
 _AUTO: dict[tuple[torch.device, torch.dtype, int | None], tuple[str, str]] = {}
-# (name, device, dtype, head_dim) -> why that kernel cannot run such inputs (None: it can).
-_WHY: dict[tuple[str, torch.device, torch.dtype, int | None], str | None] = {}
+# (name, device, dtype, head_dim) -> every reason that kernel cannot run such inputs (empty: it can).
+_WHY: dict[tuple[str, torch.device, torch.dtype, int | None], tuple[str, ...]] = {}
 
 
 def _kernel_class(name: str) -> type:
@@ -49,20 +58,25 @@ def get_kernel(name: str) -> BlockKernel:
     return _CACHE[name]
 
 
-def unsupported(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
-    """Why kernel ``name`` cannot run ``dtype`` inputs of ``head_dim`` on ``device`` (``None``: it can;
+def not_supported_reasons(
+    name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None
+) -> tuple[str, ...]:
+    """Every reason kernel ``name`` cannot run ``dtype`` inputs of ``head_dim`` on ``device`` (empty: it can;
     ``head_dim=None`` leaves head-dim limits unchecked). Decided once per arguments."""
     key = (name, device, dtype, head_dim)
     if key not in _WHY:
-        _WHY[key] = _kernel_class(name).unsupported(device, dtype, head_dim)
+        _WHY[key] = tuple(_kernel_class(name).not_supported_reasons(device, dtype, head_dim))
     return _WHY[key]
 
 
-def takes(kernel: str | BlockKernel, what: str) -> bool:
-    """Whether a kernel (by name or object) declares the optional capability ``what``: ``takes_mask`` (a boolean
-    mask), ``takes_segments`` (flash-attn varlen sequences) or ``takes_softcap``."""
-    cls = _kernel_class(kernel) if isinstance(kernel, str) else kernel
-    return bool(getattr(cls, what, False))
+def takes(kernel: str | BlockKernel, keyword: str) -> bool:
+    """Whether a kernel (by name or object) takes the optional keyword ``keyword`` of :class:`BlockKernel`:
+    ``"mask"`` (a boolean mask), ``"segments"`` (flash-attn varlen sequences) or ``"softcap"``, as its
+    ``capabilities`` declare (:class:`Capabilities`; a kernel without them takes none). Raises ``ValueError``
+    for any other name."""
+    if keyword not in OPTIONAL_KEYWORDS:
+        raise ValueError(f"unknown kernel keyword {keyword!r}; one of {list(OPTIONAL_KEYWORDS)}")
+    return keyword in capabilities_of(_kernel_class(kernel) if isinstance(kernel, str) else kernel).keywords
 
 
 def forget_choices() -> None:
@@ -93,26 +107,26 @@ def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
 
 
 def _usable(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> list[str]:
-    return [name for name in KERNEL_NAMES if unsupported(name, device, dtype, head_dim) is None]
+    return [name for name in KERNEL_NAMES if not not_supported_reasons(name, device, dtype, head_dim)]
 
 
 def choose(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> tuple[str, str]:
     """``(name, reason)`` of the kernel ``"auto"`` uses for such inputs: the first of
     :func:`candidates` that can run them. Decided once per ``(device, dtype, head_dim)`` and logged
-    then (logger ``mesh_cp``, with why each better candidate was passed over); never raises because a
-    preferred kernel is unusable."""
+    then (logger ``mesh_cp``, with every reason each better candidate was passed over: ``name: reason; reason``,
+    candidates apart by `` | ``); never raises because a preferred kernel is unusable."""
     key = (device, dtype, head_dim)
     if key not in _AUTO:
         passed = []
         for name in candidates(device, dtype):
-            why = unsupported(name, device, dtype, head_dim)
-            if why is None:
+            why = not_supported_reasons(name, device, dtype, head_dim)
+            if not why:
                 break
-            passed.append(f"{name}: {why}")
+            passed.append(f"{name}: {'; '.join(why)}")
         else:  # unreachable: the reference kernel runs anything
             raise AssertionError(f"no kernel for {key}")
         what = f"{dtype} head_dim {head_dim} on {device}"
-        reason = f"kernel 'auto' chose {name!r} for {what}" + (f" ({'; '.join(passed)})" if passed else "")
+        reason = f"kernel 'auto' chose {name!r} for {what}" + (f" ({' | '.join(passed)})" if passed else "")
         slow = device.type == "cuda" and name == "reference" and dtype != torch.float64
         (logger.warning if slow else logger.info)("mesh_cp: %s", reason)
         _AUTO[key] = (name, reason)
@@ -125,16 +139,16 @@ def resolve_kernel(
     """A kernel object from a name, ``"auto"`` or an object implementing :class:`BlockKernel`.
 
     ``"auto"``: :func:`choose` for ``(device, dtype, head_dim)``. A named kernel that cannot run such
-    inputs raises ``NotImplementedError`` with the reason and the kernels that can. ``head_dim=None``
+    inputs raises ``NotImplementedError`` with every reason and the kernels that can. ``head_dim=None``
     leaves head-dim limits unchecked (pass ``q.shape[-1]``).
     """
     if isinstance(kernel, str):
         if kernel == "auto":
             return get_kernel(choose(device, dtype, head_dim)[0])
-        why = unsupported(kernel, device, dtype, head_dim)
-        if why is not None:
+        why = not_supported_reasons(kernel, device, dtype, head_dim)
+        if why:
             raise NotImplementedError(
-                f"kernel {kernel!r} cannot run {dtype} head_dim {head_dim} on {device}: {why}; "
+                f"kernel {kernel!r} cannot run {dtype} head_dim {head_dim} on {device}: {'; '.join(why)}; "
                 f"kernels that can: {_usable(device, dtype, head_dim)} (or kernel='auto')"
             )
         return get_kernel(kernel)
@@ -148,14 +162,18 @@ def resolve_kernel(
 
 __all__ = [
     "KERNEL_NAMES",
+    "NO_CAPABILITIES",
+    "OPTIONAL_KEYWORDS",
     "BlockKernel",
+    "Capabilities",
     "KernelName",
     "candidates",
+    "capabilities_of",
     "choose",
     "forget_choices",
     "get_kernel",
+    "not_supported_reasons",
     "out_for_delta",
     "resolve_kernel",
     "takes",
-    "unsupported",
 ]

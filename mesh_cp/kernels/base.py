@@ -43,13 +43,86 @@ dropped gradient.
 from __future__ import annotations
 
 import math
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
 from mesh_cp.core.numerics import acc_dtype
+
+if TYPE_CHECKING:
+    from mesh_cp.kernels.varlen import Segments
+
+OPTIONAL_KEYWORDS: tuple[str, ...] = ("mask", "segments", "softcap")
+"""The optional keywords of :class:`BlockKernel` ``forward`` and ``backward`` (:attr:`Capabilities.keywords`)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a block kernel takes and runs, as data. Every registered kernel class declares one as its class
+    attribute ``capabilities``; :func:`~mesh_cp.kernels.takes` reads its ``keywords``, and the class's
+    ``not_supported_reasons`` starts from :meth:`not_supported_reasons` (then adds what is not data: a library
+    that must import, the GPU's compute capability, ...).
+
+    A kernel object without ``capabilities`` (a user's own :class:`BlockKernel`) is taken as declaring
+    :data:`NO_CAPABILITIES`: no optional keyword, and no limit checked before it runs.
+    """
+
+    keywords: frozenset[str] = frozenset()
+    """The optional keywords its ``forward`` and ``backward`` take, of :data:`OPTIONAL_KEYWORDS`: ``"mask"`` (a
+    boolean mask broadcastable to ``(B, Hq, Sq, Sk)``, ``True`` where a query attends a key), ``"segments"`` (a
+    masked tile as flash-attn varlen sequences, :mod:`mesh_cp.kernels.varlen`; then ``causal=False``) and
+    ``"softcap"`` (logits ``c * tanh(s / c)``). Any iterable of names is stored as a ``frozenset``."""
+    devices: tuple[str, ...] | None = None
+    """The device types (``torch.device.type``) it runs on; ``None``: any."""
+    dtypes: tuple[torch.dtype, ...] | None = None
+    """The input dtypes it runs; ``None``: any."""
+    head_dim_multiple: int = 1
+    """It pads the head dim with zeros to a multiple of this (exact: zero columns change no score)."""
+    max_head_dim: int | None = None
+    """The largest head dim it runs, after that padding; ``None``: no limit."""
+
+    def __post_init__(self) -> None:
+        keywords = frozenset(self.keywords)
+        if not keywords <= set(OPTIONAL_KEYWORDS):
+            raise ValueError(
+                f"unknown keywords {sorted(keywords - set(OPTIONAL_KEYWORDS))}; of {list(OPTIONAL_KEYWORDS)}"
+            )
+        if self.head_dim_multiple < 1:
+            raise ValueError(f"head_dim_multiple must be >= 1, got {self.head_dim_multiple}")
+        object.__setattr__(self, "keywords", keywords)
+
+    def not_supported_reasons(self, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> tuple[str, ...]:
+        """Every reason these limits refuse ``dtype`` inputs of ``head_dim`` on ``device`` (empty: they allow them;
+        ``head_dim=None`` leaves head-dim limits unchecked)."""
+        reasons = []
+        if self.devices is not None and device.type not in self.devices:
+            reasons.append(f"needs {' or '.join(d.upper() for d in self.devices)} tensors, got {device.type}")
+        if self.dtypes is not None and dtype not in self.dtypes:
+            reasons.append(f"dtype {dtype} is not one of {[str(d) for d in self.dtypes]}")
+        if head_dim is not None and self.max_head_dim is not None:
+            padded = round_up(head_dim, self.head_dim_multiple)
+            if padded > self.max_head_dim:
+                width = f"head_dim {head_dim}" + ("" if padded == head_dim else f" (padded to {padded})")
+                reasons.append(f"{width} > {self.max_head_dim}")
+        return tuple(reasons)
+
+
+NO_CAPABILITIES = Capabilities()
+"""What a kernel object without ``capabilities`` declares: no optional keyword, no limit."""
+
+
+def capabilities_of(kernel: object) -> Capabilities:
+    """The :class:`Capabilities` a kernel class or object declares (:data:`NO_CAPABILITIES` without any)."""
+    caps = getattr(kernel, "capabilities", NO_CAPABILITIES)
+    if not isinstance(caps, Capabilities):
+        raise TypeError(
+            f"kernel {getattr(kernel, 'name', kernel)!r}: capabilities must be a mesh_cp.kernels.Capabilities, "
+            f"got {type(caps).__name__}"
+        )
+    return caps
 
 
 @runtime_checkable
@@ -60,12 +133,35 @@ class BlockKernel(Protocol):
     GQA/MQA heads are expanded, if at all, inside the kernel. ``causal`` is only ever asked for
     square blocks (``Sq == Sk``) and is top-left aligned. ``scale`` multiplies ``q k^T`` (kernels that
     pad the head dim keep it).
+
+    The optional keywords ``mask``, ``segments`` and ``softcap`` (:attr:`Capabilities.keywords`) are passed only
+    to a kernel whose class attribute ``capabilities`` (a :class:`Capabilities`) says it takes them, so a kernel
+    declares in its signatures exactly the keywords its capabilities name. A kernel without ``capabilities`` is
+    taken as declaring none (:data:`NO_CAPABILITIES`): it gets none of them, and masked tiles and softcapped
+    logits go to the reference kernel instead.
     """
 
     name: str
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        """Return ``out (B, Sq, Hq, D)`` in ``q.dtype`` and ``lse (B, Hq, Sq)`` in fp32 (fp64 for fp64)."""
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        mask: Tensor | None = None,
+        segments: Segments | None = None,
+        softcap: float | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Return ``out (B, Sq, Hq, D)`` in ``q.dtype`` and ``lse (B, Hq, Sq)`` in fp32 (fp64 for fp64).
+
+        ``mask``: boolean, broadcastable to ``(B, Hq, Sq, Sk)``, ``True`` where a query attends a key;
+        ``segments``: a masked tile as flash-attn varlen sequences (:mod:`mesh_cp.kernels.varlen`, with
+        ``causal=False``); ``softcap``: logits ``softcap * tanh(s / softcap)``. Each only when the kernel's
+        capabilities take it. A row that attends nothing gets ``out = 0`` and ``lse = -inf``.
+        """
         ...
 
     def backward(
@@ -80,6 +176,9 @@ class BlockKernel(Protocol):
         causal: bool,
         scale: float,
         lse_grad: bool = False,
+        mask: Tensor | None = None,
+        segments: Segments | None = None,
+        softcap: float | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of one block given the row's *global* ``lse`` and ``delta``.
 
@@ -87,7 +186,8 @@ class BlockKernel(Protocol):
         reaches the row's lse (Note [Gradient of the lse]). ``lse_grad=False`` promises that no gradient
         reaches the lse (``delta = rowsum(dO * O)`` exactly, so ``delta = 0`` wherever ``dO = 0``);
         ``lse_grad=True`` allows any ``delta``. ``lse`` and ``delta`` are ``(B, Hq, Sq)`` fp32 (fp64 for
-        fp64). Returns ``dq (B, Sq, Hq, D)`` and ``dk, dv (B, Sk, Hkv, D)`` (in ``q.dtype`` or wider).
+        fp64). ``mask``, ``segments`` and ``softcap`` as in :meth:`forward`, only when the kernel takes them.
+        Returns ``dq (B, Sq, Hq, D)`` and ``dk, dv (B, Sk, Hkv, D)`` (in ``q.dtype`` or wider).
         """
         ...
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.numerics import SUPPORTED_DTYPES, expand_kv, fold_kv_grad
-from mesh_cp.kernels.base import fused_backward_inputs
+from mesh_cp.kernels.base import Capabilities, fused_backward_inputs
 
 
 def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -18,17 +18,13 @@ class CpuFlashKernel:
     """``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (fp16/bf16/fp32/fp64, any head dim)."""
 
     name = "cpu_flash"
-    takes_mask = True
+    capabilities = Capabilities(keywords={"mask"}, devices=("cpu",), dtypes=SUPPORTED_DTYPES)
     """``forward`` and ``backward`` take a boolean ``mask`` (blocks a :class:`~mesh_cp.core.AttentionMask` cuts)."""
 
     @classmethod
-    def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
-        """Why this kernel cannot run such inputs (``None``: it can)."""
-        if device.type != "cpu":
-            return f"needs CPU tensors, got {device.type}"
-        if dtype not in SUPPORTED_DTYPES:
-            return f"dtype {dtype} is not one of {[str(d) for d in SUPPORTED_DTYPES]}"
-        return None
+    def not_supported_reasons(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> tuple[str, ...]:
+        """Every reason this kernel cannot run such inputs (empty: it can): its capabilities' limits only."""
+        return cls.capabilities.not_supported_reasons(device, dtype, head_dim)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None

@@ -44,7 +44,14 @@ import torch
 from torch import Tensor
 
 from mesh_cp.kernels import varlen
-from mesh_cp.kernels.base import CudaOnlyKernel, backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
+from mesh_cp.kernels.base import (
+    Capabilities,
+    CudaOnlyKernel,
+    backward_by_parts,
+    fused_backward_inputs,
+    pad_head_dim,
+    round_up,
+)
 
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_MULTIPLE = 8
@@ -56,15 +63,20 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
 
 
+def _no_backward(padded: int, capability: tuple[int, int], what: str) -> str | None:
+    """Why the kernel has no backward for a padded head dim of ``padded`` on a GPU of ``capability``: PyTorch's own
+    dispatch (sdp_utils: ..._gt192_constraints_on_sm86_89_or_120) refuses training with head dims in (192, 224] on
+    these GPUs."""
+    if capability in ((8, 6), (8, 9), (12, 0), (12, 1)) and 192 < padded <= 224:
+        return f"{what} (padded to {padded}) in (192, 224] has no backward on compute capability {capability}"
+    return None
+
+
 def _refused_width(padded: int, capability: tuple[int, int], what: str) -> str | None:
     """Why the kernel cannot train with a padded head dim of ``padded`` on a GPU of ``capability``."""
     if padded > MAX_HEAD_DIM:
         return f"{what} > {MAX_HEAD_DIM}"
-    # PyTorch's own dispatch (sdp_utils: ..._gt192_constraints_on_sm86_89_or_120) refuses training with
-    # head dims in (192, 224] on these GPUs.
-    if capability in ((8, 6), (8, 9), (12, 0), (12, 1)) and 192 < padded <= 224:
-        return f"{what} (padded to {padded}) in (192, 224] has no backward on compute capability {capability}"
-    return None
+    return _no_backward(padded, capability, what)
 
 
 def _op_parameters() -> frozenset[str]:
@@ -128,28 +140,36 @@ class CudaFlashKernel(CudaOnlyKernel):
     """``aten._scaled_dot_product_flash_attention`` and its backward, on CUDA tensors."""
 
     name = "cuda_flash"
-    takes_segments = True
+    capabilities = Capabilities(
+        keywords={"segments"},
+        devices=("cuda",),
+        dtypes=DTYPES,
+        head_dim_multiple=HEAD_DIM_MULTIPLE,
+        max_head_dim=MAX_HEAD_DIM,
+    )
     """``forward`` and ``backward`` take ``segments`` (a masked tile as varlen sequences,
     :mod:`mesh_cp.kernels.varlen`; then ``causal=False``)."""
 
     @classmethod
-    def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
-        """Why this kernel cannot run such inputs (``None``: it can)."""
-        if device.type != "cuda":
-            return f"needs CUDA tensors, got {device.type}"
+    def not_supported_reasons(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> tuple[str, ...]:
+        """Every reason this kernel cannot run such inputs (empty: it can): its capabilities' limits, a ROCm or
+        flash-less PyTorch build, and on a CUDA device its compute capability (at least 8.0, and no head dim whose
+        backward PyTorch refuses there)."""
+        reasons = list(cls.capabilities.not_supported_reasons(device, dtype, head_dim))
         if torch.version.hip:
-            return "PyTorch's flash kernel on ROCm has other limits; not offered there"
-        if dtype not in DTYPES:
-            return f"FlashAttention supports {[str(d) for d in DTYPES]}, not {dtype}"
+            reasons.append("PyTorch's flash kernel on ROCm has other limits; not offered there")
         available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
         if not available():
-            return "this PyTorch build has no flash attention kernel"
+            reasons.append("this PyTorch build has no flash attention kernel")
+        if device.type != "cuda" or torch.version.hip:
+            return tuple(reasons)
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 0):
-            return f"FlashAttention needs compute capability >= 8.0 (Ampere), got {major}.{minor}"
+            reasons.append(f"FlashAttention needs compute capability >= 8.0 (Ampere), got {major}.{minor}")
         if head_dim is not None:
-            return _refused_width(round_up(head_dim, HEAD_DIM_MULTIPLE), (major, minor), f"head_dim {head_dim}")
-        return None
+            width = _no_backward(round_up(head_dim, HEAD_DIM_MULTIPLE), (major, minor), f"head_dim {head_dim}")
+            reasons += [width] if width else []
+        return tuple(reasons)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, segments: varlen.Segments | None = None

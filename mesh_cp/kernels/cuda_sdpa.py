@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mesh_cp.core.numerics import expand_kv, fold_kv_grad
-from mesh_cp.kernels.base import CudaOnlyKernel, fused_backward_inputs, pad_head_dim, round_up
+from mesh_cp.kernels.base import Capabilities, CudaOnlyKernel, fused_backward_inputs, pad_head_dim, round_up
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The head dim is padded with zeros to a multiple of this (exact: zero columns change no score), so
@@ -61,23 +61,23 @@ class CudaSdpaKernel(CudaOnlyKernel):
     """
 
     name = "cuda_sdpa"
-    takes_mask = True
+    capabilities = Capabilities(
+        keywords={"mask"}, devices=("cuda",), dtypes=DTYPES, head_dim_multiple=HEAD_DIM_MULTIPLE
+    )
     """``forward`` and ``backward`` take a boolean ``mask`` (Note [Masked tiles in the memory-efficient kernel])."""
 
     @classmethod
-    def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
-        """Why this kernel cannot run such inputs (``None``: it can)."""
-        if device.type != "cuda":
-            return f"needs CUDA tensors, got {device.type}"
-        if dtype not in DTYPES:
-            return f"the memory-efficient kernel supports {[str(d) for d in DTYPES]}, not {dtype}"
-        if not torch.version.hip:
+    def not_supported_reasons(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> tuple[str, ...]:
+        """Every reason this kernel cannot run such inputs (empty: it can): its capabilities' limits, and on a CUDA
+        device (not ROCm) the compute capability: at least 5.0, and 8.0 for bfloat16."""
+        reasons = list(cls.capabilities.not_supported_reasons(device, dtype, head_dim))
+        if device.type == "cuda" and not torch.version.hip:
             capability = torch.cuda.get_device_capability(device)
             if capability < (5, 0):
-                return f"compute capability {capability[0]}.{capability[1]} < 5.0"
+                reasons.append(f"compute capability {capability[0]}.{capability[1]} < 5.0")
             if dtype == torch.bfloat16 and capability < (8, 0):
-                return f"bfloat16 needs compute capability >= 8.0, got {capability[0]}.{capability[1]}"
-        return None
+                reasons.append(f"bfloat16 needs compute capability >= 8.0, got {capability[0]}.{capability[1]}")
+        return tuple(reasons)
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None

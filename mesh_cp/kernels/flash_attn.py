@@ -71,7 +71,7 @@ import torch
 from torch import Tensor
 
 from mesh_cp.kernels import varlen
-from mesh_cp.kernels.base import backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
+from mesh_cp.kernels.base import Capabilities, backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
 
 MIN_VERSION = (2, 6, 3)
 SPLIT_WINDOW_VERSION = (2, 7, 0)
@@ -167,8 +167,13 @@ class FlashAttnKernel:
     """
 
     name = "flash_attn"
-    takes_segments = True
-    takes_softcap = True
+    capabilities = Capabilities(
+        keywords={"segments", "softcap"},
+        devices=("cuda",),
+        dtypes=DTYPES,
+        head_dim_multiple=HEAD_DIM_MULTIPLE,
+        max_head_dim=MAX_HEAD_DIM,
+    )
 
     def __init__(self, *, check_device: bool = True) -> None:
         self._fa, self.version, self._split_window = load()
@@ -182,24 +187,21 @@ class FlashAttnKernel:
         return cls(check_device=False)
 
     @classmethod
-    def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
-        """Why this kernel cannot run such inputs (``None``: it can)."""
-        if device.type != "cuda":
-            return f"needs CUDA tensors, got {device.type}"
-        if dtype not in DTYPES:
-            return f"flash-attn supports {[str(d) for d in DTYPES]}, not {dtype}"
-        if head_dim is not None and round_up(head_dim, HEAD_DIM_MULTIPLE) > MAX_HEAD_DIM:
-            return f"head_dim {head_dim} > {MAX_HEAD_DIM}"
+    def not_supported_reasons(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> tuple[str, ...]:
+        """Every reason this kernel cannot run such inputs (empty: it can): its capabilities' limits, ROCm, on a
+        CUDA device a compute capability below 8.0, and a flash-attn that :func:`load` refuses (imported here)."""
+        reasons = list(cls.capabilities.not_supported_reasons(device, dtype, head_dim))
         if torch.version.hip:
-            return "flash-attn's ROCm build has another API; not offered there"
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 0):
-            return f"flash-attn 2 needs compute capability >= 8.0 (Ampere), got {major}.{minor}"
+            reasons.append("flash-attn's ROCm build has another API; not offered there")
+        elif device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 0):
+                reasons.append(f"flash-attn 2 needs compute capability >= 8.0 (Ampere), got {major}.{minor}")
         try:
             load()
         except RuntimeError as err:
-            return str(err)
-        return None
+            reasons.append(str(err))
+        return tuple(reasons)
 
     def _window(self, left: int = -1, right: int = -1) -> dict:
         return (

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.numerics import acc_dtype, expand_kv, fold_kv_grad, mask_causal
+from mesh_cp.kernels.base import Capabilities
 from mesh_cp.kernels.varlen import Segments, segments_mask
 
 
@@ -52,14 +53,12 @@ class ReferenceKernel:
     """
 
     name = "reference"
-    takes_mask = True
-    takes_segments = True
-    takes_softcap = True
+    capabilities = Capabilities(keywords={"mask", "segments", "softcap"})
 
     @classmethod
-    def unsupported(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> str | None:
-        """Why this kernel cannot run such inputs (``None``: it can; it runs anything, in O(Sq * Sk) memory)."""
-        return None
+    def not_supported_reasons(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> tuple[str, ...]:
+        """Every reason this kernel cannot run such inputs (none: it runs anything, in O(Sq * Sk) memory)."""
+        return cls.capabilities.not_supported_reasons(device, dtype, head_dim)
 
     def forward(
         self,

@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.numerics import SUPPORTED_DTYPES, autocast_dtype, autocast_inputs, document_ids
-from mesh_cp.core.plan import AttentionShape, make_plan
-from mesh_cp.kernels import BlockKernel, resolve_kernel, takes
+from mesh_cp.core.options import Backward, Layout, Schedule, check_option, positive_or_none
+from mesh_cp.core.plan import make_plan
+from mesh_cp.core.shape import AttentionShape
+from mesh_cp.kernels import BlockKernel, KernelName, resolve_kernel, takes
+from mesh_cp.runtime import heads
 from mesh_cp.runtime.call import AttentionCall, Saved
-from mesh_cp.runtime.heads import hybrid_attention
+from mesh_cp.runtime.check import check_same_call
+from mesh_cp.runtime.executors import EXECUTORS
 from mesh_cp.runtime.mesh import CPMesh
 
 
 class MeshAttnFunc(torch.autograd.Function):
     """Autograd function of Mesh-Attention; use :func:`mesh_attn_func` rather than calling it directly.
 
-    ``forward(q, k, v, call) -> (out, lse)`` with ``call`` the :class:`AttentionCall` (mesh, plan, kernel,
-    scale, ``lse_grad``), kept on ``ctx`` for backward; its plan's ``schedule`` picks the executor.
+    ``forward(q, k, v, call) -> out`` (``(out, lse)`` when the plan returns the lse) with ``call`` the
+    :class:`AttentionCall` (mesh, plan, kernel, scale, ``lse_grad``), kept on ``ctx`` for backward. It runs the
+    whole plan: with ``head_parallel > 1`` the head exchange (:mod:`mesh_cp.runtime.heads`) in, the executor of the
+    blocks (the plan's ``schedule``), the exchange out; backward is the adjoint, on the head-layout tensors saved
+    in forward.
 
     Gradients are not materialised: an output that no loss reads arrives in ``backward`` as ``None``
     (and is taken as zeros). ``call.lse_grad`` (``mesh_attn_func``'s ``return_lse``, equal on every rank of
@@ -35,31 +45,50 @@ class MeshAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call: AttentionCall):
         ctx.set_materialize_grads(False)
-        out, lse, gathered = call.executor.forward(call, q, k, v)
-        out = out.to(q.dtype)
+        mesh, plan, dtype = call.mesh, call.plan, q.dtype
+        ctx.kv_heads = k.shape[2]
+        if plan.head_parallel > 1:
+            q, k, v = heads.inputs_to_heads(q, k, v, mesh, plan)
+        out, lse, gathered = EXECUTORS[plan.schedule].forward(call, q, k, v)
+        out = out.to(dtype)
         ctx.save_for_backward(q, k, v, out, lse, *gathered)
         ctx.call = call
-        return out, lse
+        if plan.head_parallel > 1:
+            out, lse = heads.outputs_from_heads(out, lse if plan.return_lse else None, mesh, plan)
+        return (out, lse) if plan.return_lse else out
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse=None):
         q, k, v, out, lse, *gathered = ctx.saved_tensors
         call: AttentionCall = ctx.call
-        if dout is None:  # only the lse is used (or neither, on this rank)
-            dout = torch.zeros_like(out)
+        mesh, plan, u = call.mesh, call.plan, call.plan.head_parallel
+        if dout is None:  # only the lse reaches a loss (or neither, on this rank: backward is still collective)
+            dout = out.new_zeros(_token_shape(out.shape, u, tokens=1, heads=2))
         if not call.lse_grad:
             dlse = None
         elif dlse is None:
-            dlse = torch.zeros_like(lse)
+            dlse = lse.new_zeros(_token_shape(lse.shape, u, tokens=2, heads=1))
+        if u > 1:
+            dout, dlse = heads.grads_to_heads(dout, dlse, mesh, plan)
         saved = Saved(q=q, k=k, v=v, out=out, lse=lse, gathered=tuple(gathered))
-        dq, dk, dv = call.executor.backward(call, dout, dlse, saved)
+        dq, dk, dv = EXECUTORS[plan.schedule].backward(call, dout, dlse, saved)
+        if u > 1:
+            dq, dk, dv = heads.grads_from_heads(dq, dk, dv, ctx.kv_heads, mesh, plan)
         return dq, dk, dv, None
+
+
+def _token_shape(shape: torch.Size, u: int, *, tokens: int, heads: int) -> tuple[int, ...]:
+    """The shape in this rank's token layout of a head-layout tensor of ``shape`` (``S / m`` tokens at dim
+    ``tokens``, ``H / u`` heads at dim ``heads``): ``u`` times fewer tokens, ``u`` times more heads."""
+    shape = list(shape)
+    shape[tokens], shape[heads] = shape[tokens] // u, shape[heads] * u
+    return tuple(shape)
 
 
 # Note [Opaque to torch.compile]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # torch.compile (Dynamo) cannot trace mesh attention: the check of a new call signature gathers it over the CP
-# group (CPMesh.check_same_call) and the schedules post point-to-point and collective communication on process
+# group (mesh_cp.runtime.check) and the schedules post point-to-point and collective communication on process
 # groups, whose members Dynamo refuses to read (UnsafeScriptObjectError), around a plan of host-side Python
 # objects. So mesh_attn_func is an opaque region: torch.compiler.disable makes Dynamo break the graph at the
 # call and run it eagerly, and the code around it is compiled. Autograd is unaffected: MeshAttnFunc records
@@ -74,10 +103,10 @@ def mesh_attn_func(
     causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
-    layout: str | None = None,
-    kernel: str | BlockKernel = "auto",
-    schedule: str = "overlap",
-    backward: str = "regather",
+    layout: Layout | None = None,
+    kernel: KernelName | Literal["auto"] | BlockKernel = "auto",
+    schedule: Schedule = "overlap",
+    backward: Backward = "regather",
     buffer_budget: int | None = None,
     mask: AttentionMask | None = None,
     softcap: float | None = None,
@@ -125,7 +154,7 @@ def mesh_attn_func(
     and v must share one dtype.
 
     Collective over ``mesh``: every rank of the CP group calls it with the same shapes, dtype, device
-    type and options. That is checked (:meth:`CPMesh.check_same_call`) the first time this rank makes
+    type and options. That is checked (:func:`mesh_cp.runtime.check.check_same_call`) the first time this rank makes
     a call with new ones, and on every call when ``mesh.debug`` is set; a difference raises
     ``ValueError`` on every rank, naming each rank's value.
 
@@ -136,28 +165,63 @@ def mesh_attn_func(
     cast_to = autocast_dtype(q.device.type)
     if cast_to is not None:
         q, k, v = autocast_inputs((q, k, v), cast_to)
-    options = {
-        "causal": bool(causal),
-        "return_lse": bool(return_lse),
-        "layout": ("zigzag" if causal else "contiguous") if layout is None else layout,
-        "softmax_scale": q.shape[-1] ** -0.5 if softmax_scale is None and q.dim() > 0 else softmax_scale,
-        "kernel": kernel,
-        "schedule": schedule,
-        "backward": backward,
-        "buffer_budget": buffer_budget,
-        "mask": mask,
-        "softcap": _check_softcap(softcap, kernel),
-    }
-    if mesh.heads > 1:
-        attention_shape(q, k, v)
-        mesh.check_same_call(_signature(q, k, v, options))
-        out, lse = hybrid_attention(q, k, v, mesh, options, mesh_attn_func)
-        return (out, lse) if return_lse else out
-    call = _prepare_call(q, k, v, mesh, **options)
+    options = CallOptions(
+        causal=bool(causal),
+        return_lse=bool(return_lse),
+        layout=("zigzag" if causal else "contiguous") if layout is None else layout,
+        softmax_scale=q.shape[-1] ** -0.5 if softmax_scale is None and q.dim() > 0 else softmax_scale,
+        kernel=kernel,
+        schedule=schedule,
+        backward=backward,
+        buffer_budget=buffer_budget,
+        mask=mask,
+        softcap=softcap,
+    )
+    call = _prepare_call(q, k, v, mesh, options)
     # Under autocast the inputs are cast; autocast must not recast what the kernels compute in fp32.
     with torch.autocast(q.device.type, enabled=False) if cast_to is not None else contextlib.nullcontext():
-        out, lse = MeshAttnFunc.apply(q, k, v, call)
-    return (out, lse) if return_lse else out
+        return MeshAttnFunc.apply(q, k, v, call)
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """The options of one :func:`mesh_attn_func` call, checked once here (the plan checks what it holds)."""
+
+    causal: bool
+    return_lse: bool
+    layout: Layout
+    softmax_scale: float | None
+    kernel: KernelName | Literal["auto"] | BlockKernel
+    schedule: Schedule
+    backward: Backward
+    buffer_budget: int | None
+    mask: AttentionMask | None
+    softcap: float | None
+
+    def __post_init__(self) -> None:
+        for name in ("layout", "schedule", "backward"):
+            check_option(name, getattr(self, name))
+        positive_or_none("buffer_budget", self.buffer_budget, unit="bytes")
+        positive_or_none("softcap", self.softcap)
+        if self.softcap is not None:
+            object.__setattr__(self, "softcap", float(self.softcap))
+            if self.kernel != "auto" and not takes(self.kernel, "softcap"):
+                name = self.kernel if isinstance(self.kernel, str) else type(self.kernel).__name__
+                raise NotImplementedError(
+                    f"kernel {name!r} does not softcap logits; softcap {self.softcap} runs on kernel='flash_attn' "
+                    f"(CUDA), 'reference' or 'auto' (which uses the reference kernel tile by tile where the fused "
+                    f"kernel cannot)"
+                )
+
+    @property
+    def kernel_name(self) -> str:
+        kernel = self.kernel
+        return kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__qualname__)
+
+    def signature(self) -> dict[str, object]:
+        """The options every rank of the CP group must call with (:func:`mesh_cp.runtime.check.check_same_call`)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**values, "kernel": self.kernel_name, "mask": None if self.mask is None else self.mask.code()}
 
 
 def _check_arguments(mesh: CPMesh, q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -171,49 +235,51 @@ def _check_arguments(mesh: CPMesh, q: Tensor, k: Tensor, v: Tensor) -> None:
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, **options) -> AttentionCall:
-    """Resolve the kernel, check the call across the CP group, and plan it.
+def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, options: CallOptions) -> AttentionCall:
+    """Check the call across the CP group and plan it (the head exchange and the blocks, one plan).
 
     The block kernel is resolved before the call check, so a kernel that cannot run on one rank only
     (a flash-attn that fails to import on one node, GPUs of two kinds) raises on every rank.
     """
-    kernel = options["kernel"]
     try:
-        block_kernel = resolve_kernel(kernel, q.device, q.dtype, head_dim=q.shape[-1] if q.dim() else None)
+        head_dim = q.shape[-1] if q.dim() else None
+        block_kernel = resolve_kernel(options.kernel, q.device, q.dtype, head_dim=head_dim)
         kernel_error = None
     except (ValueError, NotImplementedError, RuntimeError) as err:
         block_kernel, kernel_error = None, err
     block = getattr(block_kernel, "name", None) if kernel_error is None else "cannot run"
-    mesh.check_same_call({**_signature(q, k, v, options), "block kernel": block})
+    signature = {**_tensor_signature(q, k, v), **options.signature(), "block kernel": block}
+    check_same_call(mesh.check_group, signature, debug=mesh.debug)
     if kernel_error is not None:
         raise kernel_error
     plan = make_plan(
         mesh.tiling,
         attention_shape(q, k, v),
-        causal=options["causal"],
-        layout=options["layout"],
-        backward=options["backward"],
-        schedule=options["schedule"],
+        causal=options.causal,
+        layout=options.layout,
+        backward=options.backward,
+        schedule=options.schedule,
         link_cost=mesh.link_cost,
-        buffer_budget=options["buffer_budget"],
-        mask=options["mask"],
+        buffer_budget=options.buffer_budget,
+        mask=options.mask,
+        head_parallel=mesh.head_parallel,
+        return_lse=options.return_lse,
     )
-    mask = options["mask"]
+    mask = options.mask
     doc_ids = None if mask is None else document_ids(mask, mask.rows or 1, plan.seq_len, q.device)
     return AttentionCall(
         mesh=mesh,
         plan=plan,
         kernel=block_kernel,
-        scale=float(options["softmax_scale"]),
-        lse_grad=options["return_lse"],
-        softcap=options["softcap"],
+        scale=float(options.softmax_scale),
+        lse_grad=options.return_lse,
+        softcap=options.softcap,
         doc_ids=doc_ids,
     )
 
 
-def _signature(q: Tensor, k: Tensor, v: Tensor, options: dict) -> dict[str, object]:
-    """What every rank of the CP group must call with (:meth:`CPMesh.check_same_call`)."""
-    kernel = options["kernel"]
+def _tensor_signature(q: Tensor, k: Tensor, v: Tensor) -> dict[str, object]:
+    """The shapes, dtypes and device type every rank of the CP group must call with."""
     return {
         "q shape": tuple(q.shape),
         "k shape": tuple(k.shape),
@@ -221,27 +287,7 @@ def _signature(q: Tensor, k: Tensor, v: Tensor, options: dict) -> dict[str, obje
         "dtypes": f"{q.dtype}, {k.dtype}, {v.dtype}",
         "device type": q.device.type,
         "requires grad": torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-        **{name: options[name] for name in ("causal", "return_lse", "layout", "softmax_scale")},
-        **{name: options[name] for name in ("schedule", "backward")},
-        "kernel": kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__qualname__),
-        "buffer_budget": options["buffer_budget"],
-        "mask": None if options["mask"] is None else options["mask"].code(),
-        "softcap": options["softcap"],
     }
-
-
-def _check_softcap(softcap: float | None, kernel: object) -> float | None:
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    if kernel != "auto" and not takes(kernel, "takes_softcap"):
-        name = kernel if isinstance(kernel, str) else type(kernel).__name__
-        raise NotImplementedError(
-            f"kernel {name!r} does not softcap logits; softcap {softcap} runs on kernel='flash_attn' (CUDA), "
-            f"'reference' or 'auto' (which uses the reference kernel tile by tile where the fused kernel cannot)"
-        )
-    return float(softcap)
 
 
 def attention_shape(q: Tensor, k: Tensor, v: Tensor) -> AttentionShape:

@@ -4,28 +4,27 @@ the plan becomes kernel calls (masked blocks cut into tiles; Note [Masked blocks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from mesh_cp.core.blocks import BlockWork, MaskKind
 from mesh_cp.core.layout import local_positions
 from mesh_cp.core.numerics import acc_dtype, merge_, visibility
-from mesh_cp.core.plan import AttentionPlan, BlockWork, MaskKind
+from mesh_cp.core.plan import AttentionPlan
 from mesh_cp.kernels import takes
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.runtime.mesh import CPMesh
-
-if TYPE_CHECKING:
-    from mesh_cp.runtime.executors import Executor
 
 _REFERENCE = ReferenceKernel()
 
 
 @dataclass(frozen=True, eq=False)
 class AttentionCall:
-    """What one attention call runs with, the same in forward and backward (kept on the autograd ``ctx``)."""
+    """What one attention call runs with, the same in forward and backward (kept on the autograd ``ctx``): the
+    mesh, the plan of the whole call (head exchange and blocks), the kernel and the scale. The executor of the
+    blocks is chosen by the plan's ``schedule`` (:data:`mesh_cp.runtime.executors.EXECUTORS`)."""
 
     mesh: CPMesh
     plan: AttentionPlan
@@ -35,17 +34,11 @@ class AttentionCall:
     """The lse may receive a gradient (``return_lse``): the block kernels take the exact path for any
     ``dlse`` (Note [Gradient of the lse] in :mod:`mesh_cp.kernels.base`). Equal on every rank."""
     softcap: float | None = None
-    """Logits ``softcap * tanh(s / softcap)``: blocks go to the kernel when it ``takes_softcap``, else tile by tile
+    """Logits ``softcap * tanh(s / softcap)``: blocks go to the kernel when it takes ``"softcap"``, else tile by tile
     to the reference kernel."""
     doc_ids: Tensor | None = None
     """``(B, S)`` document of every global position (``-1``: padding) when the plan has a mask."""
     _positions: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def executor(self) -> Executor:
-        from mesh_cp.runtime.executors import EXECUTORS
-
-        return EXECUTORS[self.plan.schedule]
 
     def forward_block(self, w: BlockWork, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
         """The ``(o, lse)`` of block ``w`` (rows ``w.q_rows``) from the whole Q chunk ``q (B, L, H, D)`` and the
@@ -81,7 +74,7 @@ class AttentionCall:
     def _tiled(self, w: BlockWork) -> bool:
         """Block ``w`` runs as tiles: the mask cuts it, or its logits are softcapped and the kernel cannot do that
         (the reference kernel then runs it tile by tile, in bounded memory)."""
-        return w.kind is MaskKind.MASKED or (self.softcap is not None and not takes(self.kernel, "takes_softcap"))
+        return w.kind is MaskKind.MASKED or (self.softcap is not None and not takes(self.kernel, "softcap"))
 
     def _forward_call(self, w: BlockWork, q_rows, kv_rows, kind: str, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
         (q0, q1), (k0, k1) = q_rows, kv_rows
@@ -107,19 +100,19 @@ class AttentionCall:
         )
 
     def _kernel(self, w: BlockWork, q_rows, kv_rows, kind: str) -> tuple[BlockKernel, dict]:
-        """The kernel of one call and its extra arguments. Softcapped logits go to a kernel that ``takes_softcap``
-        (else the reference kernel); a ``"masked"`` tile to one that ``takes_mask`` (a boolean mask) or
-        ``takes_segments`` (flash-attn varlen sequences, Note [Tile segments] in :mod:`mesh_cp.core.masks`),
+        """The kernel of one call and its extra arguments. Softcapped logits go to a kernel that takes ``"softcap"``
+        (else the reference kernel); a ``"masked"`` tile to one that takes ``"mask"`` (a boolean mask) or
+        ``"segments"`` (flash-attn varlen sequences, Note [Tile segments] in :mod:`mesh_cp.core.masks`),
         else to the reference kernel."""
         kernel, extra = self.kernel, {}
         if self.softcap is not None:
-            kernel = kernel if takes(kernel, "takes_softcap") else _REFERENCE
+            kernel = kernel if takes(kernel, "softcap") else _REFERENCE
             extra["softcap"] = self.softcap
         if kind != "masked":
             return kernel, extra
-        if takes(kernel, "takes_mask"):
+        if takes(kernel, "mask"):
             return kernel, {**extra, "mask": self._tile_mask(w, q_rows, kv_rows)}
-        if takes(kernel, "takes_segments"):
+        if takes(kernel, "segments"):
             return kernel, {**extra, "segments": self.plan.tile_segments(w, q_rows, kv_rows)}
         return _REFERENCE, {**extra, "mask": self._tile_mask(w, q_rows, kv_rows)}
 

@@ -60,7 +60,7 @@ def decode_attn_func(
     that takes masks)."""
     _check_inputs(q, k, v, q_positions, k_positions)
     block = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
-    if not takes(block, "takes_mask"):
+    if not takes(block, "mask"):
         raise ValueError(f"kernel {block.name!r} takes no mask; decoding needs one: use kernel='reference'")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = local_attention(block, q, k, v, q_positions, k_positions, scale)

@@ -56,7 +56,7 @@ class CollectiveExecutor:
         self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
         mesh, plan = call.mesh, call.plan
-        rows, cols = _row_col_index(plan, mesh.rank)
+        rows, cols = _row_col_index(plan, mesh.mesh_rank)
         batch, seq, heads, dim = q.shape
         acc = acc_dtype(q.dtype)
         q_all = all_gather(q, mesh.q_group)  # (a, B, L, Hq, D)
@@ -64,7 +64,7 @@ class CollectiveExecutor:
         a = plan.tiling.a
         o_acc = torch.zeros((a, batch, seq, heads, dim), dtype=acc, device=q.device)
         lse_acc = torch.full((a, batch, heads, seq), float("-inf"), dtype=acc, device=q.device)
-        for w in plan.blocks(mesh.rank):
+        for w in plan.blocks(mesh.mesh_rank):
             i, (q0, q1) = rows[w.x], w.q_rows
             o, lse = call.forward_block(w, q_all[i], kv_all[cols[w.y]])
             merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
@@ -75,7 +75,7 @@ class CollectiveExecutor:
         self, call: AttentionCall, do: Tensor, dlse: Tensor | None, saved: Saved
     ) -> tuple[Tensor, Tensor, Tensor]:
         mesh, plan, q, k = call.mesh, call.plan, saved.q, saved.k
-        rows, cols = _row_col_index(plan, mesh.rank)
+        rows, cols = _row_col_index(plan, mesh.mesh_rank)
         acc = acc_dtype(q.dtype)
         delta = attention_delta(do, saved.out, dlse)
         if plan.backward == "regather":
@@ -89,7 +89,7 @@ class CollectiveExecutor:
             kv_all = all_gather(torch.stack((k, saved.v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
         dq_acc = torch.zeros((plan.tiling.a, *q.shape), dtype=acc, device=q.device)
         dkv_acc = torch.zeros((plan.tiling.b, 2, *k.shape), dtype=acc, device=q.device)
-        for w in plan.blocks(mesh.rank):
+        for w in plan.blocks(mesh.mesh_rank):
             i, j = rows[w.x], cols[w.y]
             (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
             dq, dk, dv = call.backward_block(w, q_all[i], do_all[i], stats[i], kv_all[j])

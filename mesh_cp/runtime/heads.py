@@ -6,7 +6,7 @@ Note [Head-parallel x mesh]
 ``P = u x m`` CP ranks; CP rank ``r = g * u + i``. The *head group* of ``r`` is the ``u`` consecutive ranks
 ``g * u .. g * u + u - 1`` (inside a node when ``u`` divides the ranks per node); its *mesh group* is the ``m``
 ranks ``i, u + i, 2u + i, ...``, where it is mesh rank ``g``, tiled ``a x b`` as any mesh. Every rank holds the
-same tokens as with a plain mesh of ``P`` ranks (the ``layout`` over ``P``), so switching ``heads`` changes neither
+same tokens as with a plain mesh of ``P`` ranks (the ``layout`` over ``P``), so switching ``head_parallel`` changes neither
 the sharding nor the positions. A head group's tokens are then exactly the chunk of mesh rank ``g`` in the same
 layout over ``m`` ranks: contiguous, its ranks hold chunks ``g * u .. g * u + u - 1`` of ``P``, which is chunk
 ``g`` of ``m``; zig-zag, their first halves are half-chunks ``g * u .. g * u + u - 1`` of ``2P`` (half-chunk ``g``
@@ -19,12 +19,17 @@ rank order::
     half-chunks   0, 15   1, 14   2, 13   3, 12   ...     mesh group 0: ranks 0, 2, 4, 6; 1: ranks 1, 3, 5, 7
     mesh chunk 0 of 4 = halves (0, 1) and (14, 15) of 16 = half-chunks 0 and 7 of 8
 
+The plan of the call holds both parts (:class:`~mesh_cp.core.plan.AttentionPlan` with ``head_parallel = u``);
+:class:`~mesh_cp.runtime.attention.MeshAttnFunc` runs the exchange below around the executor of the blocks, in
+one autograd function.
+
 Forward: an all-to-all in the head group sends head slice ``j`` of this rank's tokens to rank ``j`` of the group,
 so every rank gets the group's tokens (in group-rank order) with ``H / u`` heads; a local reordering (zig-zag:
 every rank's first half in rank order, then the second halves in reverse) makes them mesh rank ``g``'s chunk in
 local order; Mesh-Attention over the mesh group computes them exactly; the inverse reordering and an all-to-all
 send every token's output (and lse) back to the rank that holds it. Backward is the adjoint: each all-to-all's
-gradient is the reverse all-to-all, each reordering's the inverse one. K and V travel with ``Hkv / u`` heads when
+gradient is the reverse all-to-all, each reordering's the inverse one; the executor's backward runs on the saved
+head-layout tensors. K and V travel with ``Hkv / u`` heads when
 ``u`` divides ``Hkv``; when ``u > Hkv`` (``Hkv`` must divide ``u``) each K/V head is first repeated ``u / Hkv``
 times, so each rank receives the one K/V head its query heads use: the K/V all-to-all then moves ``u / Hkv`` times
 the K/V bytes, and the mesh moves one K/V head per rank (their gradients are summed back). ``u = 1`` is plain
@@ -38,65 +43,68 @@ import functools
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
+from mesh_cp.core.plan import AttentionPlan
 from mesh_cp.runtime.comm import all_to_all
 from mesh_cp.runtime.mesh import CPMesh
 
 
-class _AllToAll(torch.autograd.Function):
-    """Cut ``x`` into ``u`` pieces along ``split``, send piece ``j`` to rank ``j`` of ``group`` and concatenate the
-    received pieces along ``concat`` in rank order; backward is the same exchange with the two dims swapped."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup, split: int, concat: int) -> Tensor:
-        ctx.group, ctx.split, ctx.concat = group, split, concat
-        return _exchange(x, group, split, concat)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _exchange(grad, ctx.group, ctx.concat, ctx.split), None, None, None
-
-
-def _exchange(x: Tensor, group: ProcessGroup, split: int, concat: int) -> Tensor:
-    u = torch.distributed.get_world_size(group)
+def _exchange(x: Tensor, mesh: CPMesh, split: int, concat: int) -> Tensor:
+    """Cut ``x`` into ``u`` pieces along ``split``, send piece ``j`` to rank ``j`` of the head group and concatenate
+    the received pieces along ``concat`` in rank order. Its adjoint is the same exchange with the dims swapped."""
+    u = mesh.head_parallel
     pieces = torch.stack(x.chunk(u, dim=split))  # (u, ...): piece j goes to rank j
-    received = all_to_all(pieces, group)
+    received = all_to_all(pieces, mesh.head_group)
     return torch.cat(received.unbind(0), dim=concat)
 
 
-def check_heads(mesh: CPMesh, heads: int, kv_heads: int) -> None:
-    """Raise ``ValueError`` unless ``u = mesh.heads`` splits the query heads and splits or replicates the K/V
-    heads."""
-    u = mesh.heads
-    if heads % u:
-        raise ValueError(f"{heads} query heads cannot be split over heads={u} head-parallel ranks; choose u | {heads}")
-    if kv_heads % u and u % kv_heads:
-        raise ValueError(
-            f"{kv_heads} K/V heads and heads={u} head-parallel ranks must divide one another (K/V heads are split "
-            f"when u | kv_heads and repeated when kv_heads | u); choose another u"
-        )
-
-
-def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, options: dict, attend) -> tuple[Tensor, Tensor]:
-    """Head-parallel x mesh attention (Note [Head-parallel x mesh]) of this rank's piece ``q (B, S/P, H, D)``,
-    ``k, v (B, S/P, Hkv, D)``: ``(out, lse)`` of the piece, ``lse (B, H, S/P)`` (``None`` unless
-    ``options["return_lse"]``). ``attend(q, k, v, mesh=..., **options)`` is the mesh attention of the inner mesh."""
-    check_heads(mesh, q.shape[2], k.shape[2])
-    u, group = mesh.heads, mesh.head_group
-    if k.shape[2] < u:  # one K/V head per rank: repeat each u / Hkv times (autograd sums the copies back)
+def inputs_to_heads(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, plan: AttentionPlan) -> tuple[Tensor, ...]:
+    """This rank's tokens ``(B, S/P, H, D)`` (K/V ``Hkv`` heads) -> its mesh rank's chunk ``(B, S/m, H/u, D)`` in
+    local order (K/V ``max(Hkv/u, 1)`` heads, each repeated ``u / Hkv`` times first when ``u > Hkv``)."""
+    u = mesh.head_parallel
+    if k.shape[2] < u:  # one K/V head per rank: repeat each u / Hkv times (backward sums the copies)
         k, v = (t.repeat_interleave(u // t.shape[2], dim=2) for t in (k, v))
-    q_h, k_h, v_h = (_AllToAll.apply(t, group, 2, 1) for t in (q, k, v))
-    order, back = _mesh_order(u, q.shape[1], options["layout"], q.device)
-    if order is not None:
-        q_h, k_h, v_h = (t.index_select(1, order) for t in (q_h, k_h, v_h))
-    result = attend(q_h, k_h, v_h, mesh=mesh.inner, **options)
-    out_h, lse_h = result if options["return_lse"] else (result, None)
+    moved = [_exchange(t, mesh, 2, 1) for t in (q, k, v)]
+    order, _ = _mesh_order(u, q.shape[1], plan.layout, q.device)
+    return tuple(moved if order is None else (t.index_select(1, order) for t in moved))
+
+
+def outputs_from_heads(
+    out: Tensor, lse: Tensor | None, mesh: CPMesh, plan: AttentionPlan
+) -> tuple[Tensor, Tensor | None]:
+    """The inverse of :func:`inputs_to_heads` for ``out (B, S/m, H/u, D)`` and ``lse (B, H/u, S/m)`` (``None``:
+    not returned, not sent)."""
+    _, back = _mesh_order(mesh.head_parallel, out.shape[1] // mesh.head_parallel, plan.layout, out.device)
     if back is not None:
-        out_h, lse_h = out_h.index_select(1, back), None if lse_h is None else lse_h.index_select(2, back)
-    out = _AllToAll.apply(out_h, group, 1, 2)
-    lse = None if lse_h is None else _AllToAll.apply(lse_h, group, 2, 1)
-    return out, lse
+        out, lse = out.index_select(1, back), None if lse is None else lse.index_select(2, back)
+    return _exchange(out, mesh, 1, 2), None if lse is None else _exchange(lse, mesh, 2, 1)
+
+
+def grads_to_heads(
+    dout: Tensor, dlse: Tensor | None, mesh: CPMesh, plan: AttentionPlan
+) -> tuple[Tensor, Tensor | None]:
+    """The adjoint of :func:`outputs_from_heads`: the gradients of this rank's ``out`` and ``lse`` in the head
+    layout."""
+    dout = _exchange(dout, mesh, 2, 1)
+    dlse = None if dlse is None else _exchange(dlse, mesh, 1, 2)
+    order, _ = _mesh_order(mesh.head_parallel, dout.shape[1] // mesh.head_parallel, plan.layout, dout.device)
+    if order is not None:
+        dout, dlse = dout.index_select(1, order), None if dlse is None else dlse.index_select(2, order)
+    return dout, dlse
+
+
+def grads_from_heads(
+    dq: Tensor, dk: Tensor, dv: Tensor, kv_heads: int, mesh: CPMesh, plan: AttentionPlan
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The adjoint of :func:`inputs_to_heads`: ``dq, dk, dv`` of this rank's tokens, the copies of a repeated K/V
+    head summed (``kv_heads``: the inputs' K/V heads)."""
+    u = mesh.head_parallel
+    _, back = _mesh_order(u, dq.shape[1] // u, plan.layout, dq.device)
+    grads = [t if back is None else t.index_select(1, back) for t in (dq, dk, dv)]
+    dq, dk, dv = (_exchange(t, mesh, 1, 2) for t in grads)
+    if kv_heads < u:
+        dk, dv = (t.unflatten(2, (kv_heads, u // kv_heads)).sum(3) for t in (dk, dv))
+    return dq, dk, dv
 
 
 @functools.lru_cache(maxsize=64)

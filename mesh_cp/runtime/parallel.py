@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from mesh_cp.core.plan import AttentionShape
+from mesh_cp.core.options import refuse_renamed
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
 
@@ -45,12 +47,24 @@ class DataContextParallel:
 
     @classmethod
     def create(
-        cls, group: dist.ProcessGroup, *, cp_size: int, tile, heads: int | None = None, **mesh_options
+        cls,
+        group: dist.ProcessGroup,
+        *,
+        cp_size: int,
+        tile: tuple[int, int] | str | None = None,
+        head_parallel: int = 1,
+        timeout: datetime.timedelta | None = None,
+        debug: bool = False,
+        mesh: Callable[[dist.ProcessGroup], CPMesh] | None = None,
+        **refused,
     ) -> DataContextParallel:
-        """Split ``group`` into ``size / cp_size`` replicas of ``cp_size`` consecutive ranks; ``tile``, ``heads``
-        (the head-parallel degree of the hybrid: ``tile`` then tiles ``cp_size / heads`` ranks; ``None``: 1, or
-        chosen by ``tile="auto"``) and ``mesh_options`` (``topology``, ``shape``, ``memory_budget``, ``timeout``,
-        ``debug``) go to :meth:`CPMesh.create`."""
+        """Split ``group`` into ``size / cp_size`` replicas of ``cp_size`` consecutive ranks and build each
+        replica's mesh: ``CPMesh.create(cp_group, tile=tile, head_parallel=head_parallel, timeout=timeout,
+        debug=debug)``, or ``mesh(cp_group)`` when given (for example ``lambda g: mesh_cp.auto_mesh(g,
+        topology="h100", shape=shape)``, the layout the cost model chooses)."""
+        refuse_renamed(refused, where="DataContextParallel.create")
+        if refused:
+            raise TypeError(f"DataContextParallel.create() got an unexpected keyword argument {next(iter(refused))!r}")
         if group is None:
             if not dist.is_initialized():  # dist.group.WORLD is None until then
                 raise ValueError(
@@ -58,8 +72,10 @@ class DataContextParallel:
                     "torchrun / accelerate launch), then pass dist.group.WORLD"
                 )
             raise ValueError("group=None is not accepted: pass the process group to split (e.g. dist.group.WORLD)")
+        if (tile is None) == (mesh is None):
+            raise ValueError("give either tile= (and head_parallel=) or mesh= (a function of the CP group)")
         world = dist.get_world_size(group)
-        if not isinstance(cp_size, int) or cp_size < 1 or world % cp_size:
+        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1 or world % cp_size:
             divisors = [d for d in range(1, world + 1) if world % d == 0]
             raise ValueError(
                 f"cp_size {cp_size!r} must divide the {world} ranks of the group; choose one of {divisors}"
@@ -71,21 +87,11 @@ class DataContextParallel:
         dp_size = world // cp_size
         cp_group = new_subgroups(group, [ranks[d * cp_size : (d + 1) * cp_size] for d in range(dp_size)])
         dp_group = new_subgroups(group, [ranks[c::cp_size] for c in range(cp_size)])
-        mesh = CPMesh.create(cp_group, tile=tile, heads=heads, **mesh_options)
-        return cls(mesh=mesh, group=group, dp_group=dp_group, dp_size=dp_size, dp_rank=dp_rank)
-
-    @classmethod
-    def from_config(
-        cls, config, group: dist.ProcessGroup | None = None, *, shape: AttentionShape | None = None
-    ) -> DataContextParallel:
-        """The layout an enabled :class:`mesh_cp.config.MeshConfig` asks for, over ``group`` (default: the
-        world); ``shape`` (per-rank :class:`~mesh_cp.core.AttentionShape`) is needed by ``tile="auto"``."""
-        if not config.enabled:
-            raise ValueError(f"the mesh config is not enabled ({config}); set enabled=True to build a layout")
-        group = dist.group.WORLD if group is None else group
-        tile = config.tile_for(dist.get_world_size(group))
-        options = {"topology": config.topology, "shape": shape} if tile == "auto" or config.topology else {}
-        return cls.create(group, cp_size=config.cp_size, tile=tile, heads=config.heads, **options)
+        if mesh is None:
+            built = CPMesh.create(cp_group, tile=tile, head_parallel=head_parallel, timeout=timeout, debug=debug)
+        else:
+            built = mesh(cp_group)
+        return cls(mesh=built, group=group, dp_group=dp_group, dp_size=dp_size, dp_rank=dp_rank)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         """Sum gradients over CP and average them over DP (one all-reduce over all DP x CP ranks)."""

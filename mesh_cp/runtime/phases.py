@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from mesh_cp.core.blocks import BlockWork
 from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
-from mesh_cp.core.plan import BlockWork
 from mesh_cp.core.schedule import RingStep
 from mesh_cp.runtime.comm import ring_step
 
@@ -84,7 +84,7 @@ class OverlapPhase:
     def run(self) -> None:
         """Run the actions: post moves and reduce steps, wait for them (landing received partials), compute
         the blocks the mask keeps, and free every chunk after its last use."""
-        rank, plan = self.call.mesh.rank, self.call.plan
+        rank, plan = self.call.mesh.mesh_rank, self.call.plan
         inflight: dict[RingStep, tuple[list, list[Tensor]]] = {}
         held = self.chunks["q"] + self.chunks["kv"]
         for t, act in enumerate(self.sched.actions):

@@ -789,7 +789,14 @@ AUTO_MATRIX = [
     ("absent", (8, 0), torch.bfloat16, 64, "cuda_flash", r"flash_attn: flash-attn cannot be imported \(Module"),
     ("2.8.3", (7, 5), torch.float16, 64, "cuda_sdpa", r"cuda_flash: FlashAttention needs compute capability >= 8\.0"),
     ("2.8.3", (7, 5), torch.bfloat16, 64, "reference", r"cuda_sdpa: bfloat16 needs compute capability >= 8\.0"),
-    ("2.8.3", (8, 0), torch.bfloat16, 320, "cuda_sdpa", r"flash_attn: head_dim 320 > 256; cuda_flash: head_dim 320"),
+    (
+        "2.8.3",
+        (8, 0),
+        torch.bfloat16,
+        320,
+        "cuda_sdpa",
+        r"\(flash_attn: head_dim 320 > 256 \| cuda_flash: head_dim 320",
+    ),
     (
         "broken",
         (8, 6),
@@ -830,7 +837,7 @@ def test_auto_never_raises_on_cuda(monkeypatch) -> None:
                 for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
                     for head_dim in (32, 72, 128, 200, 256, 320):
                         name, _ = kernels.choose(CUDA0, dtype, head_dim)
-                        assert kernels.unsupported(name, CUDA0, dtype, head_dim) is None, (fa, capability, name)
+                        assert kernels.not_supported_reasons(name, CUDA0, dtype, head_dim) == (), (fa, capability, name)
 
 
 def test_named_kernel_that_cannot_run_says_why_and_what_can(monkeypatch) -> None:
@@ -839,9 +846,8 @@ def test_named_kernel_that_cannot_run_says_why_and_what_can(monkeypatch) -> None
     with pytest.raises(NotImplementedError) as err:
         kernels.resolve_kernel("flash_attn", CUDA0, torch.float32, 64)
     assert str(err.value) == (
-        "kernel 'flash_attn' cannot run torch.float32 head_dim 64 on cuda:0: flash-attn supports "
-        "['torch.float16', 'torch.bfloat16'], not torch.float32; kernels that can: ['reference', 'cuda_sdpa'] "
-        "(or kernel='auto')"
+        "kernel 'flash_attn' cannot run torch.float32 head_dim 64 on cuda:0: dtype torch.float32 is not one of "
+        "['torch.float16', 'torch.bfloat16']; kernels that can: ['reference', 'cuda_sdpa'] (or kernel='auto')"
     )
     with pytest.raises(
         NotImplementedError, match=r"'cuda_flash' cannot run torch\.bfloat16 head_dim 320 .*: head_dim 320 > 256"
@@ -851,3 +857,31 @@ def test_named_kernel_that_cannot_run_says_why_and_what_can(monkeypatch) -> None
         kernels.resolve_kernel("cpu_flash", CUDA0, torch.bfloat16, 64)
     assert kernels.resolve_kernel("flash_attn", CUDA0, torch.bfloat16, 64).name == "flash_attn"
     assert kernels.resolve_kernel("auto", torch.device("cpu"), torch.float16, 64).name == "cpu_flash"
+
+
+def test_auto_and_named_kernels_give_every_reason_of_a_kernel_passed_over(monkeypatch, caplog) -> None:
+    emulate_cuda(monkeypatch, (7, 5))
+    FLASH_ATTN_STATES["absent"](monkeypatch)
+    flash_attn = (
+        "head_dim 320 > 256",
+        "flash-attn 2 needs compute capability >= 8.0 (Ampere), got 7.5",
+        "flash-attn cannot be imported (ModuleNotFoundError: import of flash_attn halted; None in sys.modules); "
+        "install a build matching this torch and CUDA (pip install 'mesh-cp[flash]')",
+    )
+    cuda_flash = ("head_dim 320 > 256", "FlashAttention needs compute capability >= 8.0 (Ampere), got 7.5")
+    cuda_sdpa = ("bfloat16 needs compute capability >= 8.0, got 7.5",)
+    for name, reasons in {"flash_attn": flash_attn, "cuda_flash": cuda_flash, "cuda_sdpa": cuda_sdpa}.items():
+        assert kernels.not_supported_reasons(name, CUDA0, torch.bfloat16, 320) == reasons, name
+    with caplog.at_level(logging.INFO, logger="mesh_cp"):
+        name, reason = kernels.choose(CUDA0, torch.bfloat16, 320)
+    assert name == "reference" and reason == (
+        "kernel 'auto' chose 'reference' for torch.bfloat16 head_dim 320 on cuda:0 ("
+        f"flash_attn: {'; '.join(flash_attn)} | cuda_flash: {'; '.join(cuda_flash)} | cuda_sdpa: {cuda_sdpa[0]})"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == "mesh_cp"] == [f"mesh_cp: {reason}"]
+    with pytest.raises(NotImplementedError) as err:
+        kernels.resolve_kernel("flash_attn", CUDA0, torch.bfloat16, 320)
+    assert str(err.value) == (
+        f"kernel 'flash_attn' cannot run torch.bfloat16 head_dim 320 on cuda:0: {'; '.join(flash_attn)}; "
+        "kernels that can: ['reference'] (or kernel='auto')"
+    )

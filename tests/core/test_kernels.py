@@ -11,7 +11,21 @@ import pytest
 import torch
 
 from mesh_cp.core.numerics import attention_delta, merge_, reference_attention
-from mesh_cp.kernels import _REGISTRY, KERNEL_NAMES, get_kernel, out_for_delta, resolve_kernel
+from mesh_cp.kernels import (
+    _REGISTRY,
+    KERNEL_NAMES,
+    NO_CAPABILITIES,
+    OPTIONAL_KEYWORDS,
+    BlockKernel,
+    Capabilities,
+    capabilities_of,
+    forget_choices,
+    get_kernel,
+    not_supported_reasons,
+    out_for_delta,
+    resolve_kernel,
+    takes,
+)
 from mesh_cp.kernels.base import backward_by_parts
 
 CPU_KERNELS = ("reference", "cpu_flash")
@@ -182,8 +196,86 @@ def test_registry_names_match_the_literal_and_unknown_names_raise() -> None:
         resolve_kernel(42, torch.device("cpu"), torch.float32)
     assert resolve_kernel("auto", torch.device("cpu"), torch.float32).name == "cpu_flash"
     for name in KERNEL_NAMES:  # every kernel states its limits and takes the lse_grad flag
-        cls = importlib.import_module(_REGISTRY[name][0]).__dict__[_REGISTRY[name][1]]
-        assert callable(cls.unsupported) and "lse_grad" in inspect.signature(cls.backward).parameters, name
+        cls = _kernel_class(name)
+        assert callable(cls.not_supported_reasons) and "lse_grad" in inspect.signature(cls.backward).parameters, name
+
+
+def _kernel_class(name: str) -> type:
+    return importlib.import_module(_REGISTRY[name][0]).__dict__[_REGISTRY[name][1]]
+
+
+def _optional_keywords(method) -> set[str]:
+    """The optional keywords of :class:`BlockKernel` that ``method`` accepts."""
+    return set(inspect.signature(method).parameters) & set(OPTIONAL_KEYWORDS)
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_every_kernel_declares_capabilities_and_its_signatures_take_exactly_them(name: str) -> None:
+    cls = _kernel_class(name)
+    assert isinstance(cls.__dict__.get("capabilities"), Capabilities), name  # declared by the class itself
+    assert capabilities_of(cls) is cls.capabilities
+    for method in (cls.forward, cls.backward):
+        assert _optional_keywords(method) == cls.capabilities.keywords, (name, method.__name__)
+        assert all(takes(name, k) == (k in cls.capabilities.keywords) for k in OPTIONAL_KEYWORDS)
+    # The protocol declares every optional keyword, with None as its default.
+    for method in (BlockKernel.forward, BlockKernel.backward):
+        params = inspect.signature(method).parameters
+        assert _optional_keywords(method) == set(OPTIONAL_KEYWORDS)
+        assert all(params[k].default is None and params[k].kind is params[k].KEYWORD_ONLY for k in OPTIONAL_KEYWORDS)
+
+
+def test_a_kernel_without_capabilities_takes_no_keyword_and_unknown_names_are_refused() -> None:
+    class Plain:  # a user's own kernel: forward and backward, no capabilities
+        name = "plain"
+
+        def forward(self, q, k, v, *, causal, scale): ...
+
+        def backward(self, do, q, k, v, lse, delta, *, causal, scale, lse_grad=False): ...
+
+    plain = Plain()
+    assert isinstance(plain, BlockKernel) and capabilities_of(plain) is NO_CAPABILITIES
+    assert not any(takes(plain, k) for k in OPTIONAL_KEYWORDS)
+    assert takes("reference", "softcap") and takes(get_kernel("cpu_flash"), "mask")
+    assert not takes("cpu_flash", "segments") and not takes("cuda_flash", "softcap")
+    for wrong in ("takes_mask", "window", "Mask"):
+        with pytest.raises(
+            ValueError, match=rf"unknown kernel keyword '{wrong}'; one of \['mask', 'segments', 'softcap'\]"
+        ):
+            takes("reference", wrong)
+    plain.capabilities = {"mask"}
+    with pytest.raises(TypeError, match="capabilities must be a mesh_cp.kernels.Capabilities, got set"):
+        takes(plain, "mask")
+    with pytest.raises(ValueError, match=r"unknown keywords \['takes_mask'\]"):
+        Capabilities(keywords={"takes_mask"})
+
+
+def test_capabilities_give_every_reason_of_the_data() -> None:
+    caps = Capabilities(devices=("cuda",), dtypes=(torch.float16,), head_dim_multiple=8, max_head_dim=256)
+    cpu = torch.device("cpu")
+    assert caps.not_supported_reasons(torch.device("cuda", 0), torch.float16, 256) == ()
+    assert caps.not_supported_reasons(cpu, torch.float64, 257) == (
+        "needs CUDA tensors, got cpu",
+        "dtype torch.float64 is not one of ['torch.float16']",
+        "head_dim 257 (padded to 264) > 256",
+    )
+    assert caps.not_supported_reasons(cpu, torch.float64, None)[1:] == (
+        "dtype torch.float64 is not one of ['torch.float16']",
+    )
+    assert NO_CAPABILITIES.not_supported_reasons(torch.device("meta"), torch.int8, 10**6) == ()
+
+
+@pytest.mark.parametrize("name", ["cuda_sdpa", "cuda_flash", "flash_attn"])
+def test_a_cuda_kernel_asked_for_cpu_fp64_gives_every_reason(name: str) -> None:
+    forget_choices()
+    reasons = not_supported_reasons(name, torch.device("cpu"), torch.float64, 321)
+    assert reasons[0] == "needs CUDA tensors, got cpu", reasons
+    assert reasons[1].startswith("dtype torch.float64 is not one of ['torch.float16', 'torch.bfloat16'"), reasons
+    if name != "cuda_sdpa":  # it pads to a multiple of 8 and has no largest head dim
+        assert reasons[2] == "head_dim 321 (padded to 328) > 256", reasons
+    assert not_supported_reasons("reference", torch.device("cpu"), torch.float64, 321) == ()
+    with pytest.raises(NotImplementedError) as err:
+        resolve_kernel(name, torch.device("cpu"), torch.float64, 321)
+    assert "; ".join(reasons) in str(err.value) and "kernels that can: ['reference', 'cpu_flash']" in str(err.value)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA kernels need a GPU")

@@ -133,9 +133,10 @@ def test_plan_is_cached_broadcasts_one_row_and_refuses_broken_segments() -> None
 
 
 def test_kernels_declare_what_they_take() -> None:
-    assert FlashAttnKernel.takes_segments and FlashAttnKernel.takes_softcap
-    assert CudaFlashKernel.takes_segments and not getattr(CudaFlashKernel, "takes_softcap", False)
-    assert ReferenceKernel.takes_mask and ReferenceKernel.takes_segments and CpuFlashKernel.takes_mask
+    assert FlashAttnKernel.capabilities.keywords == {"segments", "softcap"}
+    assert CudaFlashKernel.capabilities.keywords == {"segments"}
+    assert ReferenceKernel.capabilities.keywords == {"mask", "segments", "softcap"}
+    assert CpuFlashKernel.capabilities.keywords == {"mask"}
 
 
 # --- exactness against the reference ------------------------------------------------------------

@@ -37,7 +37,7 @@ def errors_worker(rank: int, world: int) -> dict:
         res,
         "tiles differ across ranks",
         ValueError,
-        r"different tiles \(rank 0: 1x2, rank 1: 2x1\)",
+        r"asked for different meshes: tile \(rank 0: '1x2', rank 1: '2x1'\)",
         lambda: mesh_cp.CPMesh.create(world_group, tile=(1, 2) if rank == 0 else (2, 1)),
     )
     mesh = mesh_cp.CPMesh.create(world_group, tile=(1, 2))

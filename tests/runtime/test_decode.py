@@ -67,7 +67,7 @@ def run_cases(rank: int, world: int) -> dict[str, float]:
     for a in (a for a in range(1, world + 1) if world % a == 0):
         meshes[f"{a}x{world // a}"] = mesh_cp.CPMesh.create(group, tile=(a, world // a))
     if world == 4:
-        meshes["2 heads x 1x2"] = mesh_cp.CPMesh.create(group, tile=(1, 2), heads=2)
+        meshes["2 heads x 1x2"] = mesh_cp.CPMesh.create(group, tile=(1, 2), head_parallel=2)
     errors: dict[str, float] = {}
     seed = 0
     for name, heads in HEADS.items():

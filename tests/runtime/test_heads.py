@@ -47,7 +47,7 @@ def run_case(mesh, case: dict, schedule: str, seed: int) -> dict[str, float]:
         errors = errors_against_reference(mesh, (batch, seq, heads, kv_heads, dim), seed=seed, layout=layout, **options)
     # Each all-to-all sends (u - 1) / u of its input: q, k, v (K/V repeated to u heads when u > Hkv), out and
     # lse forward; dout, dlse, dq, dk, dv backward.
-    u, item, local = mesh.heads, 4, batch * seq // mesh.size
+    u, item, local = mesh.head_parallel, 4, batch * seq // mesh.size
     q_bytes, kv_bytes = local * heads * dim * item, local * kv_heads * dim * item * max(1, u // kv_heads)
     want_bytes = (u - 1) * (4 * q_bytes + 4 * kv_bytes + 2 * local * heads * item) // u
     errors["head bytes"] = abs(counter.bytes_by_role(mesh).get("heads", 0) - want_bytes)
@@ -62,25 +62,39 @@ def refusals(world: int) -> dict:
     group = dist.group.WORLD
     expect_error(
         results,
-        "heads not dividing P",
+        "head_parallel not dividing P",
         ValueError,
-        rf"heads=3 must be a positive divisor of the CP group size {world}",
-        lambda: mesh_cp.CPMesh.create(group, tile=(1, 1), heads=3),
+        rf"head_parallel=3 does not divide the CP group size P={world}; choose one of \[1, 2, 4\]",
+        lambda: mesh_cp.CPMesh.create(group, tile=(1, 1), head_parallel=3),
     )
     expect_error(
         results,
-        "tile not of P / heads",
+        "former spelling",
         ValueError,
-        r"with heads=2 the tile tiles P / heads = 2 mesh ranks: tile 2x2 does not factor",
-        lambda: mesh_cp.CPMesh.create(group, tile=(2, 2), heads=2),
+        r"CPMesh.create: 'heads' was renamed 'head_parallel' .*pass head_parallel=2",
+        lambda: mesh_cp.CPMesh.create(group, tile=(1, 2), heads=2),
     )
-    mesh = mesh_cp.CPMesh.create(group, tile=(1, 1), heads=world)
+    expect_error(
+        results,
+        "tile='auto' is the cost model's",
+        ValueError,
+        r"tile='auto': choosing the tile from a cluster topology is mesh_cp.auto_mesh\(group, topology=",
+        lambda: mesh_cp.CPMesh.create(group, tile="auto"),
+    )
+    expect_error(
+        results,
+        "tile not of P / head_parallel",
+        ValueError,
+        r"with head_parallel=2 the tile tiles P / head_parallel = 2 mesh ranks: tile 2x2 does not factor",
+        lambda: mesh_cp.CPMesh.create(group, tile=(2, 2), head_parallel=2),
+    )
+    mesh = mesh_cp.CPMesh.create(group, tile=(1, 1), head_parallel=world)
     q, kv = torch.zeros(1, 8, 6, 8), torch.zeros(1, 8, 6, 8)
     expect_error(
         results,
         "query heads not split",
         ValueError,
-        rf"6 query heads cannot be split over heads={world} head-parallel ranks",
+        rf"head_parallel={world} does not divide the 6 query heads; choose head_parallel among \[1, 2\]",
         lambda: mesh_cp.mesh_attn_func(q, kv, kv, mesh=mesh),
     )
     kv3 = torch.zeros(1, 8, 3, 8)  # 3 K/V heads over 4 head-parallel ranks: neither split nor repeated
@@ -88,7 +102,7 @@ def refusals(world: int) -> dict:
         results,
         "K/V heads neither split nor repeated",
         ValueError,
-        r"3 K/V heads and heads=4 head-parallel ranks must divide one another",
+        r"head_parallel=4 and the 3 K/V heads must divide one another",
         lambda: mesh_cp.mesh_attn_func(torch.zeros(1, 8, 12, 8), kv3, kv3, mesh=mesh),
     )
     return results
@@ -97,7 +111,7 @@ def refusals(world: int) -> dict:
 def heads_worker(rank: int, world: int) -> dict:
     results: dict = refusals(world) if world == 4 else {}
     for u, tile in LAYOUTS[world]:
-        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile, heads=u)
+        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile, head_parallel=u)
         for name, case in cases(world).items():
             for schedule in ("overlap", "collective"):
                 key = f"P{world} u{u} {tile[0]}x{tile[1]} {schedule} {name}"
@@ -115,7 +129,7 @@ def test_hybrid_matches_single_process_reference(heads_results) -> None:
     expected = len(LAYOUTS[world]) * len(cases(world)) * 2
     for rank, result in enumerate(results):
         refused = {k: result.pop(k) for k in list(result) if not isinstance(result[k], dict)}
-        assert len(refused) == (4 if world == 4 else 0) and all(v is True for v in refused.values()), refused
+        assert len(refused) == (6 if world == 4 else 0) and all(v is True for v in refused.values()), refused
         assert len(result) == expected, sorted(result)
         bad = {k: v for k, v in result.items() if max(v.values()) > TOL}
         assert not bad, f"rank {rank}: {bad}"

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mesh_cp.core import AttentionMask, factorizations
+from mesh_cp.kernels import Capabilities
 from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.testing import spawn_gloo
 from tests.runtime.reference import errors_against_reference
@@ -87,8 +88,7 @@ class SegmentsKernel:
     (computed by the reference kernel on the dense equivalent)."""
 
     name = "segments"
-    takes_segments = True
-    takes_softcap = True
+    capabilities = Capabilities(keywords={"segments", "softcap"})
 
     def forward(self, q, k, v, *, causal, scale, segments=None, softcap=None):
         mask = None if segments is None else segments_dense(segments, q.shape[1], k.shape[1])
@@ -146,12 +146,26 @@ def test_masked_attention_matches_single_process_reference(mask_results) -> None
 
 def test_softcap_needs_a_kernel_that_softcaps() -> None:
     """Named kernels that cannot softcap logits refuse it with the ones that can; 'auto' runs it anywhere."""
-    from mesh_cp.runtime.attention import _check_softcap
+    from mesh_cp.runtime.attention import CallOptions
+
+    def options(softcap: object, kernel: object) -> CallOptions:
+        return CallOptions(
+            causal=True,
+            return_lse=False,
+            layout="zigzag",
+            softmax_scale=None,
+            kernel=kernel,
+            schedule="overlap",
+            backward="regather",
+            buffer_budget=None,
+            mask=None,
+            softcap=softcap,
+        )
 
     for kernel in ("auto", "reference", "flash_attn", SegmentsKernel()):
-        assert _check_softcap(30, kernel) == 30.0
+        assert options(30, kernel).softcap == 30.0
     for kernel in ("cpu_flash", "cuda_flash", "cuda_sdpa"):
         with pytest.raises(NotImplementedError, match=f"kernel '{kernel}' does not softcap logits.*'flash_attn'"):
-            _check_softcap(30.0, kernel)
+            options(30.0, kernel)
     with pytest.raises(ValueError, match="softcap must be a positive number"):
-        _check_softcap(0, "auto")
+        options(0, "auto")

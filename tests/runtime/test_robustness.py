@@ -181,7 +181,7 @@ def mesh_checks(rank: int) -> dict:
         res,
         "debug differs across ranks",
         ValueError,
-        r"different debug= \(rank 0: False, rank 1: True, rank 2: False, rank 3: False\)",
+        r"different meshes: debug \(rank 0: False, rank 1: True, rank 2: False, rank 3: False\)",
         lambda: mesh_cp.CPMesh.create(world, tile=(2, 2), debug=rank == 1),
     )
 
