@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from mesh_cp.config import MeshConfig
-from mesh_cp.integrations import ds_attention_shape, parallel_from_config
+from mesh_cp.integrations.layout import ds_attention_shape, parallel_from_config
 from mesh_cp.integrations.hf.attach import attach
 from mesh_cp.integrations.hf.collate import TOKEN_COUNTS, ShardCollated, replica_examples
 from mesh_cp.integrations.hf.compat import (

@@ -24,13 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mesh_cp.core.options import positive_int
+
 FP32 = 4
-
-
-def _positive(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -50,7 +46,7 @@ class DecodeShape:
 
     def __post_init__(self) -> None:
         for name in ("batch", "new_tokens", "heads", "kv_heads", "head_dim", "itemsize"):
-            _positive(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if not isinstance(self.context, int) or isinstance(self.context, bool) or self.context < 0:
             raise ValueError(f"context must be an int >= 0, got {self.context!r}")
         if self.heads % self.kv_heads:
@@ -71,7 +67,7 @@ class DecodeShape:
         return (
             2
             * self.batch
-            * -(-self.context // _positive("world", world))
+            * -(-self.context // positive_int("world", world))
             * self.kv_heads
             * self.head_dim
             * self.itemsize
@@ -87,14 +83,14 @@ class DecodeReduction:
 
     def __post_init__(self) -> None:
         for n in self.levels:
-            _positive("level size", n)
+            positive_int("level size", n)
             if n == 1:
                 raise ValueError("a level of one member moves nothing; leave it out")
 
     @classmethod
     def for_tile(cls, a: int, b: int) -> DecodeReduction:
         """Over the Q-groups (``a`` members), then the KV-groups (``b``) of an ``a x b`` mesh."""
-        return cls(tuple(n for n in (_positive("a", a), _positive("b", b)) if n > 1))
+        return cls(tuple(n for n in (positive_int("a", a), positive_int("b", b)) if n > 1))
 
     @property
     def world(self) -> int:

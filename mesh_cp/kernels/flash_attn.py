@@ -70,6 +70,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from mesh_cp.core.options import positive_or_none
 from mesh_cp.kernels import varlen
 from mesh_cp.kernels.base import Capabilities, backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
 
@@ -153,9 +154,7 @@ def _softcap(softcap: float | None) -> float:
     """flash-attn's ``softcap`` argument: ``0.0`` (off) for ``None``."""
     if softcap is None:
         return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    return float(softcap)
+    return float(positive_or_none("softcap", softcap))
 
 
 class FlashAttnKernel:

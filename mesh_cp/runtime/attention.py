@@ -16,10 +16,10 @@ from mesh_cp.core.options import Backward, Layout, Schedule, check_option, posit
 from mesh_cp.core.plan import make_plan
 from mesh_cp.core.shape import AttentionShape
 from mesh_cp.kernels import BlockKernel, KernelName, resolve_kernel, takes
-from mesh_cp.runtime import heads
 from mesh_cp.runtime.call import AttentionCall, Saved
 from mesh_cp.runtime.check import check_same_call
 from mesh_cp.runtime.executors import EXECUTORS
+from mesh_cp.runtime.heads import grads_from_heads, grads_to_heads, inputs_to_heads, outputs_from_heads
 from mesh_cp.runtime.mesh import CPMesh
 
 
@@ -48,13 +48,13 @@ class MeshAttnFunc(torch.autograd.Function):
         mesh, plan, dtype = call.mesh, call.plan, q.dtype
         ctx.kv_heads = k.shape[2]
         if plan.head_parallel > 1:
-            q, k, v = heads.inputs_to_heads(q, k, v, mesh, plan)
+            q, k, v = inputs_to_heads(q, k, v, mesh, plan)
         out, lse, gathered = EXECUTORS[plan.schedule].forward(call, q, k, v)
         out = out.to(dtype)
         ctx.save_for_backward(q, k, v, out, lse, *gathered)
         ctx.call = call
         if plan.head_parallel > 1:
-            out, lse = heads.outputs_from_heads(out, lse if plan.return_lse else None, mesh, plan)
+            out, lse = outputs_from_heads(out, lse if plan.return_lse else None, mesh, plan)
         return (out, lse) if plan.return_lse else out
 
     @staticmethod
@@ -69,11 +69,11 @@ class MeshAttnFunc(torch.autograd.Function):
         elif dlse is None:
             dlse = lse.new_zeros(_token_shape(lse.shape, u, tokens=2, heads=1))
         if u > 1:
-            dout, dlse = heads.grads_to_heads(dout, dlse, mesh, plan)
+            dout, dlse = grads_to_heads(dout, dlse, mesh, plan)
         saved = Saved(q=q, k=k, v=v, out=out, lse=lse, gathered=tuple(gathered))
         dq, dk, dv = EXECUTORS[plan.schedule].backward(call, dout, dlse, saved)
         if u > 1:
-            dq, dk, dv = heads.grads_from_heads(dq, dk, dv, ctx.kv_heads, mesh, plan)
+            dq, dk, dv = grads_from_heads(dq, dk, dv, ctx.kv_heads, mesh, plan)
         return dq, dk, dv, None
 
 
