@@ -63,11 +63,11 @@ class MeshAttnFunc(torch.autograd.Function):
         call: AttentionCall = ctx.call
         mesh, plan, u = call.mesh, call.plan, call.plan.head_parallel
         if dout is None:  # only the lse reaches a loss (or neither, on this rank: backward is still collective)
-            dout = out.new_zeros(_token_shape(out.shape, u, tokens=1, heads=2))
+            dout = out.new_zeros(_token_shape(out.shape, u, tokens_at=1, heads_at=2))
         if not call.lse_grad:
             dlse = None
         elif dlse is None:
-            dlse = lse.new_zeros(_token_shape(lse.shape, u, tokens=2, heads=1))
+            dlse = lse.new_zeros(_token_shape(lse.shape, u, tokens_at=2, heads_at=1))
         if u > 1:
             dout, dlse = grads_to_heads(dout, dlse, mesh, plan)
         saved = Saved(q=q, k=k, v=v, out=out, lse=lse, gathered=tuple(gathered))
@@ -77,11 +77,11 @@ class MeshAttnFunc(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def _token_shape(shape: torch.Size, u: int, *, tokens: int, heads: int) -> tuple[int, ...]:
+def _token_shape(shape: torch.Size, u: int, *, tokens_at: int, heads_at: int) -> tuple[int, ...]:
     """The shape in this rank's token layout of a head-layout tensor of ``shape`` (``S / m`` tokens at dim
-    ``tokens``, ``H / u`` heads at dim ``heads``): ``u`` times fewer tokens, ``u`` times more heads."""
+    ``tokens_at``, ``H / u`` heads at dim ``heads_at``): ``u`` times fewer tokens, ``u`` times more heads."""
     shape = list(shape)
-    shape[tokens], shape[heads] = shape[tokens] // u, shape[heads] * u
+    shape[tokens_at], shape[heads_at] = shape[tokens_at] // u, shape[heads_at] * u
     return tuple(shape)
 
 
