@@ -1,4 +1,4 @@
-"""The README's TRL section runs as written: its code block, given a tiny model, tokenizer, dataset and output
+"""The TRL example of docs/hf.md runs as written: its code block, given a tiny model, tokenizer, dataset and output
 folder (what the user brings), under ``accelerate launch`` on 4 gloo processes (DP 2 x CP 2), trains 2 steps."""
 
 from __future__ import annotations
@@ -35,17 +35,21 @@ dist.destroy_process_group()
 """
 
 
-def readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
+DOC = "docs/hf.md"
+"""The page that holds the example, between the trl-example markers."""
+
+
+def doc_block() -> str:
+    text = (ROOT / DOC).read_text()
     section = re.search(r"<!-- trl-example:start -->\n```python\n(.*?)```\n<!-- trl-example:end -->", text, re.S)
-    assert section is not None, "README.md has no TRL example between the trl-example markers"
+    assert section is not None, f"{DOC} has no TRL example between the trl-example markers"
     return section.group(1)
 
 
-def test_readme_trl_block_runs(tmp_path: Path) -> None:
-    script = tmp_path / "readme_trl.py"
+def test_docs_trl_block_runs(tmp_path: Path) -> None:
+    script = tmp_path / "docs_trl.py"
     prelude = PRELUDE.format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"))
-    script.write_text(prelude + readme_block() + EPILOGUE)
+    script.write_text(prelude + doc_block() + EPILOGUE)
     accelerate_launch(script, port=29634, cwd=tmp_path)
     for rank in range(4):
         done = (tmp_path / f"out.rank{rank}").read_text()

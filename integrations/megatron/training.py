@@ -1,0 +1,81 @@
+"""Training-step pieces for a Megatron-core GPT under TP x CP(a x b) x DP with Mesh-Attention core attention.
+
+- :func:`shard_batch`: labels shifted on the *full* sequence, then Megatron's own
+  ``get_batch_on_this_cp_rank`` cuts the zig-zag chunks ``r`` and ``2CP-1-r``.
+- :func:`global_token_count`: the tokens that count in the whole global batch (summed over DP x CP).
+- :func:`loss_share`: this rank's token losses summed over that count, so losses and gradients summed over
+  ``get_data_parallel_group(with_context_parallel=True)`` are those of the global mean. On GPU Megatron's
+  ``DistributedDataParallel`` with ``calculate_per_token_loss=True`` sums them.
+
+Import it as ``mesh_cp.integrations.megatron.training``. ``examples/megatron/pretrain_gpt.py`` is a whole
+pretraining loop built on it (its CPU-only workarounds stay beside that script).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.utils import get_batch_on_this_cp_rank
+from torch import Tensor
+
+from mesh_cp.runtime.device_checks import check_on_device
+
+__all__ = ["global_token_count", "loss_share", "shard_batch"]
+
+
+def shard_batch(tokens: Tensor, *, cp_group: dist.ProcessGroup, loss_mask: Tensor | None = None) -> dict[str, Tensor]:
+    """This CP rank's share of a ``(batch, seq + 1)`` token window: ``tokens``, ``labels`` (next tokens,
+    shifted before sharding, so no shard loses its last label), ``loss_mask`` and global
+    ``position_ids``, each ``(batch, seq / CP)`` in Megatron's zig-zag layout.
+
+    ``seq`` must be a multiple of ``2 * CP``; ``loss_mask`` (``(batch, seq)``, 1 = counts) defaults to ones.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be (batch, seq + 1), got shape {tuple(tokens.shape)}")
+    seq = tokens.shape[1] - 1
+    cp = cp_group.size()
+    if seq < 1 or seq % (2 * cp):
+        fix = -(-max(seq, 1) // (2 * cp)) * 2 * cp
+        raise ValueError(
+            f"sequence length {seq} (tokens {tokens.shape[1]} = seq + 1) must be a positive multiple of 2*CP = "
+            f"{2 * cp} for the zig-zag layout; use seq {fix}"
+        )
+    if loss_mask is None:
+        mask = torch.ones(tokens.shape[0], seq, dtype=torch.float32, device=tokens.device)
+    else:
+        mask = loss_mask.float()
+    if mask.shape != (tokens.shape[0], seq):
+        raise ValueError(f"loss_mask shape {tuple(mask.shape)} must be (batch, seq) = {(tokens.shape[0], seq)}")
+    batch = {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": mask.to(tokens.device),
+        "position_ids": torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1).contiguous(),
+    }
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+
+
+def loss_share(per_token_loss: Tensor, loss_mask: Tensor, global_tokens: int | Tensor) -> Tensor:
+    """``sum(loss * mask) / global_tokens``: this rank's share of the global mean next-token loss.
+
+    ``global_tokens`` (:func:`global_token_count`) must be at least 1, else ``ValueError``. A tensor is
+    checked where it is, without reading it on the host (``torch._assert_async``): on the CPU the error is
+    raised at once; on a GPU a zero count stops the run with a device-side assertion at the next
+    synchronisation, instead of training on a loss of ``0 / 0``."""
+    message = "global_tokens must be >= 1 (tokens with a label in the global batch over DP x CP)"
+    if not isinstance(global_tokens, Tensor):
+        if global_tokens < 1:
+            raise ValueError(f"{message}, got {global_tokens}")
+    elif global_tokens.numel() != 1:
+        raise ValueError(f"global_tokens must be one number, got a tensor of shape {tuple(global_tokens.shape)}")
+    else:
+        check_on_device((global_tokens >= 1).reshape(()), ValueError(message))
+    return (per_token_loss.float() * loss_mask).sum() / global_tokens
+
+
+def global_token_count(loss_mask: Tensor) -> Tensor:
+    """Tokens that count in the global batch: the local count summed over DP x CP."""
+    count = loss_mask.sum().to(torch.float64)
+    dist.all_reduce(count, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return count
