@@ -9,9 +9,10 @@ import logging
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mesh_cp.core import AttentionShape, Tiling
+from mesh_cp.core import AttentionShape, Tiling, check_head_parallel
+from mesh_cp.core.options import refuse_renamed
 from mesh_cp.runtime.mesh import CPMesh
-from mesh_cp.sim import Topology, choose_hybrid, choose_tile, hybrid_link_cost
+from mesh_cp.sim import Topology, choose, link_cost
 
 logger = logging.getLogger("mesh_cp")
 
@@ -27,21 +28,25 @@ def auto_mesh(
     topology: Topology | str,
     shape: AttentionShape | None = None,
     tile: tuple[int, int] | str = "auto",
-    heads: int | None = None,
+    head_parallel: int | None = None,
     memory_budget: int | None = None,
     timeout: datetime.timedelta | None = None,
     debug: bool = False,
+    **renamed,
 ) -> CPMesh:
     """The mesh over ``group`` for a cluster of ``topology`` (a :class:`mesh_cp.sim.Topology` or a preset name
     such as ``"h100"``); collective over ``group``.
 
     ``tile="auto"`` takes the head-parallel degree ``u`` and the tile the cost model predicts fastest for the
-    per-rank ``shape`` within ``memory_budget`` bytes per rank (:func:`mesh_cp.sim.choose_hybrid`: plain meshes,
-    head-parallel x mesh hybrids, USP and Ulysses), and logs why (logger ``mesh_cp``; also in ``mesh.reason``).
-    ``heads`` fixes ``u`` (``heads=1``: a plain mesh only); ``None`` lets ``tile="auto"`` choose it and means 1
-    with an explicit tile, which then tiles the ``P / heads`` ranks of a mesh group. Any tile gets the overlapped
-    schedule's move order from the two rings' link speeds on ``topology``.
+    per-rank ``shape`` within ``memory_budget`` bytes per rank (:func:`mesh_cp.sim.choose`: plain meshes,
+    head-parallel x mesh plans, USP and Ulysses), and logs why (logger ``mesh_cp``; also in ``mesh.reason``).
+    ``head_parallel`` fixes ``u`` (``1``: a plain mesh only); ``None`` lets ``tile="auto"`` choose it and means 1
+    with an explicit tile, which then tiles the ``P / head_parallel`` ranks of a mesh group. Any tile gets the
+    overlapped schedule's move order from the two rings' link speeds on ``topology`` (:func:`mesh_cp.sim.link_cost`).
     """
+    refuse_renamed(renamed, where="auto_mesh")
+    if renamed:
+        raise TypeError(f"auto_mesh() got an unexpected keyword argument {next(iter(renamed))!r}")
     if topology is None or (tile == "auto" and shape is None):
         raise ValueError(_NEEDS)
     if isinstance(topology, str):
@@ -49,27 +54,19 @@ def auto_mesh(
     world = dist.get_world_size(group)
     reason = ""
     if tile == "auto":
-        if heads == 1:
-            tiling, reason = choose_tile(world, shape, topology, memory_budget=memory_budget)
-        else:
-            heads, tiling, reason = choose_hybrid(world, shape, topology, memory_budget=memory_budget, heads=heads)
+        u, tiling, reason = choose(world, shape, topology, memory_budget=memory_budget, head_parallel=head_parallel)
         if dist.get_rank(group) == 0:
             logger.info("mesh_cp: %s", reason)
     else:
         if memory_budget is not None:
             raise ValueError(f"memory_budget= is what tile='auto' chooses within; tile {tile!r} was given")
-        heads = 1 if heads is None else heads
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or world % heads:
-            raise ValueError(
-                f"heads={heads!r} must be a positive divisor of the CP group size {world} (the head-parallel "
-                f"degree u of P = u x mesh ranks); heads=1 is plain Mesh-Attention"
-            )
-        tiling = Tiling.parse(tile, world // heads)
+        u = check_head_parallel(world, 1 if head_parallel is None else head_parallel, shape)
+        tiling = Tiling.parse(tile, world // u)
     return CPMesh.from_tiling(
         group,
         tiling,
-        heads=heads,
-        link_cost=hybrid_link_cost(heads, tiling, topology),
+        head_parallel=u,
+        link_cost=link_cost(u, tiling, topology),
         reason=reason,
         timeout=timeout,
         debug=debug,

@@ -20,20 +20,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mesh_cp.core import AttentionShape, DecodeShape, Tiling, check_seq_len
-from mesh_cp.sim import (
-    PRESETS,
-    SimResult,
-    Topology,
-    best_of_kind,
-    choose_hybrid,
-    choose_tile,
-    simulate_hybrid,
-    simulate_hybrids,
-    simulate_tiles,
-    simulate_ulysses,
-    ulysses_unavailable,
-)
+from mesh_cp.core import AttentionShape, DecodeShape, Tiling, check_seq_len, head_parallel_unavailable
+from mesh_cp.core.options import positive_int as _positive
+from mesh_cp.sim import PRESETS, SimResult, Topology, best_of_kind, choose, simulate_candidates
 from mesh_cp.sim.decode import decode_table, format_decode_table
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -58,12 +47,9 @@ def parse_bytes(text: str) -> int:
 def positive_int(text: str) -> int:
     """An argparse type: an int >= 1."""
     try:
-        value = int(text)
+        return _positive("value", int(text))
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer") from None
 
 
 def format_bytes(nbytes: float) -> str:
@@ -112,12 +98,12 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:8.2f}"
 
 
-def _row(name: str, overlap: SimResult | None, collective: SimResult, ring: float, budget: int | None) -> str:
-    """One table row; ``overlap`` is ``None`` for Ulysses (it has no overlapped form)."""
+def _row(name: str, overlap: SimResult, collective: SimResult, ring: float, budget: int | None) -> str:
+    """One table row: traffic, memory and times of both schedules, and their speed-up over the ring."""
     runs = (overlap, collective)
-    mem = ["-" if r is None else format_bytes(r.memory) + ("!" if budget and r.memory > budget else "") for r in runs]
-    times = [f"{'-':>26}" if r is None else f"{_ms(r.forward.time)} {_ms(r.backward.time)} {_ms(r.time)}" for r in runs]
-    speedups = [f"{'-':>6}" if r is None else f"{ring / r.time:5.2f}x" for r in runs]
+    mem = [format_bytes(r.memory) + ("!" if budget and r.memory > budget else "") for r in runs]
+    times = [f"{_ms(r.forward.time)} {_ms(r.backward.time)} {_ms(r.time)}" for r in runs]
+    speedups = [f"{ring / r.time:5.2f}x" for r in runs]
     traffic = collective.traffic
     return (
         f"{name:>9}  {format_bytes(traffic.intra):>10} {format_bytes(traffic.inter):>10}  {mem[0]:>10} {mem[1]:>10}  "
@@ -142,36 +128,29 @@ def _plan_command(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology, head_dim=args.head_dim, ranks_per_node=args.ranks_per_node)
     shape = _shape(args, args.world)
     lines = [*_describe(args, shape, topology), ""]
+    options = {"causal": args.causal, "backward": args.backward}
     runs = {
-        schedule: simulate_tiles(
-            args.world, shape, topology, causal=args.causal, backward=args.backward, schedule=schedule
-        )
+        schedule: simulate_candidates(args.world, shape, topology, schedule=schedule, **options)
         for schedule in ("overlap", "collective")
     }
-    ring = runs["overlap"][Tiling(world=args.world, a=1, b=args.world)].time
+    ring = runs["overlap"][(1, Tiling(world=args.world, a=1, b=args.world))].time
     lines += [
         f"{'':9}  {'traffic fwd+bwd / rank':^21}  {'peak memory / rank':^21}  {'overlap (ms)':^26}  "
         f"{'collective (ms)':^26}  {'vs ring':^13}",
         _HEADER,
     ]
-    for tiling, overlap in runs["overlap"].items():
-        lines.append(_row(str(tiling), overlap, runs["collective"][tiling], ring, args.memory_budget))
-    reason = ulysses_unavailable(args.world, shape)
+    for (u, tiling), overlap in runs["overlap"].items():
+        if u == 1:
+            lines.append(_row(str(tiling), overlap, runs["collective"][(u, tiling)], ring, args.memory_budget))
+    reason = head_parallel_unavailable(args.world, args.world, shape)  # Ulysses: u = P, tile 1x1
     if reason is None:
-        lines.append(
-            _row(
-                "ulysses",
-                None,
-                simulate_ulysses(args.world, shape, topology, causal=args.causal),
-                ring,
-                args.memory_budget,
-            )
-        )
+        ulysses = (args.world, Tiling(world=1, a=1, b=1))
+        lines.append(_row("ulysses", runs["overlap"][ulysses], runs["collective"][ulysses], ring, args.memory_budget))
     else:
         lines.append(f"{'ulysses':>9}  unavailable: {reason}")
-    lines += _hybrid_rows(args, shape, topology, ring)
-    _, _, why = choose_hybrid(
-        args.world, shape, topology, causal=args.causal, backward=args.backward, memory_budget=args.memory_budget
+    lines += _hybrid_rows(args, runs, ring)
+    _, _, why = choose(
+        args.world, shape, topology, memory_budget=args.memory_budget, head_parallel=args.head_parallel, **options
     )
     lines += [
         "",
@@ -188,19 +167,16 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _hybrid_rows(args: argparse.Namespace, shape: AttentionShape, topology: Topology, ring: float) -> list[str]:
+def _hybrid_rows(args: argparse.Namespace, runs: dict[str, dict], ring: float) -> list[str]:
     """Rows of the fastest head-parallel x mesh hybrid and USP split (overlapped schedule), tagged at the end."""
-    options = {"causal": args.causal, "backward": args.backward}
-    results = simulate_hybrids(args.world, shape, topology, **options)
     lines = []
     for kind, tag in (("hybrid", "best hybrid"), ("usp", "best USP")):
-        best = best_of_kind(results, kind)
+        best = best_of_kind(runs["overlap"], kind)
         if best is None:
             lines.append(f"{tag:>9}  unavailable: no head-parallel degree u > 1 fits P={args.world} and this shape")
             continue
         u, tiling = best
-        collective = simulate_hybrid(u, tiling, shape, topology, schedule="collective", **options)
-        row = _row(f"{u}x({tiling})", results[best], collective, ring, args.memory_budget)
+        row = _row(f"{u}x({tiling})", runs["overlap"][best], runs["collective"][best], ring, args.memory_budget)
         lines.append(f"{row}  {tag}")
     return lines
 
@@ -210,37 +186,37 @@ def _hybrid_rows(args: argparse.Namespace, shape: AttentionShape, topology: Topo
 
 
 def scaling(args: argparse.Namespace, topology: Topology) -> list[dict]:
-    """Ring, best tile, the automatic choice among hybrids (:func:`choose_hybrid`) and the best USP split for
-    P = 4..1024 at the fixed global ``args.seq`` (P with seq % 2P skipped; ``"usp"`` is ``None`` without one)."""
+    """Ring, best tile, the automatic choice (:func:`mesh_cp.sim.choose`, ``--head-parallel`` when given) and the
+    best USP split for P = 4..1024 at the fixed global ``args.seq`` (P with seq % 2P skipped, and P where no
+    candidate fits the memory budget or ``--head-parallel`` cannot split P; ``"usp"`` is ``None`` without one)."""
     points = []
-    options = {"causal": args.causal, "backward": args.backward}
+    options = {"causal": args.causal, "backward": args.backward, "memory_budget": args.memory_budget}
     for world in PLOT_WORLDS:
         if args.seq % (2 * world):
             continue
         shape = _shape(args, world)
         try:
-            tile, _ = choose_tile(world, shape, topology, memory_budget=args.memory_budget, **options)
-            heads, inner, _ = choose_hybrid(world, shape, topology, memory_budget=args.memory_budget, **options)
-        except ValueError:  # no tile fits the memory budget at this P
+            _, tile, _ = choose(world, shape, topology, head_parallel=1, **options)
+            u, inner, _ = choose(world, shape, topology, head_parallel=args.head_parallel, **options)
+        except ValueError:
             continue
-        results = simulate_tiles(world, shape, topology, **options)
-        hybrids = simulate_hybrids(world, shape, topology, **options)
-        usp = best_of_kind(hybrids, "usp")
+        results = simulate_candidates(world, shape, topology, causal=args.causal, backward=args.backward)
+        usp = best_of_kind(results, "usp")
         points.append(
             {
                 "world": world,
                 "tile": str(tile),
-                "ring": results[Tiling(world=world, a=1, b=world)],
-                "best": results[tile],
-                "hybrid": hybrids[(heads, inner)],
-                "hybrid_label": str(inner) if heads == 1 else f"{heads}x({inner})",
-                "usp": None if usp is None else hybrids[usp],
+                "ring": results[(1, Tiling(world=world, a=1, b=world))],
+                "best": results[(1, tile)],
+                "hybrid": results[(u, inner)],
+                "hybrid_label": str(inner) if u == 1 else f"{u}x({inner})",
+                "usp": None if usp is None else results[usp],
             }
         )
     return points
 
 
-_CURVES = (("ring", "ring 1xP", "o"), ("best", "best tile", "s"), ("hybrid", "auto (with heads)", "^"))
+_CURVES = (("ring", "ring 1xP", "o"), ("best", "best tile", "s"), ("hybrid", "auto (with head-parallel)", "^"))
 _CURVES += (("usp", "best USP", "v"),)
 
 
@@ -368,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--backward", choices=("regather", "reuse"), default="regather", help="backward gathers again or reuses"
+    )
+    plan.add_argument(
+        "--head-parallel",
+        type=positive_int,
+        default=None,
+        help="fix the head-parallel degree u of the choice (1: a plain mesh; default: the cost model chooses u)",
     )
     plan.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of traffic and speed-up vs P=4..1024")
     plan.set_defaults(run=_plan_command, command_parser=plan)

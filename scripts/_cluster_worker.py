@@ -374,7 +374,7 @@ def run_benchmark(cfg: dict[str, Any], rank: Rank, rates: dict[str, float]) -> l
     )
     configs = []
     for u, a, b in cfg["tiles"]:
-        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(a, b), heads=u, topology=topology)
+        mesh = mesh_cp.auto_mesh(dist.group.WORLD, topology=topology, tile=(a, b), head_parallel=u)
         configs += [Config(tile=(u, a, b), schedule=s, mesh=mesh) for s in cfg["schedules"]]
 
     kernel = TimedKernel()

@@ -53,7 +53,7 @@ from typing import IO, Any
 
 from mesh_cp.core import AttentionShape, Tiling
 from mesh_cp.core.options import PHASES
-from mesh_cp.sim import HybridResult, Topology, simulate_hybrid
+from mesh_cp.sim import SimResult, Topology, plan_for_topology, simulate
 
 WORLD = 16
 RANKS_PER_NODE = 4
@@ -650,10 +650,11 @@ def attention_shape(args: argparse.Namespace) -> AttentionShape:
     )
 
 
-def simulated(args: argparse.Namespace, row: dict[str, Any], topo: Topology) -> HybridResult:
+def simulated(args: argparse.Namespace, row: dict[str, Any], topo: Topology) -> SimResult:
     u, a, b = parse_layout(row["tile"])
     tiling = Tiling(world=WORLD // u, a=a, b=b)
-    return simulate_hybrid(u, tiling, attention_shape(args), topo, causal=True, schedule=row["schedule"])
+    plan = plan_for_topology(u, tiling, attention_shape(args), topo, causal=True, schedule=row["schedule"])
+    return simulate(plan, topo)
 
 
 def ring_topology(args: argparse.Namespace, rows: list[dict[str, Any]], topo: Topology) -> Topology | None:

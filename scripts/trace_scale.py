@@ -10,8 +10,8 @@ traced bytes are compared with ``AttentionPlan.bytes_sent``. At P <= 16 the same
 against real gloo ranks by the test suite (tests/runtime/test_exactness.py) and by
 scripts/bench_attention.py, so plan, trace and runtime agree.
 
-With ``--hybrid`` every head-parallel x mesh layout (``heads=u``, Note [Head-parallel x mesh]) is traced too, its
-all-to-all bytes compared with ``HybridPlan.a2a_bytes`` and its inner mesh's with the inner plan. ``CommCounter``
+With ``--hybrid`` every head-parallel x mesh layout (``head_parallel=u``, Note [Head-parallel x mesh]) is traced too,
+its all-to-all bytes compared with the plan's ``bytes_sent(phase, "heads")`` and its mesh's with the Q and KV groups'. ``CommCounter``
 also splits every rank's bytes by the node of the receiving rank (``--ranks-per-node`` consecutive ranks per node);
 over the traced ranks, the busiest one's inter-node bytes are reported per layout, and per kind (ring, plain mesh,
 USP = head-parallel with a ``1 x m`` ring, any hybrid) the layout whose busiest rank sends the fewest.
@@ -36,8 +36,15 @@ import torch
 import torch.distributed as dist
 
 import mesh_cp
-from mesh_cp.core import AttentionShape, Tiling, factorizations
-from mesh_cp.core.hybrid import head_group_ranks, make_hybrid_plan, mesh_group_ranks, valid_heads
+from mesh_cp.core import (
+    AttentionShape,
+    Tiling,
+    factorizations,
+    head_group_ranks,
+    make_plan,
+    mesh_group_ranks,
+    valid_head_parallel,
+)
 
 PAPER = "Mesh-Attention paper, 256 GPUs: traffic -79.0% average, -85.4% best vs Ring-Attention"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -55,48 +62,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-local", type=int, default=8, help="tokens per rank (even; bytes scale linearly)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of q, k, v")
     p.add_argument("--schedule", default="overlap", choices=["overlap", "collective"], help="mesh_attn_func schedule")
-    p.add_argument("--hybrid", action="store_true", help="also trace every head-parallel x mesh layout (heads=u)")
+    p.add_argument(
+        "--hybrid", action="store_true", help="also trace every head-parallel x mesh layout (head_parallel=u)"
+    )
     p.add_argument("--ranks-per-node", type=int, default=8, help="consecutive ranks per node, for inter-node bytes")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     return p.parse_args(argv)
 
 
-def fake_mesh(group, members: tuple[int, ...], rank: int, tiling: Tiling) -> mesh_cp.CPMesh:
-    """The mesh of CP rank ``rank`` of ``group`` (global ranks ``members``) tiled ``tiling`` in a fake world: every
-    Q- and KV-group is created, as ``new_group`` requires of every rank."""
-    q_groups = {m: dist.new_group([members[r] for r in m]) for m in tiling.q_groups()}
-    kv_groups = {m: dist.new_group([members[r] for r in m]) for m in tiling.kv_groups()}
-    return mesh_cp.CPMesh(
-        group=group,
-        q_group=q_groups[tiling.q_group(rank)],
-        kv_group=kv_groups[tiling.kv_group(rank)],
-        tiling=tiling,
-        rank=rank,
-        global_ranks=members,
-    )
-
-
-def fake_hybrid_mesh(world: int, rank: int, heads: int, tiling: Tiling) -> mesh_cp.CPMesh:
-    """The head-parallel x mesh CP mesh of ``rank`` in a fake world: ``heads`` consecutive ranks per head group, the
-    ranks ``i, i + u, ...`` per mesh group, tiled ``tiling`` (Note [Head-parallel x mesh])."""
-    head_groups = {g: dist.new_group(list(head_group_ranks(world, heads, g * heads))) for g in range(tiling.world)}
-    inner = {}
-    for i in range(heads):  # every mesh group's groups, as new_group requires; this rank keeps its own
-        members = mesh_group_ranks(world, heads, i)
-        inner[i] = fake_mesh(
-            dist.new_group(list(members)), members, members.index(rank) if i == rank % heads else 0, tiling
-        )
-    mine = inner[rank % heads]
+def fake_mesh(world: int, rank: int, u: int, tiling: Tiling) -> mesh_cp.CPMesh:
+    """The CP mesh of ``rank`` in a fake world of ``world`` ranks: ``u`` consecutive ranks per head group, the ranks
+    ``i, i + u, ...`` per mesh group, tiled ``tiling`` (Note [Head-parallel x mesh]; ``u = 1``: one mesh group of
+    every rank). Every head group and every mesh group's Q- and KV-groups are created, as ``new_group`` requires of
+    every rank, and a twin of the world for the call checks."""
+    head_groups = {g: dist.new_group(list(head_group_ranks(world, u, g * u))) for g in range(tiling.world)}
+    mine = {}
+    for i in range(u):
+        members = mesh_group_ranks(world, u, i)
+        q_groups = {m: dist.new_group([members[r] for r in m]) for m in tiling.q_groups()}
+        kv_groups = {m: dist.new_group([members[r] for r in m]) for m in tiling.kv_groups()}
+        if i == rank % u:  # this rank is mesh rank rank // u of mesh group i
+            mine = {"q_group": q_groups[tiling.q_group(rank // u)], "kv_group": kv_groups[tiling.kv_group(rank // u)]}
     return mesh_cp.CPMesh(
         group=dist.group.WORLD,
-        q_group=mine.q_group,
-        kv_group=mine.kv_group,
         tiling=tiling,
         rank=rank,
         global_ranks=tuple(range(world)),
-        heads=heads,
-        head_group=head_groups[rank // heads],
-        inner=mine,
+        check_group=dist.new_group(list(range(world))),
+        head_parallel=u,
+        head_group=head_groups[rank // u] if u > 1 else None,
+        **mine,
     )
 
 
@@ -104,7 +99,7 @@ def layouts(world: int, shape: AttentionShape, hybrid: bool) -> list[tuple[int, 
     """``(u, tiling)`` of every plain tile of ``world``, and with ``hybrid`` of every head-parallel split ``u > 1``
     the shape allows with every tile of its ``world / u`` mesh ranks."""
     out = [(1, Tiling(world=world, a=a, b=b)) for a, b in factorizations(world)]
-    for u in valid_heads(world, shape) if hybrid else ():
+    for u in valid_head_parallel(world, shape) if hybrid else ():
         out += [(u, Tiling(world=world // u, a=a, b=b)) for a, b in factorizations(world // u)] if u > 1 else []
     return out
 
@@ -124,11 +119,7 @@ def trace_rank(
     try:
         rows = []
         for u, tiling in layouts(world, shape, hybrid):
-            mesh = (
-                fake_mesh(dist.group.WORLD, tuple(range(world)), rank, tiling)
-                if u == 1
-                else fake_hybrid_mesh(world, rank, u, tiling)
-            )
+            mesh = fake_mesh(world, rank, u, tiling)
             q = torch.randn(shape.batch, shape.seq_local, shape.heads, shape.head_dim, dtype=dtype, requires_grad=True)
             kv_shape = (shape.batch, shape.seq_local, shape.kv_heads, shape.head_dim)
             k, v = (torch.randn(kv_shape, dtype=dtype, requires_grad=True) for _ in range(2))
@@ -137,10 +128,9 @@ def trace_rank(
                 out = mesh_cp.mesh_attn_func(q, k, v, mesh=mesh, causal=True, schedule=schedule)
             with counters["backward"]:
                 out.backward(torch.ones_like(out))
-            plan = make_hybrid_plan(u, tiling, shape, causal=True, layout="zigzag", schedule=schedule)
-            planned = {ph: {g: plan.plan.bytes_sent(ph, g) for g in ("q", "kv")} for ph in counters}
-            for ph in planned:
-                planned[ph] |= {"heads": plan.a2a_bytes(ph)} if u > 1 else {}
+            plan = make_plan(tiling, shape, causal=True, layout="zigzag", schedule=schedule, head_parallel=u)
+            groups = ("heads", "q", "kv") if u > 1 else ("q", "kv")
+            planned = {ph: {g: plan.bytes_sent(ph, g) for g in groups} for ph in counters}
             links = [c.bytes_by_link(lambda r: r // per_node) for c in counters.values()]
             rows.append(
                 {

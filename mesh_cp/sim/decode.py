@@ -53,6 +53,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from mesh_cp.core.decode import DecodeReduction, DecodeShape
+from mesh_cp.core.options import positive_int
 from mesh_cp.core.tiling import factorizations
 from mesh_cp.sim.topology import LinkClass, Topology
 
@@ -106,9 +107,7 @@ class DecodeCost:
 
 
 def _check_world(world: int) -> int:
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise ValueError(f"world must be a positive int (CP ranks the cache is sharded over), got {world!r}")
-    return world
+    return positive_int("world", world, what="CP ranks the cache is sharded over")
 
 
 def _check_inputs(shape: DecodeShape, topology: Topology) -> None:

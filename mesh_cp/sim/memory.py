@@ -9,29 +9,34 @@ from __future__ import annotations
 
 from typing import Literal
 
+from mesh_cp.core.blocks import BlockWork
 from mesh_cp.core.options import Phase, check_option
-from mesh_cp.core.plan import AttentionPlan, BlockWork
+from mesh_cp.core.plan import AttentionPlan
 
 Backend = Literal["gloo", "nccl"]
 BACKENDS: tuple[str, ...] = ("gloo", "nccl")
 
 
 def peak_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Backend = "gloo") -> int:
-    """Bytes ``rank`` allocates at the peak of ``phase`` of ``plan``, beyond its inputs and saved tensors.
+    """Bytes mesh rank ``rank`` allocates at the peak of ``phase`` of ``plan``, beyond its inputs and saved tensors.
 
-    Counts what the schedule holds — gathered Q/KV chunks (all of them for ``backward="reuse"``,
-    which keeps them from forward to backward), fp32 accumulators of partial outputs and
-    gradients, transfer buffers — plus one block's kernel outputs and temporaries. The
-    overlapped schedule frees a chunk after its last use, so its peak follows its path; the
-    collective schedule holds every gathered chunk and the reduce buffers together, and on
-    ``backend="gloo"`` a flat copy of each all-gather's output while it runs.
+    The mesh's peak, on ``plan.mesh_shape``: what the schedule holds — gathered Q/KV chunks (all of them for
+    ``backward="reuse"``, which keeps them from forward to backward), fp32 accumulators of partial outputs and
+    gradients, transfer buffers — plus one block's kernel outputs and temporaries. The overlapped schedule frees
+    a chunk after its last use, so its peak follows its path; the collective schedule holds every gathered chunk
+    and the reduce buffers together, and on ``backend="gloo"`` a flat copy of each all-gather's output while it
+    runs. With ``head_parallel > 1``, plus the head-layout copy of every tensor the phase's all-to-alls move
+    (``plan.all_to_alls``: forward q, k, v and out, backward dO, dq, dk and dv, and the lse or its gradient when
+    the call returns it).
     """
     check_option("phase", phase)
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not modelled; choose one of {list(BACKENDS)}")
     if plan.schedule == "collective":
-        return _collective_peak(plan, phase, rank, staged=backend == "gloo")
-    return _overlap_peak(plan, phase, rank)
+        mesh = _collective_peak(plan, phase, rank, staged=backend == "gloo")
+    else:
+        mesh = _overlap_peak(plan, phase, rank)
+    return mesh + sum(t.piece_bytes * t.group_size for t in plan.all_to_alls(phase))
 
 
 def _kernel_bytes(plan: AttentionPlan, w: BlockWork | None, phase: Phase) -> int:
@@ -40,7 +45,7 @@ def _kernel_bytes(plan: AttentionPlan, w: BlockWork | None, phase: Phase) -> int
     out; GQA adds the K, V repeated to every head."""
     if w is None:
         return 0
-    s = plan.shape
+    s = plan.mesh_shape
     q_bytes = s.chunk_elems * s.itemsize
     rq = (w.q_rows[1] - w.q_rows[0]) / s.seq_local
     rk = (w.kv_rows[1] - w.kv_rows[0]) / s.seq_local
@@ -51,7 +56,7 @@ def _kernel_bytes(plan: AttentionPlan, w: BlockWork | None, phase: Phase) -> int
 
 
 def _units(plan: AttentionPlan) -> dict[str, int]:
-    s = plan.shape
+    s = plan.mesh_shape
     q_bytes, kv_bytes = plan.chunk_bytes()
     acc = s.chunk_elems * s.acc_itemsize
     return {

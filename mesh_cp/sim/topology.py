@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Literal
 
+from mesh_cp.core.options import positive_int
+
 LinkClass = Literal["intra", "inter"]
 LINK_CLASSES: tuple[LinkClass, ...] = ("intra", "inter")
 
@@ -55,9 +57,7 @@ class Topology:
     (GPU NICs move data by DMA); measured by scripts/emulated_cluster.py for its CPU host."""
 
     def __post_init__(self) -> None:
-        rpn = self.ranks_per_node
-        if not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1:
-            raise ValueError(f"Topology.ranks_per_node must be a positive int (GPUs per node), got {rpn!r}")
+        positive_int("Topology.ranks_per_node", self.ranks_per_node, what="GPUs per node")
         positive = ("intra_bandwidth", "inter_bandwidth", "pairs_per_second", "backward_factor")
         for name in positive + ("intra_latency", "inter_latency", "host_seconds_per_byte"):
             value = getattr(self, name)
@@ -165,9 +165,7 @@ class Topology:
 
 
 def _check_head_dim(head_dim: int) -> int:
-    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
-        raise ValueError(f"head_dim must be a positive int (the kernel's FLOP per pair scale), got {head_dim!r}")
-    return head_dim
+    return positive_int("head_dim", head_dim, what="the kernel's FLOP per pair scale")
 
 
 PRESETS: dict[str, Callable[..., Topology]] = {

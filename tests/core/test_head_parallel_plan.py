@@ -1,7 +1,9 @@
-"""The head-parallel x mesh plan as data: groups, all-to-all bytes, refusals, and the claim the hybrid is for,
-checked through the cost model at 256 ranks."""
+"""The head-parallel x mesh plan as data: groups, all-to-all bytes, refusals, and the claim it is for, checked
+through the cost model at 256 ranks."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -10,13 +12,12 @@ from mesh_cp.core import (
     Tiling,
     factorizations,
     head_group_ranks,
-    hybrid_unavailable,
-    make_hybrid_plan,
+    head_parallel_unavailable,
     make_plan,
     mesh_group_ranks,
-    valid_heads,
+    valid_head_parallel,
 )
-from mesh_cp.sim import Topology, best_of_kind, choose_hybrid, choose_tile, hybrid_link_cost, simulate_hybrids
+from mesh_cp.sim import Topology, best_of_kind, choose, link_cost, simulate_candidates
 
 PHASES = ("forward", "backward")
 
@@ -24,6 +25,10 @@ PHASES = ("forward", "backward")
 def shape(*, seq_local: int = 8, heads: int = 8, kv_heads: int = 8, itemsize: int = 2) -> AttentionShape:
     """Per-rank sizes of the inputs: ``seq_local = S / P`` tokens, all heads."""
     return AttentionShape(batch=2, seq_local=seq_local, heads=heads, kv_heads=kv_heads, head_dim=16, itemsize=itemsize)
+
+
+def plan_of(u: int, tiling: Tiling, s: AttentionShape, **options):
+    return make_plan(tiling, s, causal=True, layout="zigzag", head_parallel=u, **options)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -47,11 +52,11 @@ def test_head_groups_and_mesh_groups_cross_once(world: int, u: int) -> None:
 
 
 def test_group_helpers_refuse_bad_input() -> None:
-    with pytest.raises(ValueError, match="heads=3 head-parallel ranks do not divide the CP group size P=8"):
+    with pytest.raises(ValueError, match="head_parallel=3 does not divide the CP group size P=8"):
         head_group_ranks(8, 3, 0)
     with pytest.raises(ValueError, match="rank 8 is outside the CP group of size 8"):
         mesh_group_ranks(8, 2, 8)
-    with pytest.raises(ValueError, match="heads must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="head_parallel .* must be a positive int, got 0"):
         mesh_group_ranks(8, 0, 0)
 
 
@@ -71,23 +76,26 @@ def test_group_helpers_refuse_bad_input() -> None:
 def test_all_to_all_bytes_are_one_piece_per_peer(heads: int, kv_heads: int, u: int, forward_c: float) -> None:
     s = shape(heads=heads, kv_heads=kv_heads)
     c = s.chunk_elems * s.itemsize
-    plan = make_hybrid_plan(u, Tiling(world=2, a=1, b=2), s, causal=True, layout="zigzag")
+    plan = plan_of(u, Tiling(world=2, a=1, b=2), s)
+    with_lse = dataclasses.replace(plan, return_lse=True)
     # By hand: a rank sends each of its u - 1 peers, for its own S/P tokens, the heads that peer gets.
     per_token_head = s.batch * s.seq_local * s.head_dim * s.itemsize
     q_piece = (heads // u) * per_token_head
     kv_piece = max(kv_heads // u, 1) * per_token_head  # one K/V head per peer when repeated
     lse_piece = s.batch * (heads // u) * s.seq_local * 4  # fp32
     by_hand = (u - 1) * (2 * q_piece + 2 * kv_piece)  # forward q, k, v, out; backward dO, dq, dk, dv
-    assert plan.a2a_bytes("forward") == by_hand == forward_c * c
-    assert plan.a2a_bytes("backward") == by_hand
-    assert plan.a2a_bytes("forward", lse=True) == plan.a2a_bytes("backward", lse=True) == by_hand + (u - 1) * lse_piece
-    assert [name for name, _ in plan.all_to_alls("forward", lse=True)] == ["q", "k", "v", "out", "lse"]
-    assert [name for name, _ in plan.all_to_alls("backward")] == ["dout", "dq", "dk", "dv"]
-    inner = plan.plan.shape
+    assert plan.bytes_sent("forward", group="heads") == by_hand == forward_c * c
+    assert plan.bytes_sent("backward", group="heads") == by_hand
+    lse_bytes = [with_lse.bytes_sent(phase, group="heads") for phase in PHASES]
+    assert lse_bytes == [by_hand + (u - 1) * lse_piece] * 2
+    assert [t.what for t in with_lse.all_to_alls("forward")] == ["q", "k", "v", "out", "lse"]
+    assert [t.what for t in plan.all_to_alls("backward")] == ["dout", "dq", "dk", "dv"]
+    inner = plan.mesh_shape
     assert (inner.seq_local, inner.heads, inner.kv_heads) == (u * s.seq_local, heads // u, max(kv_heads // u, 1))
     assert inner.chunk_elems == s.chunk_elems  # S/m tokens x H/u heads: the same C
     for phase in PHASES:
-        assert plan.bytes_sent(phase) == plan.a2a_bytes(phase) + plan.plan.bytes_sent(phase)
+        groups = [plan.bytes_sent(phase, group=g) for g in ("heads", "q", "kv")]
+        assert plan.bytes_sent(phase) == sum(groups)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 2), (8, 1)])
@@ -98,13 +106,15 @@ def test_bytes_follow_the_traffic_formula(heads: int, kv_heads: int, u: int) -> 
     c = s.chunk_elems * s.itemsize
     for a, b in factorizations(4):
         for backward in ("regather", "reuse"):
-            plan = make_hybrid_plan(u, Tiling(world=4, a=a, b=b), s, causal=True, layout="zigzag", backward=backward)
-            r = plan.plan.shape.kv_ratio
+            plan = plan_of(u, Tiling(world=4, a=a, b=b), s, backward=backward)
+            r = plan.mesh_shape.kv_ratio
             assert r == max(kv_heads // u, 1) / (heads // u)  # r' = r while u | kv_heads, u / heads when repeated
             for phase in PHASES:
-                formula = (2 + 2 * r) * (u - 1) / u + plan.plan.traffic_units(phase)
+                regather = phase == "backward" and backward == "regather"
+                mesh = 3 * (a - 1) + 4 * r * (b - 1) if regather else 2 * (a - 1) + 2 * r * (b - 1)
+                formula = (2 + 2 * r) * (u - 1) / u + mesh
                 assert plan.traffic_units(phase) == pytest.approx(formula)
-                stats = plan.plan.stats_bytes_sent(phase)
+                stats = plan.stats_bytes_sent(phase)
                 assert plan.bytes_sent(phase) == pytest.approx(formula * c + stats, abs=1e-6)
 
 
@@ -112,12 +122,11 @@ def test_one_head_parallel_rank_is_the_plain_plan() -> None:
     s = shape(kv_heads=2)
     for a, b in factorizations(6):
         tiling = Tiling(world=6, a=a, b=b)
-        hybrid = make_hybrid_plan(1, tiling, s, causal=True, layout="zigzag", backward="reuse")
-        assert hybrid.plan == make_plan(tiling, s, causal=True, layout="zigzag", backward="reuse")
-        assert hybrid.world == 6 and hybrid.tiling == tiling
+        plan = plan_of(1, tiling, s, backward="reuse", return_lse=True)
+        assert plan.world == 6 and plan.tiling == tiling and plan.mesh_shape == s
         for phase in PHASES:
-            assert hybrid.all_to_alls(phase, lse=True) == () and hybrid.a2a_bytes(phase, lse=True) == 0
-            assert hybrid.bytes_sent(phase) == hybrid.plan.bytes_sent(phase)
+            assert plan.all_to_alls(phase) == () and plan.bytes_sent(phase, group="heads") == 0
+            assert plan.bytes_sent(phase) == plan.bytes_sent(phase, group="q") + plan.bytes_sent(phase, group="kv")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,33 +138,37 @@ REFUSALS = [
         3,
         Tiling(2, 1, 2),
         shape(),
-        r"heads=3 head-parallel ranks do not divide the 8 query heads; choose u among \[1, 2\]",
+        r"head_parallel=3 does not divide the 8 query heads; choose head_parallel among \[1, 2\]",
     ),
-    (6, Tiling(2, 1, 2), shape(heads=12, kv_heads=4), "heads=6 head-parallel ranks and the 4 K/V heads must divide"),
+    (6, Tiling(2, 1, 2), shape(heads=12, kv_heads=4), "head_parallel=6 and the 4 K/V heads must divide one another"),
     (
         1,
         Tiling(4, 2, 2),
         shape(seq_local=3),
-        r"seq_len 12 \(3 per rank x P=4\) must be a multiple of 2\*P=8 for the zigzag layout; pad the sequence to 16",
+        r"seq_local 3 must be even for the zigzag layout \(global seq_len must be a multiple of 2\*P = 8\); pad",
     ),
-    (0, Tiling(4, 2, 2), shape(), "heads .* must be a positive int, got 0"),
-    (2, (2, 2), shape(), "tiling must be a mesh_cp.core.Tiling"),
+    (0, Tiling(4, 2, 2), shape(), "head_parallel .* must be a positive int, got 0"),
 ]
 
 
-@pytest.mark.parametrize(("heads", "tiling", "s", "message"), REFUSALS)
-def test_refusals_name_the_value_and_the_fix(heads: int, tiling, s: AttentionShape, message: str) -> None:
+@pytest.mark.parametrize(("u", "tiling", "s", "message"), REFUSALS)
+def test_refusals_name_the_value_and_the_fix(u: int, tiling, s: AttentionShape, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        make_hybrid_plan(heads, tiling, s, causal=True, layout="zigzag")
+        plan_of(u, tiling, s)
 
 
-def test_valid_heads_and_odd_sequences() -> None:
-    assert valid_heads(16, shape(heads=8, kv_heads=8)) == (1, 2, 4, 8)
-    assert valid_heads(16, shape(heads=16, kv_heads=4)) == (1, 2, 4, 8, 16)  # 8, 16: K/V heads repeated
-    assert valid_heads(12, shape(heads=12, kv_heads=4)) == (1, 2, 4, 12)  # 3, 6 and 4: neither divides the other
+def test_valid_head_parallel_and_odd_sequences() -> None:
+    assert valid_head_parallel(16, shape(heads=8, kv_heads=8)) == (1, 2, 4, 8)
+    assert valid_head_parallel(16, shape(heads=16, kv_heads=4)) == (1, 2, 4, 8, 16)  # 8, 16: K/V heads repeated
+    assert valid_head_parallel(12, shape(heads=12, kv_heads=4)) == (1, 2, 4, 12)  # 3, 6: neither divides 4
+    assert head_parallel_unavailable(12, 3, shape(heads=12, kv_heads=4)) is not None
     odd = shape(seq_local=3)  # 3 tokens per rank: no zig-zag half-chunks, whatever the head-parallel degree
-    assert hybrid_unavailable(4, 1, odd) is not None and hybrid_unavailable(4, 2, odd) is not None
-    assert hybrid_unavailable(4, 1, odd, layout="contiguous") is None
+    for u in (1, 2):
+        with pytest.raises(ValueError, match="must be even for the zigzag layout"):
+            plan_of(u, Tiling(4 // u, 1, 4 // u), odd)
+        make_plan(Tiling(4 // u, 1, 4 // u), odd, causal=True, layout="contiguous", head_parallel=u)
+    with pytest.raises(ValueError, match="pad the sequence to 16"):
+        simulate_candidates(4, odd, H100)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,7 +190,7 @@ def test_at_256_ranks_the_node_wide_hybrid_sends_less_across_nodes_than_usp(kv_h
     its mesh traffic and the time the all-to-alls add (which overlap nothing) is all that separates them: under 1%.
     """
     s = cluster_shape(kv_heads, 4096)
-    results = simulate_hybrids(256, s, H100)
+    results = simulate_candidates(256, s, H100)
     node_wide = min((k for k in results if k[0] == 8), key=lambda k: (results[k].time, results[k].traffic.inter))
     hybrid, usp = results[node_wide], results[best_of_kind(results, "usp")]
     mesh, ring = results[best_of_kind(results, "mesh")], results[(1, Tiling(256, 1, 256))]
@@ -198,11 +211,11 @@ def test_at_256_ranks_the_node_wide_hybrid_sends_less_across_nodes_than_usp(kv_h
 def test_at_256_ranks_the_choice_is_never_slower_than_the_best_plain_mesh(kv_heads: int) -> None:
     for seq_local in (512, 1024, 2048, 4096, 8192):
         s = cluster_shape(kv_heads, seq_local)
-        results = simulate_hybrids(256, s, H100)
-        u, tiling, reason = choose_hybrid(256, s, H100)
-        tile, _ = choose_tile(256, s, H100)
+        results = simulate_candidates(256, s, H100)
+        u, tiling, reason = choose(256, s, H100)
+        _, tile, _ = choose(256, s, H100, head_parallel=1)
         assert results[(u, tiling)].time <= results[(1, tile)].time
-        assert reason.startswith(f"tile {tiling}" + ("" if u == 1 else f" with heads={u}"))
+        assert reason.startswith(f"tile {tiling}" + ("" if u == 1 else f" with head_parallel={u}"))
 
 
 @pytest.mark.parametrize(("kv_heads", "seq_local"), [(32, 2048), (8, 512)])
@@ -210,8 +223,8 @@ def test_at_256_ranks_the_hybrid_wins_where_communication_shows(kv_heads: int, s
     """Where the mesh cannot hide its traffic (MHA at 2048 tokens per rank, GQA at 512), the choice is a hybrid
     that is faster than the best plain mesh and the best USP split, with fewer bytes across nodes than either."""
     s = cluster_shape(kv_heads, seq_local)
-    results = simulate_hybrids(256, s, H100)
-    u, tiling, reason = choose_hybrid(256, s, H100)
+    results = simulate_candidates(256, s, H100)
+    u, tiling, reason = choose(256, s, H100)
     chosen, usp, mesh = (results[k] for k in ((u, tiling), best_of_kind(results, "usp"), best_of_kind(results, "mesh")))
     assert (u, tiling.a) == (8, {32: 4, 8: 2}[kv_heads])  # head groups fill a node; a mesh over the rest
     assert chosen.time < min(usp.time, mesh.time)
@@ -226,15 +239,15 @@ def test_auto_mesh_builds_the_chosen_split(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(auto.dist, "get_rank", lambda group: 1)
     monkeypatch.setattr(auto.CPMesh, "from_tiling", classmethod(lambda cls, group, tiling, **kw: (group, tiling, kw)))
     group, s = object(), cluster_shape(32, 2048)
-    for heads in (None, 1):  # None: every split; 1: plain meshes only, as choose_tile picks and explains them
-        u, tiling, reason = choose_hybrid(256, s, H100, heads=heads)
-        if heads == 1:
-            tiling, reason = choose_tile(256, s, H100)
-        options = {"heads": u, "link_cost": hybrid_link_cost(u, tiling, H100), "reason": reason}
-        built = auto.auto_mesh(group, topology="h100", shape=s, heads=heads)
+    for head_parallel in (None, 1):  # None: every split; 1: plain meshes only
+        u, tiling, reason = choose(256, s, H100, head_parallel=head_parallel)
+        options = {"head_parallel": u, "link_cost": link_cost(u, tiling, H100), "reason": reason}
+        built = auto.auto_mesh(group, topology="h100", shape=s, head_parallel=head_parallel)
         assert built == (group, tiling, options | {"timeout": None, "debug": False})
-    assert built[1] == choose_tile(256, s, H100)[0]
-    fixed = auto.auto_mesh(group, topology=H100, tile="2x8", heads=16)
-    assert fixed[1] == Tiling(16, 2, 8) and fixed[2]["heads"] == 16 and fixed[2]["reason"] == ""
-    with pytest.raises(ValueError, match="heads=3 must be a positive divisor of the CP group size 256"):
-        auto.auto_mesh(group, topology=H100, tile="2x8", heads=3)
+    assert built[1] == choose(256, s, H100, head_parallel=1).tiling
+    fixed = auto.auto_mesh(group, topology=H100, tile="2x8", head_parallel=16)
+    assert fixed[1] == Tiling(16, 2, 8) and fixed[2]["head_parallel"] == 16 and fixed[2]["reason"] == ""
+    with pytest.raises(ValueError, match="head_parallel=3 does not divide the CP group size P=256"):
+        auto.auto_mesh(group, topology=H100, tile="2x8", head_parallel=3)
+    with pytest.raises(ValueError, match="auto_mesh: 'heads' was renamed 'head_parallel'"):
+        auto.auto_mesh(group, topology=H100, tile="2x8", heads=16)

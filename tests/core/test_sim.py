@@ -11,27 +11,21 @@ import sys
 import pytest
 
 from mesh_cp.cli import main
-from mesh_cp.core import AttentionShape, Tiling, factorizations, make_hybrid_plan, make_plan
+from mesh_cp.core import AttentionShape, Tiling, factorizations, head_parallel_unavailable, make_plan
 from mesh_cp.sim import (
     Topology,
     Traffic,
     all_to_all_seconds,
-    choose_hybrid,
-    choose_tile,
-    describe_hybrid_links,
+    choose,
     describe_links,
     group_links,
-    hybrid_group_links,
-    hybrid_link_cost,
+    link_cost,
     mesh_group_topology,
+    peak_bytes,
     plan_for_topology,
     rank_traffic,
-    ring_link_cost,
     simulate,
-    simulate_hybrid,
-    simulate_hybrids,
-    simulate_ulysses,
-    ulysses_unavailable,
+    simulate_candidates,
 )
 
 PHASES = ("forward", "backward")
@@ -105,6 +99,7 @@ def test_traffic_per_link_class_sums_to_the_plan(world: int, rpn: int, kv_heads:
         for phase in PHASES:
             for rank in range(world):
                 by_ring = rank_traffic(plan, topology, phase, rank)
+                assert by_ring["heads"] == Traffic()  # u = 1: no head exchange
                 assert by_ring["q"].total == plan.bytes_sent(phase, group="q")
                 assert by_ring["kv"].total == plan.bytes_sent(phase, group="kv")
             assert simulate(plan, topology).forward.traffic.total == plan.bytes_sent("forward")
@@ -114,8 +109,8 @@ def test_traffic_per_link_class_sums_to_the_plan(world: int, rpn: int, kv_heads:
 def test_q_group_inside_a_node_keeps_q_traffic_intra_and_kv_traffic_inter() -> None:
     topology = topo(rpn=4)
     plan = make_plan(Tiling(world=16, a=4, b=4), shape(), causal=True, layout="zigzag")
-    assert group_links(plan.tiling, topology) == {"q": "intra", "kv": "inter"}
-    assert describe_links(plan.tiling, topology) == "Q ring inside a node, KV ring across nodes"
+    assert group_links(1, plan.tiling, topology) == {"heads": "intra", "q": "intra", "kv": "inter"}
+    assert describe_links(1, plan.tiling, topology) == "Q ring inside a node, KV ring across nodes"
     for phase in PHASES:
         for rank in range(16):
             by_ring = rank_traffic(plan, topology, phase, rank)
@@ -123,7 +118,7 @@ def test_q_group_inside_a_node_keeps_q_traffic_intra_and_kv_traffic_inter() -> N
             assert by_ring["kv"].intra == 0 and by_ring["kv"].inter == plan.bytes_sent(phase, group="kv") > 0
     # A Q-group of two nodes: the ranks at the boundary (3 and 7 of ring 0..7) send Q across nodes.
     wide = make_plan(Tiling(world=16, a=8, b=2), shape(), causal=True, layout="zigzag")
-    assert group_links(wide.tiling, topology)["q"] == "inter"
+    assert group_links(1, wide.tiling, topology)["q"] == "inter"
     crossing = [g for g in range(16) if rank_traffic(wide, topology, "forward", g)["q"].inter]
     assert crossing == [3, 7, 11, 15]
 
@@ -216,20 +211,25 @@ def test_host_cost_of_transfers_slows_overlapped_compute_only() -> None:
 # Ulysses
 
 
+def ulysses(world: int, s: AttentionShape, topology: Topology, **options):
+    """Ulysses as a point of the one model: ``u = P`` around the tile ``1 x 1``."""
+    return simulate(plan_for_topology(world, Tiling(1, 1, 1), s, topology, **options), topology)
+
+
 def test_ulysses_traffic_and_availability() -> None:
     s = shape(heads=8, kv_heads=8, itemsize=2)
     c = s.chunk_elems * s.itemsize
-    result = simulate_ulysses(8, s, topo(rpn=8))
+    result = ulysses(8, s, topo(rpn=8))
     assert result.forward.traffic.inter == 0
     assert result.forward.traffic.intra == pytest.approx(7 / 8 * 4 * c)  # q, k, v in and o out
     assert result.backward.traffic.total == result.forward.traffic.total  # dO in, dq, dk, dv out
-    spread = simulate_ulysses(8, s, topo(rpn=2))
+    spread = ulysses(8, s, topo(rpn=2))
     assert spread.forward.traffic.intra == pytest.approx(1 / 8 * 4 * c)  # one peer shares the node
-    gqa = simulate_ulysses(8, shape(heads=8, kv_heads=2), topo())  # K/V heads replicated 4x
+    gqa = ulysses(8, shape(heads=8, kv_heads=2), topo())  # K/V heads replicated 4x
     assert gqa.forward.traffic.total == pytest.approx(7 / 8 * 2 * c + 2 * 7 * (c / 4) / 2)
-    assert "does not divide heads=8" in ulysses_unavailable(16, s)
-    with pytest.raises(NotImplementedError, match="P=16 does not divide heads=8"):
-        simulate_ulysses(16, s, topo())
+    assert "head_parallel=16 does not divide the 8 query heads" in head_parallel_unavailable(16, 16, s)
+    with pytest.raises(ValueError, match="head_parallel=16 does not divide the 8 query heads"):
+        ulysses(16, s, topo())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,27 +238,46 @@ def test_ulysses_traffic_and_availability() -> None:
 
 def test_choose_tile_is_square_for_mha_and_moves_towards_the_ring_for_gqa() -> None:
     topology = topo()
-    mha, _ = choose_tile(16, shape(heads=8, kv_heads=8), topology)
+    _, mha, _ = choose(16, shape(heads=8, kv_heads=8), topology, head_parallel=1)
     assert mha.shape == (4, 4)
-    gqa, _ = choose_tile(16, shape(heads=8, kv_heads=2), topology)
-    mqa, reason = choose_tile(16, shape(heads=32, kv_heads=1), topology)
-    assert mqa.a < gqa.a < mha.a
-    assert reason.startswith(f"tile {mqa}: predicted") and "vs ring 1x16" in reason
+    _, gqa, _ = choose(16, shape(heads=8, kv_heads=2), topology, head_parallel=1)
+    u, mqa, reason = choose(16, shape(heads=32, kv_heads=1), topology, head_parallel=1)
+    assert u == 1 and mqa.a < gqa.a < mha.a
+    assert reason.startswith(f"tile {mqa}: predicted") and "it is the best mesh" in reason
 
 
 def test_memory_budget_excludes_tiles() -> None:
     topology, s = topo(), shape()
-    best, _ = choose_tile(16, s, topology)
+    _, best, _ = choose(16, s, topology, head_parallel=1)
     memory = {
-        (a, b): simulate(plan_for_topology(Tiling(world=16, a=a, b=b), s, topology), topology).memory
+        (a, b): simulate(plan_for_topology(1, Tiling(world=16, a=a, b=b), s, topology), topology).memory
         for a, b in factorizations(16)
     }
     budget = memory[best.shape] - 1
-    tile, reason = choose_tile(16, s, topology, memory_budget=budget)
+    _, tile, reason = choose(16, s, topology, memory_budget=budget, head_parallel=1)
     assert tile != best and memory[tile.shape] <= budget
     assert "over the memory budget" in reason
     with pytest.raises(ValueError, match="raise the budget"):
-        choose_tile(16, s, topology, memory_budget=min(memory.values()) - 1)
+        choose(16, s, topology, memory_budget=min(memory.values()) - 1, head_parallel=1)
+    with pytest.raises(ValueError, match="memory_budget must be a positive number of bytes or None, got 0"):
+        choose(16, s, topology, memory_budget=0)
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "collective"])
+def test_memory_of_every_candidate_is_the_peak_of_its_plan(schedule: str) -> None:
+    """The prediction's memory is :func:`peak_bytes` of the plan, for every ``(u, a x b)``: with ``u > 1`` the mesh's
+    peak on the mesh shape plus the head-layout copy of each tensor the all-to-alls move."""
+    topology, s = topo(rpn=4), shape(heads=8, kv_heads=2)
+    results = simulate_candidates(16, s, topology, schedule=schedule)
+    assert {u for u, _ in results} == {1, 2, 4, 8}
+    for (u, tiling), result in results.items():
+        plan = plan_for_topology(u, tiling, s, topology, schedule=schedule)
+        assert result.memory == max(peak_bytes(plan, phase) for phase in PHASES)
+        copies = {phase: sum(t.piece_bytes * u for t in plan.all_to_alls(phase)) for phase in PHASES}
+        mesh_only = dataclasses.replace(plan, shape=plan.mesh_shape, head_parallel=1)
+        for phase in PHASES:
+            assert peak_bytes(plan, phase) == peak_bytes(mesh_only, phase) + copies[phase]
+            assert (copies[phase] > 0) == (u > 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,6 +317,18 @@ def test_cli_reads_a_topology_file(tmp_path, capsys: pytest.CaptureFixture[str])
     assert "(1 node(s) x 16)" in out and "intra 0.001 GB/s" in out
 
 
+def test_cli_head_parallel_fixes_u_of_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(cli(4096, "--ranks-per-node", "4", "--head-parallel", "1")) == 0
+    chosen = capsys.readouterr().out.split("\nchosen ")[1]
+    assert re.match(r"tile \d+x\d+: predicted", chosen) and "it is the best mesh" in chosen
+    assert main(cli(4096, "--ranks-per-node", "4", "--head-parallel", "4")) == 0
+    assert re.match(r"tile \d+x\d+ with head_parallel=4", capsys.readouterr().out.split("\nchosen ")[1])
+    with pytest.raises(SystemExit) as exit_info:
+        main(cli(4096, "--head-parallel", "3"))
+    assert exit_info.value.code == 2
+    assert "head_parallel=3 does not divide the CP group size P=16" in capsys.readouterr().err
+
+
 def test_cli_plot_writes_a_png(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "scaling.png"
@@ -307,25 +338,68 @@ def test_cli_plot_writes_a_png(tmp_path, capsys: pytest.CaptureFixture[str]) -> 
 
 
 # ----------------------------------------------------------------------------------------------
-# Head-parallel x mesh hybrid
-
-
-def same_prediction(hybrid, plain) -> bool:
-    fields = ("time", "compute", "traffic", "memory")
-    return all(getattr(getattr(hybrid, p), f) == getattr(getattr(plain, p), f) for p in PHASES for f in fields)
+# Head-parallel x mesh plans, USP and Ulysses: the same model
 
 
 @pytest.mark.parametrize(("world", "rpn"), [(12, 4), (12, 3), (16, 4), (8, 16)])
 def test_one_head_parallel_rank_predicts_the_plain_mesh(world: int, rpn: int) -> None:
+    """``u = 1``: no head exchange; the traffic is that of the rank sending the most across nodes on its rings."""
     topology = topo(rpn=rpn, latency=1e-5)
     s = shape(kv_heads=2)
     for a, b in factorizations(world):
         tiling = Tiling(world=world, a=a, b=b)
-        assert hybrid_link_cost(1, tiling, topology) == ring_link_cost(tiling, topology)
+        links = group_links(1, tiling, topology)
+        ratio = topology.bandwidth(links["q"]) / topology.bandwidth(links["kv"])
+        assert links["heads"] == "intra" and link_cost(1, tiling, topology) in ((1.0, ratio), (1 / ratio, 1.0))
         for schedule in ("overlap", "collective"):
-            hybrid = simulate_hybrid(1, tiling, s, topology, schedule=schedule)
-            plain = simulate(plan_for_topology(tiling, s, topology, schedule=schedule), topology)
-            assert same_prediction(hybrid, plain) and hybrid.a2a == Traffic() and hybrid.name == plain.name
+            plan = plan_for_topology(1, tiling, s, topology, schedule=schedule)
+            result = simulate(plan, topology)
+            sends = [[rank_traffic(plan, topology, phase, r) for phase in PHASES] for r in range(world)]
+            busiest = max(range(world), key=lambda r: (sum(t["q"].inter + t["kv"].inter for t in sends[r]), -r))
+            for phase, sent in zip(PHASES, sends[busiest], strict=True):
+                got = getattr(result, phase)
+                assert got.a2a == Traffic() and got.a2a_time == 0 and got.traffic == got.mesh == sent["q"] + sent["kv"]
+            assert (result.name, result.head_parallel, result.tiling) == (f"{tiling} {schedule}", 1, tiling)
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "collective"])
+def test_the_mesh_of_a_head_parallel_plan_is_a_plain_mesh_on_its_shape(schedule: str) -> None:
+    """P = 16, 4 ranks per node, u = 2: head groups inside nodes, and each mesh group (every other rank) sees 8 mesh
+    ranks two per node; its mesh is predicted as the plain mesh of its shape on that cluster, the head exchange
+    added before it."""
+    cluster, mesh_view = topo(rpn=4, latency=1e-5), topo(rpn=2, latency=1e-5)
+    s = shape(kv_heads=2)
+    for a, b in factorizations(8):
+        tiling = Tiling(world=8, a=a, b=b)
+        plan = plan_for_topology(2, tiling, s, cluster, schedule=schedule)
+        plain_plan = plan_for_topology(1, tiling, plan.mesh_shape, mesh_view, schedule=schedule)
+        assert plan.link_cost == plain_plan.link_cost
+        result, plain = simulate(plan, cluster), simulate(plain_plan, mesh_view)
+        for phase in PHASES:
+            got, want = getattr(result, phase), getattr(plain, phase)
+            assert got.a2a.inter == 0 and got.a2a.total == plan.bytes_sent(phase, group="heads") > 0
+            assert (got.mesh, got.compute) == (want.traffic, want.compute)
+            assert got.time == pytest.approx(got.a2a_time + want.time)
+            copies = sum(t.piece_bytes * 2 for t in plan.all_to_alls(phase))
+            assert got.memory == want.memory + copies
+
+
+def ulysses_by_hand(world: int, s: AttentionShape, topology: Topology) -> dict[str, tuple[Traffic, float, float]]:
+    """DeepSpeed-Ulysses by hand, per phase ``(traffic, time, compute)``: q, k, v in and o out (dO in, dq, dk, dv
+    out), each a direct all-to-all over the P ranks, from the last rank (on the smallest node: the most peers across
+    nodes); then each rank computes the full causal sequence of ``heads / P`` heads. A K or V sends one
+    ``1 / min(P, kv_heads)`` piece to each peer (K/V heads repeated when ``P > kv_heads``)."""
+    q_bytes = s.chunk_elems * s.itemsize
+    kv_piece = q_bytes * s.kv_heads // s.heads / min(world, s.kv_heads)
+    pieces = (q_bytes / world, kv_piece, kv_piece, q_bytes / world)
+    seq = s.seq_local * world
+    compute = seq * (seq + 1) // 2 * s.batch * (s.heads // world) / topology.pairs_per_second
+    timed = [all_to_all_seconds(piece, range(world), topology, world - 1) for piece in pieces]
+    comm, traffic = sum(t for t, _ in timed), sum((sent for _, sent in timed), Traffic())
+    return {
+        phase: (traffic, comm + compute * factor, compute * factor)
+        for phase, factor in (("forward", 1.0), ("backward", topology.backward_factor))
+    }
 
 
 @pytest.mark.parametrize("rpn", [8, 2, 3])
@@ -333,10 +407,10 @@ def test_one_head_parallel_rank_predicts_the_plain_mesh(world: int, rpn: int) ->
 def test_all_head_parallel_ranks_predict_ulysses(rpn: int, kv_heads: int) -> None:
     topology = topo(rpn=rpn, latency=1e-5)
     s = shape(kv_heads=kv_heads)
-    hybrid, ulysses = simulate_hybrid(8, Tiling(1, 1, 1), s, topology), simulate_ulysses(8, s, topology)
+    result, by_hand = ulysses(8, s, topology), ulysses_by_hand(8, s, topology)
     for phase in PHASES:
-        ours, theirs = getattr(hybrid, phase), getattr(ulysses, phase)
-        assert (ours.traffic, ours.time, ours.compute) == (theirs.traffic, pytest.approx(theirs.time), theirs.compute)
+        ours, (traffic, time, compute) = getattr(result, phase), by_hand[phase]
+        assert (ours.traffic, ours.time, ours.compute) == (traffic, pytest.approx(time), compute)
         assert ours.mesh == Traffic() and ours.a2a == ours.traffic
 
 
@@ -357,17 +431,18 @@ def test_hybrid_groups_sit_on_the_nodes_their_ranks_do() -> None:
     cases[(8, (2, 1))] = ("inter", "inter", "intra")  # a KV ring of one rank moves nothing
     for (u, ab), links in cases.items():
         tiling = Tiling(16 // u, *ab)
-        assert tuple(hybrid_group_links(u, tiling, topology)[k] for k in ("heads", "q", "kv")) == links
-        result = simulate_hybrid(u, tiling, s, topology)
-        plan = make_hybrid_plan(u, tiling, s, causal=True, layout="zigzag")
+        assert tuple(group_links(u, tiling, topology)[k] for k in ("heads", "q", "kv")) == links
+        plan = plan_for_topology(u, tiling, s, topology)
+        result = simulate(plan, topology)
         for phase in PHASES:
             got = getattr(result, phase)
-            assert got.a2a.total == plan.a2a_bytes(phase) and got.mesh.total == plan.plan.bytes_sent(phase)
+            assert got.a2a.total == plan.bytes_sent(phase, group="heads")
+            assert got.mesh.total == plan.bytes_sent(phase, group="q") + plan.bytes_sent(phase, group="kv")
             assert got.traffic == got.a2a + got.mesh
         assert (result.a2a.inter > 0) == (links[0] == "inter")
-    spread = simulate_hybrid(8, Tiling(2, 2, 1), s, topology).forward.a2a
+    spread = simulate(plan_for_topology(8, Tiling(2, 2, 1), s, topology), topology).forward.a2a
     assert spread.inter * 3 == spread.intra * 4
-    assert "head groups inside a node, Q ring across nodes, KV ring across nodes" in describe_hybrid_links(
+    assert "head groups inside a node, Q ring across nodes, KV ring across nodes" in describe_links(
         4, Tiling(4, 2, 2), topology
     )
 
@@ -379,38 +454,41 @@ def test_mesh_groups_placed_differently_take_the_slowest() -> None:
     views = {mesh_group_topology(topology, 3, 12, i).nodes for i in range(3)}
     assert views == {(0, 0, 1, 2), (0, 1, 1, 2), (0, 1, 2, 2)}
     s = shape(heads=6, kv_heads=6)
-    result = simulate_hybrid(3, Tiling(4, 2, 2), s, topology)
-    assert hybrid_group_links(3, Tiling(4, 2, 2), topology)["heads"] == "inter"
+    result = simulate(plan_for_topology(3, Tiling(4, 2, 2), s, topology), topology)
+    assert group_links(3, Tiling(4, 2, 2), topology)["heads"] == "inter"
     assert result.forward.a2a.inter > 0 and result.forward.time >= result.forward.a2a_time + result.forward.compute
 
 
-def test_choose_hybrid_with_one_head_parallel_rank_is_choose_tile() -> None:
+def test_choose_with_one_head_parallel_rank_chooses_among_the_plain_meshes() -> None:
     topology = topo()
     for heads, kv_heads in ((8, 8), (8, 2), (32, 1)):
         s = shape(heads=heads, kv_heads=kv_heads)
-        tile, _ = choose_tile(16, s, topology)
-        u, tiling, reason = choose_hybrid(16, s, topology, heads=1)
-        assert (u, tiling) == (1, tile) and reason.startswith(f"tile {tile}: predicted")
+        plain = simulate_candidates(16, s, topology, head_parallel=1)
+        everything = simulate_candidates(16, s, topology)
+        assert plain == {key: result for key, result in everything.items() if key[0] == 1}
+        u, tiling, reason = choose(16, s, topology, head_parallel=1)
+        assert u == 1 and plain[(1, tiling)].time == min(r.time for r in plain.values())
+        assert reason.startswith(f"tile {tiling}: predicted")
         assert "it is the best mesh" in reason and "the best USP" not in reason
-    with pytest.raises(ValueError, match="heads=3 head-parallel ranks do not divide the CP group size P=16"):
-        choose_hybrid(16, shape(), topology, heads=3)
+    with pytest.raises(ValueError, match="head_parallel=3 does not divide the CP group size P=16"):
+        choose(16, shape(), topology, head_parallel=3)
 
 
-def test_choose_hybrid_searches_every_split_within_the_memory_budget() -> None:
+def test_choose_searches_every_split_within_the_memory_budget() -> None:
     topology, s = topo(rpn=4, latency=1e-5), shape(heads=8, kv_heads=8)
-    results = simulate_hybrids(16, s, topology)
+    results = simulate_candidates(16, s, topology)
     assert {u for u, _ in results} == {1, 2, 4, 8}
     assert len(results) == sum(len(factorizations(16 // u)) for u in (1, 2, 4, 8))
-    u, tiling, reason = choose_hybrid(16, s, topology)
+    u, tiling, reason = choose(16, s, topology)
     best = min(results.values(), key=lambda r: r.time)
     assert results[(u, tiling)].time == best.time
     budget = sorted(r.memory for r in results.values())[len(results) // 2]
     fits = [r for r in results.values() if r.memory <= budget]
-    u2, tiling2, reason2 = choose_hybrid(16, s, topology, memory_budget=budget)
+    u2, tiling2, reason2 = choose(16, s, topology, memory_budget=budget)
     assert results[(u2, tiling2)].memory <= budget and results[(u2, tiling2)].time == min(r.time for r in fits)
     assert f"{len(results) - len(fits)} candidate(s) over the memory budget" in reason2
     with pytest.raises(ValueError, match="below the peak of every tile of 16 ranks"):
-        choose_hybrid(16, s, topology, memory_budget=min(r.memory for r in results.values()) - 1)
+        choose(16, s, topology, memory_budget=min(r.memory for r in results.values()) - 1)
 
 
 def test_cli_prints_the_best_hybrid_and_usp_split(capsys: pytest.CaptureFixture[str]) -> None:
