@@ -476,11 +476,11 @@ def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> list
         groups.append((2, pairs[rank // 2]))
     meshes: dict[tuple[int, tuple[int, int], int], object] = {}
 
-    def mesh_of(p: int, tile: tuple[int, int], group, heads: int = 1) -> object:
-        """The mesh, created on first use (a case may run first in a restarted group)."""
-        if (p, tile, heads) not in meshes:
-            meshes[(p, tile, heads)] = mesh_cp.CPMesh.create(group, tile=tile, heads=heads)
-        return meshes[(p, tile, heads)]
+    def mesh_of(p: int, tile: tuple[int, int], group, u: int = 1) -> object:
+        """The mesh (``u`` head-parallel ranks), created on first use (a case may run first in a restarted group)."""
+        if (p, tile, u) not in meshes:
+            meshes[(p, tile, u)] = mesh_cp.CPMesh.create(group, tile=tile, head_parallel=u)
+        return meshes[(p, tile, u)]
 
     cases: list[Case] = []
     tiled: list[tuple[int, tuple[int, int], object, int]] = []
@@ -488,12 +488,12 @@ def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> list
         # Every tile of P, and with 2 head-parallel ranks (Note [Head-parallel x mesh]) every tile of P / 2.
         layouts = [(1, (a, p // a)) for a in range(1, p + 1) if p % a == 0]
         layouts += [(2, (a, p // 2 // a)) for a in range(1, p // 2 + 1) if p % 2 == 0 and p // 2 % a == 0]
-        for heads, tile in layouts:
-            tiled.append((p, tile, group, heads))
-            label = f"{tile[0]}x{tile[1]}" + (f" heads={heads}" if heads > 1 else "")
+        for u, tile in layouts:
+            tiled.append((p, tile, group, u))
+            label = f"{tile[0]}x{tile[1]}" + (f" head_parallel={u}" if u > 1 else "")
 
-            def create(p=p, tile=tile, group=group, heads=heads) -> Verdict:
-                return Verdict(True, str(mesh_of(p, tile, group, heads)))
+            def create(p=p, tile=tile, group=group, u=u) -> Verdict:
+                return Verdict(True, str(mesh_of(p, tile, group, u)))
 
             cases.append(Case(section, f"{job.label} P={p} {label} CPMesh.create", create))
         if p > 1:
@@ -503,21 +503,19 @@ def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> list
                 try:
                     mesh_cp.CPMesh.create(group, tile=mine)
                 except ValueError as err:
-                    ok = "different tiles" in str(err)
+                    ok = "different meshes" in str(err)
                     return Verdict(ok, "ValueError on every rank" if ok else f"unexpected message: {err}")
                 return Verdict(False, "rank 0 asked for 1xP and the others for Px1: not refused")
 
             cases.append(Case(section, f"{job.label} P={p} tiles differ across ranks: refused", mismatch))
     for schedule in ("collective", "overlap"):
-        for p, tile, group, heads in tiled:
+        for p, tile, group, u in tiled:
             for dtype_name in job.dtypes:
 
-                def attention(
-                    p=p, tile=tile, group=group, heads=heads, dtype=DTYPES[dtype_name], schedule=schedule
-                ) -> Verdict:
-                    return mesh_attention_verdict(mesh_of(p, tile, group, heads), job, device, dtype, p, schedule)
+                def attention(p=p, tile=tile, group=group, u=u, dtype=DTYPES[dtype_name], schedule=schedule) -> Verdict:
+                    return mesh_attention_verdict(mesh_of(p, tile, group, u), job, device, dtype, p, schedule)
 
-                label = f"{tile[0]}x{tile[1]}" + (f" heads={heads}" if heads > 1 else "")
+                label = f"{tile[0]}x{tile[1]}" + (f" head_parallel={u}" if u > 1 else "")
                 cases.append(Case(section, f"{job.label} P={p} {label} {dtype_name} {schedule}", attention))
     return cases
 

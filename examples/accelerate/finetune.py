@@ -21,9 +21,10 @@ Each process binds GPU ``LOCAL_RANK`` before accelerate makes the NCCL group; th
 and each step's batch shard live on ``accelerator.device``, the token sequences on the host.
 
 The processes form DP x CP replicas (``--cp`` consecutive ranks per replica, tiled ``--tile``); each
-replica trains on its own sequences, every rank of a replica holds a zig-zag shard of them. ``--cp-heads u``
-(default 1) runs the head-parallel x mesh hybrid: groups of ``u`` consecutive ranks exchange heads and
-``--tile`` tiles the ``--cp / u`` ranks holding the same heads (``--cp 8 --cp-heads 2 --tile 2x2``). The text
+replica trains on its own sequences, every rank of a replica holds a zig-zag shard of them. ``--head-parallel u``
+(default 1; the former ``--cp-heads`` is refused, naming it) runs the head-parallel x mesh hybrid: groups of ``u``
+consecutive ranks exchange heads and ``--tile`` tiles the ``--cp / u`` ranks holding the same heads (``--cp 8
+--head-parallel 2 --tile 2x2``). The text
 is the Python standard library's source and the tokenizer a BPE trained on it (no downloads); data, model
 and options are shared with the DeepSpeed example (``examples/common.py``). ``--reference`` also trains,
 on rank 0, an unsharded copy with stock SDPA attention on the same global batches and prints both loss
@@ -82,19 +83,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--cp", type=int, default=None, help="ranks per CP group (default: all processes)")
-    p.add_argument("--tile", default=None, help="mesh tile AxB with A*B = --cp / --cp-heads (default: the most square)")
     p.add_argument(
-        "--cp-heads",
+        "--tile", default=None, help="mesh tile AxB with A*B = --cp / --head-parallel (default: the most square)"
+    )
+    p.add_argument(
+        "--head-parallel",
         type=int,
         default=1,
         help="head-parallel ranks per CP group (the head-parallel x mesh hybrid: groups of this many consecutive ranks "
         "exchange heads by all-to-all, --tile tiles the rest; must divide --cp and --heads)",
     )
+    p.add_argument("--cp-heads", dest="renamed_cp_heads", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=1, help="sequences per DP replica and step")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--eval-seqs", type=int, default=2, help="sequences held out of training, evaluated after it")
     add_example_arguments(p, steps=30)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if hasattr(args, "renamed_cp_heads"):
+        p.error("--cp-heads was renamed --head-parallel (the head-parallel degree u)")
+    return args
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
@@ -129,10 +136,11 @@ def train(args: argparse.Namespace, accelerator) -> dict | None:
     device = accelerator.device
     world = accelerator.num_processes
     cp = args.cp or world
-    if args.cp_heads < 1 or cp % args.cp_heads:
-        raise ValueError(f"--cp-heads {args.cp_heads} must divide --cp {cp} (the ranks of each CP group)")
-    tile = args.tile or "x".join(map(str, most_square_tile(cp // args.cp_heads)))
-    layout = mesh_cp.DataContextParallel.create(dist.group.WORLD, cp_size=cp, tile=tile, heads=args.cp_heads)
+    u = args.head_parallel
+    if u < 1 or cp % u:
+        raise ValueError(f"--head-parallel {u} must divide --cp {cp} (the ranks of each CP group)")
+    tile = args.tile or "x".join(map(str, most_square_tile(cp // u)))
+    layout = mesh_cp.DataContextParallel.create(dist.group.WORLD, cp_size=cp, tile=tile, head_parallel=u)
     main_rank = accelerator.is_main_process
     if main_rank:
         print(f"{world} processes on {device.type}: {layout}")

@@ -8,9 +8,10 @@ On CPU (4 gloo processes; the config's ``"mesh_attention"`` block asks for one C
         --deepspeed_config configs/ds_mesh_cp_zero3.json
 
 On GPUs (NCCL) drop ``DS_ACCELERATOR=cpu`` and start one process per GPU (``--num_gpus 8``, with ``"cp_size"``
-and ``"tile"`` to match). The head-parallel x mesh hybrid is the block's ``"heads"`` key (default 1): with
-``"cp_size": 8, "heads": 2, "tile": "2x2"`` groups of 2 ranks exchange heads and the mesh tiles the other 4. The process binds GPU ``LOCAL_RANK`` before the NCCL group is made; DeepSpeed puts
-the model on ``engine.device``, and the reference and each step's batch shard go there too.
+and ``"tile"`` to match). The head-parallel x mesh hybrid is the block's ``"head_parallel"`` key (default 1; the
+former ``"heads"`` is refused, naming it): with ``"cp_size": 8, "head_parallel": 2, "tile": "2x2"`` groups of 2
+ranks exchange heads and the mesh tiles the other 4. The process binds GPU ``LOCAL_RANK`` before the NCCL group is
+made; DeepSpeed puts the model on ``engine.device``, and the reference and each step's batch shard go there too.
 
 :func:`mesh_cp.integrations.deepspeed.initialize` builds the DP x CP replicas from the block; each
 replica trains on its own sequences, every rank of a replica holds a zig-zag shard of them. The text is

@@ -6,17 +6,19 @@ On CPU (8 gloo processes, TP 2 x CP 4 on a 2x2 mesh, 8192-token sequences)::
         --config configs/megatron_cpu_demo.yaml
 
 Megatron-core only (``GPTModel``, ``parallel_state``, ``GPTDataset``, ``get_batch_on_this_cp_rank``);
-the layer spec is :func:`mesh_cp.integrations.megatron.get_gpt_layer_mesh_spec`. ``--cp-heads u`` (config key
-``cp_heads``, default 1) runs the head-parallel x mesh hybrid on Megatron's own zig-zag layout (Note [Hybrid on
-Megatron's layout] in :mod:`mesh_cp.integrations.megatron.heads`): ``--tile`` then tiles ``CP / u`` ranks. The text is the Python
+the layer spec is :func:`mesh_cp.integrations.megatron.get_gpt_layer_mesh_spec`. ``--head-parallel u`` (config
+key ``head_parallel``, default 1; the former ``--cp-heads`` / ``cp_heads`` are refused, naming it) runs the
+head-parallel x mesh hybrid on Megatron's own zig-zag layout (Note [Hybrid on Megatron's layout] in
+:mod:`mesh_cp.integrations.megatron.heads`): ``--tile`` then tiles ``CP / u`` ranks. The text is the Python
 standard library's source read from this machine, tokenized by megatron-core's byte-level tokenizer into
 a Megatron indexed dataset (nothing is downloaded). Each step every DP replica takes its own
 ``--micro-batch`` samples; each CP rank holds their zig-zag chunks ``r`` and ``2CP-1-r``; the loss is
 every rank's token losses over the token count of the whole global batch, and gradients are summed
 over ``get_data_parallel_group(with_context_parallel=True)``. On CUDA Megatron's
 ``DistributedDataParallel`` and ``get_megatron_optimizer`` do that (bf16); on CPU (fp32) a plain torch
-AdamW steps after :func:`~examples.megatron.training.reduce_gradients_cpu`, because both assert CUDA
-(the CPU workarounds live beside this script, in ``examples/megatron/training.py``). ``--checkpoint-dir``
+AdamW steps after :func:`~examples.megatron.cpu_workarounds.reduce_gradients_cpu`, because both assert CUDA
+(the CPU workarounds live beside this script, in ``examples/megatron/cpu_workarounds.py``; the step pieces used on
+every device are :mod:`mesh_cp.integrations.megatron.training`). ``--checkpoint-dir``
 saves a Megatron distributed checkpoint (``megatron.core.dist_checkpointing``, torch_dist format) every
 ``--save-every`` steps and resumes from the latest one, in this or any other TP x CP(tile) x DP layout: the
 model, the optimizer state, the samples consumed and the RNG state (see
@@ -64,7 +66,7 @@ DEFAULTS = dict(
     tp=1,
     cp=None,
     tile="square",
-    cp_heads=1,
+    head_parallel=1,
     ranks_per_node=None,
     topology=None,
     seq_len=8192,
@@ -101,11 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tile", help="mesh tile AxB with A*B = CP; 'square' (node-local when ranks per node known) or 'auto'"
     )
     p.add_argument(
-        "--cp-heads",
+        "--head-parallel",
         type=int,
         help="head-parallel ranks per CP group (the head-parallel x mesh hybrid: groups of this many consecutive CP "
-        "ranks exchange heads, --tile tiles CP / cp-heads; must divide CP and the heads per TP rank)",
+        "ranks exchange heads, --tile tiles CP / head-parallel; must divide CP and the heads per TP rank)",
     )
+    p.add_argument("--cp-heads", dest="renamed_cp_heads", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.add_argument("--ranks-per-node", type=int, help="GPUs per node (default: torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--topology", help="cluster preset for --tile auto (h100, a100; default h100)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (a multiple of 2*CP)")
@@ -136,10 +139,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         with open(first.config) as f:
             values = yaml.safe_load(f) or {}
         unknown = sorted(set(values) - set(DEFAULTS))
+        if "cp_heads" in values:
+            raise ValueError(f"{first.config}: key cp_heads was renamed head_parallel (the head-parallel degree u)")
         if unknown:
             raise ValueError(f"unknown keys {unknown} in {first.config}; the keys are {sorted(DEFAULTS)}")
         p.set_defaults(**values)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if hasattr(args, "renamed_cp_heads"):
+        p.error("--cp-heads was renamed --head-parallel (the head-parallel degree u)")
+    return args
 
 
 def build_dataset(args, tokenizer, samples: int, rank: int):
@@ -232,8 +240,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
     from megatron.core.utils import get_batch_on_this_cp_rank
     from tqdm import tqdm
 
-    from examples.megatron import training
-    from mesh_cp.integrations.megatron import MeshLayout, checkpoint
+    from mesh_cp.integrations.megatron import MeshLayout, checkpoint, training
 
     cuda = device.type == "cuda"
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -256,7 +263,9 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
             head_dim=args.hidden // args.heads,
             itemsize=2 if cuda else 4,
         )
-    layout = MeshLayout.from_parallel_state(tile=tile, heads=args.cp_heads, ranks_per_node=ranks_per_node, **auto)
+    layout = MeshLayout.from_parallel_state(
+        tile=tile, head_parallel=args.head_parallel, ranks_per_node=ranks_per_node, **auto
+    )
     lines = [None] * world
     dist.all_gather_object(lines, str(layout))
     main_rank = rank == 0
@@ -379,17 +388,17 @@ class CpuStep:
     optimizer assert CUDA)."""
 
     def __init__(self, model, args):
-        from examples.megatron import training
+        from examples.megatron import cpu_workarounds
 
-        training.use_cpu_rotary_embedding(model)
-        self.model, self.args, self.training = model, args, training
+        cpu_workarounds.use_cpu_rotary_embedding(model)
+        self.model, self.args, self.cpu = model, args, cpu_workarounds
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
     def step(self, lr: float) -> torch.Tensor:
         """Reduce, clip and step; the global gradient norm before clipping (a tensor: no host sync)."""
-        self.training.reduce_gradients_cpu(self.model)
-        norm = self.training.grad_norm_cpu(self.model)
-        self.training.clip_gradients_cpu(self.model, self.args.clip_grad, norm)
+        self.cpu.reduce_gradients_cpu(self.model)
+        norm = self.cpu.grad_norm_cpu(self.model)
+        self.cpu.clip_gradients_cpu(self.model, self.args.clip_grad, norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

@@ -24,8 +24,9 @@
 DeepSpeed starts), splits the ranks into DP x CP replicas (:class:`mesh_cp.runtime.parallel.DataContextParallel`:
 ``cp_size`` consecutive ranks per replica, tiled ``tile``), switches the model's attention, and hands
 DeepSpeed an ``mpu`` (:class:`DataContextParallelMPU`) whose data-parallel group holds *all* DP x CP
-ranks. ``"heads": u`` in the block runs the head-parallel x mesh hybrid (groups of ``u`` consecutive CP ranks
-exchange heads, ``"tile"`` tiles the ``cp_size / u`` others; :meth:`MeshAttention.shard` follows its layout).
+ranks. ``"head_parallel": u`` in the block runs the head-parallel x mesh hybrid (groups of ``u`` consecutive CP
+ranks exchange heads, ``"tile"`` tiles the ``cp_size / u`` others; :meth:`MeshAttention.shard` follows its layout);
+the former key ``"heads"`` is refused, naming ``"head_parallel"``.
 Hugging Face models switch to ``attn_implementation="mesh_cp"``; any other model uses
 :class:`MeshDistributedAttention` (shaped like ``deepspeed.sequence.layer.DistributedAttention``)
 where it computes attention.

@@ -5,7 +5,7 @@
 ::
 
     "mesh_attention": {"enabled": true, "cp_size": 4, "tile": "2x2", "schedule": "overlap"}
-    "mesh_attention": {"enabled": true, "cp_size": 8, "heads": 2, "tile": "2x2"}   # head-parallel x mesh
+    "mesh_attention": {"enabled": true, "cp_size": 8, "head_parallel": 2, "tile": "2x2"}   # head-parallel x mesh
 """
 
 from __future__ import annotations

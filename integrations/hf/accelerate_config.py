@@ -19,6 +19,8 @@ from typing import Any
 import torch.distributed as dist
 
 from mesh_cp.core import most_square_tile
+from mesh_cp.core.head_parallel import check_head_parallel
+from mesh_cp.core.options import refuse_renamed
 from mesh_cp.runtime.parallel import DataContextParallel
 
 # Note [accelerate's parallelism_config]
@@ -61,7 +63,7 @@ def parallel_from_accelerate(
     parallelism_config: Any = None,
     *,
     tile: tuple[int, int] | str | None = None,
-    heads: int | None = None,
+    head_parallel: int = 1,
     group: dist.ProcessGroup | None = None,
     **mesh_options: Any,
 ) -> DataContextParallel:
@@ -71,17 +73,21 @@ def parallel_from_accelerate(
     ``parallelism_config`` block, which ``accelerate launch`` hands every process as ``PARALLELISM_CONFIG_*``
     environment variables. ``cp_size`` is the CP size (consecutive ranks), ``dp_replicate_size x dp_shard_size`` the
     DP degree, and ``cp_size x DP`` must be the group's size; ``tp_size`` and ``sp_size`` must be 1, and FSDP off.
-    ``tile`` (default the most square tiling of ``cp_size / heads`` ranks), ``heads`` and ``mesh_options`` go to
-    :meth:`DataContextParallel.create`. Create the ``Accelerator`` first, with
+    ``tile`` (default the most square tiling of ``cp_size / head_parallel`` ranks, unless ``mesh=`` is given),
+    ``head_parallel`` (the head-parallel degree of the hybrid) and ``mesh_options`` (``timeout``, ``debug``,
+    ``mesh``) go to :meth:`DataContextParallel.create`; the former keyword ``heads`` is refused, naming
+    ``head_parallel``. Create the ``Accelerator`` first, with
     :func:`accelerator_parallelism_config` (Note [accelerate's parallelism_config]).
     """
+    refuse_renamed(mesh_options, where="parallel_from_accelerate")
     sizes, key, source = _sizes(parallelism_config)
     _check_accelerator()
     for name, what in (("tp_size", "tensor parallelism"), ("sp_size", "DeepSpeed's sequence parallelism (Ulysses)")):
         if sizes[name] != 1:
             raise ValueError(
                 f"{source}: {key(name)} {sizes[name]} asks for {what}, which mesh_cp's DP x CP layout does not combine "
-                f"with; set {key(name)}: 1 (the head-parallel x mesh hybrid, heads=, splits heads inside the CP group)"
+                f"with; set {key(name)}: 1 (the head-parallel x mesh hybrid, head_parallel=, splits heads inside the "
+                f"CP group)"
             )
     cp, dp = sizes["cp_size"], sizes["dp_replicate_size"] * sizes["dp_shard_size"]
     if cp < 2:
@@ -104,8 +110,9 @@ def parallel_from_accelerate(
             f"{key('dp_shard_size')} {sizes['dp_shard_size']} = {cp * dp} ranks, but the process group has {world}; "
             f"{fix}"
         )
-    tile = most_square_tile(cp // (heads or 1)) if tile is None else tile
-    return DataContextParallel.create(group, cp_size=cp, tile=tile, heads=heads, **mesh_options)
+    if tile is None and mesh_options.get("mesh") is None:
+        tile = most_square_tile(cp // check_head_parallel(cp, head_parallel))
+    return DataContextParallel.create(group, cp_size=cp, tile=tile, head_parallel=head_parallel, **mesh_options)
 
 
 def _sizes(parallelism_config: Any):

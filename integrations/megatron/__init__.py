@@ -18,12 +18,12 @@ of CP rank ``g`` is the ``a`` consecutive CP ranks ``g // a * a + i`` and its KV
 group. Consecutive CP ranks are ``TP`` global ranks apart, so a node of ``R`` GPUs holds ``R / TP``
 consecutive CP ranks, and Q-groups stay inside a node when ``a`` divides ``R / TP``.
 
-The head-parallel x mesh hybrid: ``MeshLayout.from_parallel_state(tile=(1, 2), heads=2)`` (or ``heads=`` of
-:func:`get_gpt_layer_mesh_spec`) exchanges heads in groups of ``heads`` consecutive CP ranks and tiles the ``CP /
-heads`` ranks holding the same heads, on Megatron's own zig-zag layout (``get_batch_on_this_cp_rank`` and its RoPE
-unchanged: Note [Head-parallel x mesh] in :mod:`mesh_cp.runtime.heads`). Megatron's own
-``cp_comm_type="a2a+p2p"`` with ``hierarchical_context_parallel_sizes=[u, m]`` runs as ``heads=u``, and ``"a2a"``
-as ``heads=CP``; ``"all_gather"`` is refused.
+The head-parallel x mesh hybrid: ``MeshLayout.from_parallel_state(tile=(1, 2), head_parallel=2)`` (or
+``head_parallel=`` of :func:`get_gpt_layer_mesh_spec`) exchanges heads in groups of ``head_parallel`` consecutive CP
+ranks and tiles the ``CP / head_parallel`` ranks holding the same heads, on Megatron's own zig-zag layout
+(``get_batch_on_this_cp_rank`` and its RoPE unchanged: Note [Head-parallel x mesh] in :mod:`mesh_cp.runtime.heads`).
+Megatron's own ``cp_comm_type="a2a+p2p"`` with ``hierarchical_context_parallel_sizes=[u, m]`` runs as
+``head_parallel=u``, and ``"a2a"`` as ``head_parallel=CP``; ``"all_gather"`` is refused.
 
 For Megatron-LM's ``pretrain_gpt.py``: ``--spec mesh_cp.integrations.megatron gpt_layer_mesh_spec``
 (most square tile of the CP size, LayerNorm) or ``gpt_layer_mesh_spec_rmsnorm``; see docs/megatron.md.

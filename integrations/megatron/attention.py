@@ -17,12 +17,12 @@ from torch import Tensor
 
 import mesh_cp
 from mesh_cp.core import AttentionShape
+from mesh_cp.core.head_parallel import HeadCounts, check_head_parallel
 from mesh_cp.core.layout import local_positions
 from mesh_cp.core.masks import AttentionMask
-from mesh_cp.integrations.megatron.heads import CP_COMM_TYPES, comm_type_heads
+from mesh_cp.integrations.megatron.heads import CP_COMM_TYPES, comm_type_head_parallel
 from mesh_cp.integrations.megatron.mesh import build_mesh
 from mesh_cp.runtime.device_checks import check_on_device
-from mesh_cp.runtime.heads import check_heads
 from mesh_cp.runtime.mesh import CPMesh
 
 SUPPORTED_MASK_TYPES = (AttnMaskType.causal, AttnMaskType.no_mask)
@@ -109,7 +109,7 @@ class MeshProvider:
     and the overlapped schedule's move order; its ``ranks_per_node`` is rescaled to CP ranks per node."""
     shape: AttentionShape | None = None
     """Per-rank attention shape, for ``tile="auto"``."""
-    heads: int | None = None
+    head_parallel: int | None = None
     """``u``, the head-parallel degree of the head-parallel x mesh hybrid (``tile`` then tiles ``CP / u`` ranks;
     Note [Head-parallel x mesh]); ``None``: what the layers' ``cp_comm_type`` asks for (``"a2a+p2p"``:
     ``hierarchical_context_parallel_sizes[0]``, ``"a2a"``: the CP size), else 1 (``tile="auto"``: the cost
@@ -122,37 +122,40 @@ class MeshProvider:
     """Reads the documents of ``packed_seq_params`` (shared by the layers: once per step, not per layer)."""
     """Checks the ``attention_mask`` the layers get (shared by them: a mask is checked once, not per layer)."""
 
-    def mesh_for(self, cp_group: dist.ProcessGroup, *, comm_heads: int | None = None, comm: str = "") -> CPMesh:
-        """The mesh over ``cp_group`` (created on first use, collective over the group). ``comm_heads``: the
-        head-parallel degree the layer's ``cp_comm_type`` asks for (``comm`` names it), which :attr:`heads` and a
-        pinned :attr:`mesh` must agree with."""
+    def mesh_for(self, cp_group: dist.ProcessGroup, *, comm_head_parallel: int | None = None, comm: str = "") -> CPMesh:
+        """The mesh over ``cp_group`` (created on first use, collective over the group). ``comm_head_parallel``:
+        the head-parallel degree the layer's ``cp_comm_type`` asks for (``comm`` names it), which
+        :attr:`head_parallel` and a pinned :attr:`mesh` must agree with."""
         ranks = tuple(dist.get_process_group_ranks(cp_group))
-        if comm_heads is not None and self.heads is not None and self.heads != comm_heads:
+        u = comm_head_parallel
+        if u is not None and self.head_parallel is not None and self.head_parallel != u:
             raise ValueError(
-                f"{comm} asks for heads={comm_heads} but the layer spec's MeshProvider has heads={self.heads}; give "
-                f"the same (heads= of get_gpt_layer_mesh_spec / MeshLayout.from_parallel_state) or leave one out"
+                f"{comm} asks for head_parallel={u} but the layer spec's MeshProvider has head_parallel="
+                f"{self.head_parallel}; give the same (head_parallel= of get_gpt_layer_mesh_spec / "
+                f"MeshLayout.from_parallel_state) or leave one out"
             )
-        heads = comm_heads if comm_heads is not None else self.heads
+        u = u if u is not None else self.head_parallel
         if self.mesh is not None:
             if self.mesh.global_ranks != ranks:
                 raise ValueError(
                     f"the mesh tiles global ranks {list(self.mesh.global_ranks)} but this layer's CP group is "
                     f"{list(ranks)}; build the mesh over the model's CP group (MeshLayout.from_parallel_state)"
                 )
-            if heads is not None and self.mesh.heads != heads:
+            if u is not None and self.mesh.head_parallel != u:
                 raise ValueError(
-                    f"{comm or 'the MeshProvider'} asks for heads={heads} but the mesh it was given has heads="
-                    f"{self.mesh.heads}; build it with heads={heads} (MeshLayout.from_parallel_state(heads={heads}))"
+                    f"{comm or 'the MeshProvider'} asks for head_parallel={u} but the mesh it was given has "
+                    f"head_parallel={self.mesh.head_parallel}; build it with head_parallel={u} "
+                    f"(MeshLayout.from_parallel_state(head_parallel={u}))"
                 )
             return self.mesh
         # Keyed by the group object (kept alive by the key): a re-initialized parallel_state makes new
         # groups over the same ranks, which need a new mesh.
-        key = (cp_group, heads)
+        key = (cp_group, u)
         if key not in self._meshes:
             self._meshes[key] = build_mesh(
                 cp_group,
                 tile=self.tile,
-                heads=heads,
+                head_parallel=u,
                 ranks_per_node=self.ranks_per_node,
                 topology=self.topology,
                 shape=self.shape,
@@ -201,11 +204,12 @@ class MeshCoreAttention(MegatronModule):
                 f"config.context_parallel_size {config.context_parallel_size} differs from the CP group's size "
                 f"{cp_group.size()}; build the TransformerConfig with the CP size of parallel_state"
             )
-        heads, comm = comm_type_heads(cp_comm_type, config)
-        self.mesh = mesh_provider.mesh_for(cp_group, comm_heads=heads, comm=comm)
-        if self.mesh.heads > 1:  # this rank's heads (after TP) must split over the head-parallel ranks
+        u, comm = comm_type_head_parallel(cp_comm_type, config)
+        self.mesh = mesh_provider.mesh_for(cp_group, comm_head_parallel=u, comm=comm)
+        if self.mesh.head_parallel > 1:  # this rank's heads (after TP) must split over the head-parallel ranks
             tp = config.tensor_model_parallel_size
-            check_heads(self.mesh, config.num_attention_heads // tp, max(1, config.num_query_groups // tp))
+            counts = HeadCounts(config.num_attention_heads // tp, max(1, config.num_query_groups // tp))
+            check_head_parallel(self.mesh.size, self.mesh.head_parallel, counts)
         self.mask_check = mesh_provider.mask_check
         self.head_dim = config.kv_channels
         # Megatron's apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
@@ -336,7 +340,7 @@ def _refuse_unsupported(
 ) -> None:
     """Refuse, by name and with the setting to change, what :class:`MeshCoreAttention` cannot compute
     exactly: dropout, a softmax other than vanilla, a mask other than causal or none (``cp_comm_type`` is
-    :func:`~mesh_cp.integrations.megatron.heads.comm_type_heads`'s)."""
+    :func:`~mesh_cp.integrations.megatron.heads.comm_type_head_parallel`'s)."""
     dropout = config.attention_dropout if attention_dropout is None else attention_dropout
     if dropout:
         raise NotImplementedError(

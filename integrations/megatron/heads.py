@@ -1,26 +1,28 @@
 """Megatron's ``cp_comm_type`` mapped to mesh_cp's head-parallel x mesh hybrid.
 
+Note [Hybrid on Megatron's layout]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Megatron gives CP rank ``r`` of ``P`` the zig-zag half-chunks ``r`` and ``2P-1-r`` of ``2P``
 (``get_batch_on_this_cp_rank``), and so does mesh_cp with or without head-parallel ranks (Note [Head-parallel x
 mesh] in :mod:`mesh_cp.runtime.heads`), so Megatron's sharding, RoPE and causal mask stay as they are. The hybrid
 places its levels as TransformerEngine's ``a2a+p2p`` does with ``hierarchical_context_parallel_sizes = [u, m]``
 (level 0: ``u`` consecutive CP ranks, all-to-all; level 1: the ``m`` ranks ``i, u + i, ...``, here a mesh instead
 of a ring), and Megatron's ``"a2a"`` (Ulysses) is the hybrid with ``u = P``: both are taken as the hybrid with
-that ``u``.
+that ``u`` (``head_parallel = u``).
 """
 
 from __future__ import annotations
 
 CP_COMM_TYPES: dict[object, str] = {
-    None: "the mesh as the spec builds it (heads= of the spec / MeshLayout)",
-    "p2p": "Megatron-LM's default: the mesh as the spec builds it (heads= of the spec / MeshLayout)",
-    "a2a": "Ulysses: the hybrid with heads = CP size (tile 1x1)",
-    "a2a+p2p": "the hybrid with heads = hierarchical_context_parallel_sizes[0] and the tile over the rest",
+    None: "the mesh as the spec builds it (head_parallel= of the spec / MeshLayout)",
+    "p2p": "Megatron-LM's default: the mesh as the spec builds it (head_parallel= of the spec / MeshLayout)",
+    "a2a": "Ulysses: the hybrid with head_parallel = CP size (tile 1x1)",
+    "a2a+p2p": "the hybrid with head_parallel = hierarchical_context_parallel_sizes[0] and the tile over the rest",
 }
 """``cp_comm_type`` values :class:`MeshCoreAttention` takes, and what each runs (module docstring)."""
 
 
-def comm_type_heads(cp_comm_type: str | None, config) -> tuple[int | None, str]:
+def comm_type_head_parallel(cp_comm_type: str | None, config) -> tuple[int | None, str]:
     """The head-parallel degree Megatron's ``cp_comm_type`` (with ``hierarchical_context_parallel_sizes``) asks
     for (``None`` when it leaves it to the spec), and the setting named. Refuses, by name and with the fix, what
     has no exact mapping."""
@@ -31,13 +33,13 @@ def comm_type_heads(cp_comm_type: str | None, config) -> tuple[int | None, str]:
         raise NotImplementedError(
             f"cp_comm_type {cp_comm_type!r} selects TransformerEngine's CP communication, which mesh_cp does not "
             f"run; it takes {sorted(map(str, CP_COMM_TYPES))}: leave cp_comm_type at 'p2p' and choose the mesh "
-            f"tile (and heads=) of the spec"
+            f"tile (and head_parallel=) of the spec"
         )
     if cp_comm_type == "a2a+p2p":
         if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != cp:
             raise NotImplementedError(
                 f"cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes [a2a, p2p] with a2a * p2p = CP "
-                f"size {cp}, got {sizes}; mesh_cp runs it as heads = a2a over a tile of the p2p ranks"
+                f"size {cp}, got {sizes}; mesh_cp runs it as head_parallel = a2a over a tile of the p2p ranks"
             )
         return sizes[0], named
     if sizes:

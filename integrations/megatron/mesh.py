@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from mesh_cp.core import AttentionShape, factorizations, most_square_tile
+from mesh_cp.core.head_parallel import check_head_parallel
 from mesh_cp.runtime.mesh import CPMesh
 
 logger = logging.getLogger("mesh_cp")
@@ -41,7 +42,7 @@ def build_mesh(
     cp_group: dist.ProcessGroup,
     *,
     tile: tuple[int, int] | str = "square",
-    heads: int | None = None,
+    head_parallel: int | None = None,
     ranks_per_node: int | None = None,
     topology=None,
     shape: AttentionShape | None = None,
@@ -52,18 +53,20 @@ def build_mesh(
     ``"square"`` tile keeps Q-groups inside a node, and an explicit tile whose Q-groups cross nodes is
     logged as a warning (the Q ring then runs over the inter-node network).
 
-    ``heads = u > 1``: the head-parallel x mesh hybrid (Note [Head-parallel x mesh] in
+    ``head_parallel = u > 1``: the head-parallel x mesh hybrid (Note [Head-parallel x mesh] in
     :mod:`mesh_cp.runtime.heads`): groups of ``u`` consecutive CP ranks exchange heads, and
     ``tile`` tiles the ``CP / u`` ranks holding the same heads (``"square"``: the most square, node-local when the
     ranks per node are known). ``None``: 1, or with ``tile="auto"`` the cost model's choice (as
-    :meth:`mesh_cp.CPMesh.create`).
+    :func:`mesh_cp.auto_mesh`).
+
+    ``tile="auto"`` or a topology go through :func:`mesh_cp.auto_mesh` (the cost model's tile, or the given one
+    with the schedule's link costs on that topology); otherwise :meth:`mesh_cp.CPMesh.create`.
     """
     if cp_group is None:
         raise ValueError("cp_group=None is not accepted: pass Megatron's context-parallel group")
     cp_size = dist.get_world_size(cp_group)
-    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or cp_size % heads):
-        divisors = [d for d in range(1, cp_size + 1) if cp_size % d == 0]
-        raise ValueError(f"heads={heads!r} must divide the CP size {cp_size} (one of {divisors}); 1 is a plain mesh")
+    if head_parallel is not None:
+        check_head_parallel(cp_size, head_parallel)
     if topology is not None:
         from mesh_cp.sim import Topology
 
@@ -72,7 +75,7 @@ def build_mesh(
         ranks_per_node = ranks_per_node or topology.ranks_per_node
     per_node = _cp_ranks_per_node(cp_group, ranks_per_node)
     if tile == "square":
-        u = heads or 1
+        u = head_parallel or 1
         mesh_per_node = _mesh_ranks_per_node(per_node, u, cp_size)
         tile = node_local_tile(cp_size // u, mesh_per_node) if mesh_per_node else most_square_tile(cp_size // u)
     cp_topology = replace(topology, ranks_per_node=per_node) if topology is not None and per_node else None
@@ -81,9 +84,14 @@ def build_mesh(
             "tile='auto' needs topology= (a mesh_cp.sim.Topology or preset name such as 'h100') whose "
             "ranks_per_node places every CP rank on a node, and shape= (per-rank AttentionShape)"
         )
-    # shape= is read by tile='auto' only (CPMesh.create refuses it with another tile and no topology).
-    options = {"shape": shape} if tile == "auto" else {}
-    mesh = CPMesh.create(cp_group, tile=tile, heads=heads, topology=cp_topology, **options)
+    if cp_topology is not None:
+        from mesh_cp.auto import auto_mesh
+
+        # shape= is read by tile='auto' only (the cost model's choice); a given tile takes the link costs alone.
+        options = {"shape": shape} if tile == "auto" else {}
+        mesh = auto_mesh(cp_group, topology=cp_topology, tile=tile, head_parallel=head_parallel, **options)
+    else:
+        mesh = CPMesh.create(cp_group, tile=tile, head_parallel=head_parallel or 1)
     if per_node:
         _warn_across_nodes(mesh, per_node)
     return mesh
@@ -106,23 +114,23 @@ def _cp_ranks_per_node(cp_group: dist.ProcessGroup, ranks_per_node: int | None) 
     return per_node
 
 
-def _mesh_ranks_per_node(per_node: int | None, heads: int, cp_size: int) -> int | None:
-    """How many consecutive ranks of each mesh group (CP ranks ``i, u + i, ...`` with ``heads = u``; the CP group
-    itself when ``u = 1``) share a node of ``per_node`` consecutive CP ranks; ``None`` when unknown, or when head
-    groups cross nodes."""
-    if not per_node or heads == 1 or per_node >= cp_size:
+def _mesh_ranks_per_node(per_node: int | None, u: int, cp_size: int) -> int | None:
+    """How many consecutive ranks of each mesh group (CP ranks ``i, u + i, ...`` with ``head_parallel = u``; the CP
+    group itself when ``u = 1``) share a node of ``per_node`` consecutive CP ranks; ``None`` when unknown, or when
+    head groups cross nodes."""
+    if not per_node or u == 1 or per_node >= cp_size:
         return per_node
-    return per_node // heads if per_node % heads == 0 else None
+    return per_node // u if per_node % u == 0 else None
 
 
 def _warn_across_nodes(mesh: CPMesh, per_node: int) -> None:
-    """Log head groups (``mesh.heads`` consecutive CP ranks) or Q-groups that cross nodes of ``per_node`` CP ranks:
-    their all-to-all or ring then runs over the inter-node network."""
-    cp_size, u = mesh.size, mesh.heads
+    """Log head groups (``mesh.head_parallel`` consecutive CP ranks) or Q-groups that cross nodes of ``per_node`` CP
+    ranks: their all-to-all or ring then runs over the inter-node network."""
+    cp_size, u = mesh.size, mesh.head_parallel
     if per_node < cp_size and per_node % u:
         logger.warning(
             "mesh_cp: head groups of %d consecutive CP ranks cross nodes of %d CP ranks (their all-to-all runs over "
-            "the inter-node network); choose heads dividing %d",
+            "the inter-node network); choose head_parallel dividing %d",
             u,
             per_node,
             per_node,

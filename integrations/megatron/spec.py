@@ -12,6 +12,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mesh_cp.core import AttentionShape, Tiling
+from mesh_cp.core.options import refuse_renamed
 from mesh_cp.integrations.megatron.attention import MeshCoreAttention, MeshProvider
 from mesh_cp.integrations.megatron.mesh import build_mesh
 from mesh_cp.runtime.mesh import CPMesh
@@ -21,7 +22,7 @@ def get_gpt_layer_mesh_spec(
     *,
     mesh: CPMesh | None = None,
     tile: tuple[int, int] | str = "square",
-    heads: int | None = None,
+    head_parallel: int | None = None,
     ranks_per_node: int | None = None,
     topology=None,
     shape: AttentionShape | None = None,
@@ -32,11 +33,13 @@ def get_gpt_layer_mesh_spec(
 
     ``base_spec`` (default: ``get_gpt_layer_local_spec(**local_spec_options)``, for example
     ``normalization="RMSNorm"``) is copied and only its self-attention's ``core_attention`` swapped.
-    ``mesh`` pins a prebuilt mesh; otherwise the first layer builds one over the CP group with ``tile``, ``heads``
-    (the head-parallel degree; ``None``: what Megatron's ``cp_comm_type`` asks for, else 1, or with ``tile="auto"``
-    the cost model's choice), ``ranks_per_node``,
-    ``topology`` and ``shape`` (see :class:`MeshProvider`), and all layers share it.
+    ``mesh`` pins a prebuilt mesh; otherwise the first layer builds one over the CP group with ``tile``,
+    ``head_parallel`` (the head-parallel degree; ``None``: what Megatron's ``cp_comm_type`` asks for, else 1, or
+    with ``tile="auto"`` the cost model's choice), ``ranks_per_node``,
+    ``topology`` and ``shape`` (see :class:`MeshProvider`), and all layers share it. The former keyword ``heads``
+    (which arrives among ``local_spec_options``) is refused, naming ``head_parallel``.
     """
+    refuse_renamed(local_spec_options, where="get_gpt_layer_mesh_spec")
     if base_spec is not None and local_spec_options:
         raise ValueError(f"pass base_spec or local spec options {sorted(local_spec_options)}, not both")
     spec = copy.deepcopy(base_spec) if base_spec is not None else get_gpt_layer_local_spec(**local_spec_options)
@@ -47,7 +50,12 @@ def get_gpt_layer_mesh_spec(
             "spec such as get_gpt_layer_local_spec()"
         )
     provider = MeshProvider(
-        tile=tile, heads=heads, ranks_per_node=ranks_per_node, topology=topology, shape=shape, mesh=mesh
+        tile=tile,
+        head_parallel=head_parallel,
+        ranks_per_node=ranks_per_node,
+        topology=topology,
+        shape=shape,
+        mesh=mesh,
     )
     attention.submodules.core_attention = ModuleSpec(module=MeshCoreAttention, params={"mesh_provider": provider})
     return spec
@@ -72,20 +80,27 @@ class MeshLayout:
         cls,
         *,
         tile: tuple[int, int] | str = "square",
-        heads: int | None = None,
+        head_parallel: int | None = None,
         ranks_per_node: int | None = None,
         topology=None,
         shape: AttentionShape | None = None,
+        **refused,
     ) -> MeshLayout:
         """Read the sizes from ``parallel_state`` (initialized beforehand) and build the mesh over its CP
-        group (collective over every CP group at once); arguments as for :func:`build_mesh` (``heads > 1``: the
-        head-parallel x mesh hybrid on Megatron's own layout, Note [Head-parallel x mesh])."""
+        group (collective over every CP group at once); arguments as for :func:`build_mesh` (``head_parallel >
+        1``: the head-parallel x mesh hybrid on Megatron's own layout, Note [Head-parallel x mesh]). The former
+        keyword ``heads`` is refused, naming ``head_parallel``."""
+        refuse_renamed(refused, where="MeshLayout.from_parallel_state")
+        if refused:
+            raise TypeError(
+                f"MeshLayout.from_parallel_state() got an unexpected keyword argument {next(iter(refused))!r}"
+            )
         if not parallel_state.model_parallel_is_initialized():
             raise ValueError("call megatron.core.parallel_state.initialize_model_parallel(...) first")
         mesh = build_mesh(
             parallel_state.get_context_parallel_group(),
             tile=tile,
-            heads=heads,
+            head_parallel=head_parallel,
             ranks_per_node=ranks_per_node,
             topology=topology,
             shape=shape,
@@ -109,19 +124,21 @@ class MeshLayout:
         return self.mesh.tiling
 
     def __str__(self) -> str:
-        mesh = self.mesh if self.mesh.inner is None else self.mesh.inner  # the a x b mesh this rank is in
+        mesh = self.mesh
         a, b = mesh.tile
+        u, i = mesh.head_parallel, mesh.rank % mesh.head_parallel
         pp = f"-PP({self.pp})" if self.pp > 1 else ""
-        q = [mesh.global_ranks[r] for r in mesh.tiling.q_group(mesh.rank)]
-        kv = [mesh.global_ranks[r] for r in mesh.tiling.kv_group(mesh.rank)]
+        # Mesh rank g of this rank's mesh group (i) is CP rank g * u + i (Note [Head-parallel x mesh plan]).
+        q = [mesh.global_ranks[g * u + i] for g in mesh.tiling.q_group(mesh.mesh_rank)]
+        kv = [mesh.global_ranks[g * u + i] for g in mesh.tiling.kv_group(mesh.mesh_rank)]
         node = f", {self.ranks_per_node} ranks per node" if self.ranks_per_node else ""
-        if self.mesh.inner is None:
+        if u == 1:
             return f"TP({self.tp})-CP({a}x{b})-DP({self.dp}){pp} rank {self.rank}: Q-group {q}, KV-group {kv}{node}"
-        u = self.mesh.heads
-        heads = list(self.mesh.global_ranks[self.mesh.rank // u * u : self.mesh.rank // u * u + u])
+        start = mesh.rank - i
+        heads = list(mesh.global_ranks[start : start + u])
         return (
-            f"TP({self.tp})-CP({u} heads x {a}x{b})-DP({self.dp}){pp} rank {self.rank}: head group {heads}, "
-            f"Q-group {q}, KV-group {kv}{node}"
+            f"TP({self.tp})-CP(head_parallel {u} x {a}x{b})-DP({self.dp}){pp} rank {self.rank}: head group "
+            f"{heads}, Q-group {q}, KV-group {kv}{node}"
         )
 
 

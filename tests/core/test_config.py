@@ -22,7 +22,7 @@ def test_block_is_validated_once_with_the_value_and_the_fix() -> None:
     cases = [
         ({"enabled": True, "cp_size": 4, "tiles": "2x2"}, r'unknown key "tiles" \(the keys are: enabled, cp_size'),
         ({"enabled": True, "tile": "2x2"}, r'needs "cp_size"'),
-        ({"enabled": True, "cp_size": "4"}, r'"cp_size" must be a positive integer, got \'4\''),
+        ({"enabled": True, "cp_size": "4"}, r'"cp_size" must be a positive int, got \'4\''),
         ({"enabled": "yes"}, r'"enabled" must be a bool'),
         (
             {"cp_size": 4, "schedule": "ring"},
@@ -43,37 +43,45 @@ def test_block_is_validated_once_with_the_value_and_the_fix() -> None:
     assert MeshConfig.from_dict({"enabled": False, "tile": "3x1"}).enabled is False
 
 
-def test_heads_key_tiles_the_rest_and_is_refused_with_the_value_and_the_fix() -> None:
-    """ "heads": u (the head-parallel x mesh hybrid): the tile tiles cp_size / u ranks (default the most square of
-    them), sequences are multiples of 2 cp_size whatever u; left out, it is 1 with a tile and the cost
-    model's choice with "tile": "auto" (CPMesh.create's heads=None); bad values name themselves and the fix."""
+def test_head_parallel_key_tiles_the_rest_and_is_refused_with_the_value_and_the_fix() -> None:
+    """ "head_parallel": u (the head-parallel x mesh hybrid): the tile tiles cp_size / u ranks (default the most
+    square of them), sequences are multiples of 2 cp_size whatever u; left out, it is 1 with a tile and the cost
+    model's choice with "tile": "auto" (auto_mesh's head_parallel=None); bad values name themselves and the fix,
+    and the former key "heads" is refused naming "head_parallel"."""
     plain = MeshConfig.from_dict({"enabled": True, "cp_size": 4})
-    assert (plain.heads, plain.mesh_ranks, plain.tile_for(4), plain.seq_multiple) == (None, 4, (2, 2), 8)
-    cfg = MeshConfig.from_dict({"enabled": True, "cp_size": 8, "heads": 2, "tile": "2x2", "seq_len": 64})
-    assert (cfg.heads, cfg.mesh_ranks, cfg.tile_for(8), cfg.seq_multiple) == (2, 4, "2x2", 16)
-    assert MeshConfig(enabled=True, cp_size=8, heads=2).tile_for(16) == (2, 2)
-    assert MeshConfig(enabled=True, cp_size=8, heads=8).tile_for(8) == (1, 1)  # Ulysses
-    assert MeshConfig(enabled=True, cp_size=8, heads=4).seq_multiple == 16
-    # "auto" with heads: the tile for that u; a topology orders a hybrid's transfers too.
-    auto = {"enabled": True, "cp_size": 8, "heads": 2, "tile": "auto", "topology": "h100", "seq_len": 64}
+    assert (plain.head_parallel, plain.mesh_ranks, plain.tile_for(4), plain.seq_multiple) == (None, 4, (2, 2), 8)
+    cfg = MeshConfig.from_dict({"enabled": True, "cp_size": 8, "head_parallel": 2, "tile": "2x2", "seq_len": 64})
+    assert (cfg.head_parallel, cfg.mesh_ranks, cfg.tile_for(8), cfg.seq_multiple) == (2, 4, "2x2", 16)
+    assert MeshConfig(enabled=True, cp_size=8, head_parallel=2).tile_for(16) == (2, 2)
+    assert MeshConfig(enabled=True, cp_size=8, head_parallel=8).tile_for(8) == (1, 1)  # Ulysses
+    assert MeshConfig(enabled=True, cp_size=8, head_parallel=4).seq_multiple == 16
+    # "auto" with head_parallel: the tile for that u; a topology orders a hybrid's transfers too.
+    auto = {"enabled": True, "cp_size": 8, "head_parallel": 2, "tile": "auto", "topology": "h100", "seq_len": 64}
     assert MeshConfig.from_dict(auto).tile_for(8) == "auto"
-    assert MeshConfig.from_dict({"enabled": True, "cp_size": 8, "heads": 2, "topology": "h100"}).heads == 2
-    assert MeshConfig.from_dict({"enabled": True, "cp_size": 4, "heads": None}).heads is None
+    topology = {"enabled": True, "cp_size": 8, "head_parallel": 2, "topology": "h100"}
+    assert MeshConfig.from_dict(topology).head_parallel == 2
+    assert MeshConfig.from_dict({"enabled": True, "cp_size": 4, "head_parallel": None}).head_parallel is None
     cases = [
         (
-            {"enabled": True, "cp_size": 4, "heads": 3},
-            r'"heads" 3 does not divide "cp_size" 4.*choose one of \[1, 2, 4\]',
+            {"enabled": True, "cp_size": 4, "head_parallel": 3},
+            r"head_parallel=3 does not divide the CP group size P=4; choose one of \[1, 2, 4\] \(\"cp_size\"\)",
         ),
-        ({"enabled": True, "cp_size": 4, "heads": 0}, r'"heads" must be a positive integer, got 0'),
-        ({"cp_size": 4, "heads": "2"}, r'"heads" must be a positive integer, got \'2\''),
-        ({"cp_size": 4, "heads": True}, r'"heads" must be a positive integer, got True'),
+        ({"enabled": True, "cp_size": 4, "head_parallel": 0}, r'"head_parallel" must be a positive int, got 0'),
+        ({"cp_size": 4, "head_parallel": "2"}, r'"head_parallel" must be a positive int, got \'2\''),
+        ({"cp_size": 4, "head_parallel": True}, r'"head_parallel" must be a positive int, got True'),
         (
-            {"enabled": True, "cp_size": 8, "heads": 2, "tile": "2x4"},
-            r'"tile" 2x4 must tile cp_size / heads = 8 / 2 = 4 mesh ranks: tile 2x4 does not factor .*1x4, 2x2, 4x1',
+            {"enabled": True, "cp_size": 8, "head_parallel": 2, "tile": "2x4"},
+            r'"tile" 2x4 must tile cp_size / head_parallel = 8 / 2 = 4 mesh ranks: tile 2x4 does not factor '
+            r".*1x4, 2x2, 4x1",
         ),
         (
-            {"enabled": True, "cp_size": 8, "heads": 4, "seq_len": 12},
+            {"enabled": True, "cp_size": 8, "head_parallel": 4, "seq_len": 12},
             r'"seq_len" 12 must be a multiple of 2 \* cp_size = 16',
+        ),
+        # The former spelling of the key, refused by name with the new one and its value.
+        (
+            {"enabled": True, "cp_size": 8, "heads": 2, "tile": "2x2"},
+            r"\"mesh_attention\": 'heads' was renamed 'head_parallel'.*pass head_parallel=2",
         ),
     ]
     for block, message in cases:

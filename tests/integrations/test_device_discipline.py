@@ -461,7 +461,7 @@ def test_detector_sees_host_reads_in_our_code() -> None:
 def test_megatron_loss_share_reads_no_count_on_the_host() -> None:
     """``training.loss_share`` checks a device count where it is (no ``int()`` per step), and still refuses 0."""
     pytest.importorskip("megatron.core")
-    from examples.megatron import training
+    from mesh_cp.integrations.megatron import training
 
     per_token, mask = torch.ones(2, 3), torch.ones(2, 3)
     with DeviceDiscipline() as tracker:

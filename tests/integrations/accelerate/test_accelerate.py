@@ -95,9 +95,13 @@ def test_trainer_with_dp_by_cp_equals_single_process(tmp_path: Path) -> None:
         assert max(errors.values()) <= 1e-5, (name, errors)
 
 
-def test_cp_heads_option_defaults_to_a_plain_mesh() -> None:
-    """``--cp-heads`` (the head-parallel x mesh hybrid) sits beside ``--tile``, 1 unless given."""
+def test_head_parallel_option_defaults_to_a_plain_mesh(capsys) -> None:
+    """``--head-parallel`` (the head-parallel x mesh hybrid) sits beside ``--tile``, 1 unless given; the former
+    ``--cp-heads`` is refused, naming it."""
     from examples.accelerate import finetune
 
-    assert finetune.parse_args([]).cp_heads == 1
-    assert finetune.parse_args(["--cp", "8", "--cp-heads", "2", "--tile", "2x2"]).cp_heads == 2
+    assert finetune.parse_args([]).head_parallel == 1
+    assert finetune.parse_args(["--cp", "8", "--head-parallel", "2", "--tile", "2x2"]).head_parallel == 2
+    with pytest.raises(SystemExit):
+        finetune.parse_args(["--cp", "8", "--cp-heads", "2"])
+    assert "--cp-heads was renamed --head-parallel" in capsys.readouterr().err

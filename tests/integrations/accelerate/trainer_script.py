@@ -2,7 +2,7 @@
 or with ``--deepspeed CONFIG`` under the deepspeed launcher (test_deepspeed.py), where the Trainer builds
 the layout from the config's ``"mesh_attention"`` block.
 
-DP 2 x CP 2 (tile 1x2; with ``--cp-heads 2`` the head-parallel x mesh hybrid, 2 heads x tile 1x1) trains a tiny Llama for 2 epochs of 3 SGD steps on ragged examples; the result must
+DP 2 x CP 2 (tile 1x2; with ``--head-parallel 2`` the head-parallel x mesh hybrid, head_parallel 2 x tile 1x1) trains a tiny Llama for 2 epochs of 3 SGD steps on ragged examples; the result must
 equal single-process training on the same global batches (both replicas' examples, right-padded, mean token
 loss). The script also asserts, from the examples the collator saw, that every rank of a CP group saw the same
 examples, that every step's replicas saw different examples, that each epoch saw every example once and that the
@@ -100,14 +100,15 @@ def trained_parameters(trainer, deepspeed: str | None) -> list[torch.Tensor]:
     ]
 
 
-def check_resume(output_dir: str, args, data, trained, batches, cp_heads: int) -> float:
+def check_resume(output_dir: str, args, data, trained, batches, head_parallel: int) -> float:
     """A new trainer resumes from the checkpoint of step RESUME_STEP (Trainer restores model, optimizer, scheduler,
     RNG states and the data position: the second epoch's reshuffled order, its first batch skipped) and trains to
     the end; returns the largest difference of its parameters from the uninterrupted run's ``trained``. Asserts it
     saw exactly the batches after the checkpoint, the same on every rank of a CP group."""
     args = copy.deepcopy(args)
     args.eval_strategy, args.save_strategy = "no", "no"
-    layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=(1, 2 // cp_heads), heads=cp_heads)
+    tile = (1, 2 // head_parallel)
+    layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=tile, head_parallel=head_parallel)
     torch.manual_seed(1)  # other initial weights: the checkpoint's must replace them
     model = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa")
     trainer = build_trainer(model, args, data, None, layout)
@@ -119,12 +120,12 @@ def check_resume(output_dir: str, args, data, trained, batches, cp_heads: int) -
     return max((p - q).abs().max().item() for p, q in zip(resumed, trained, strict=True))
 
 
-def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
+def main(output_dir: str, deepspeed: str | None, head_parallel: int) -> None:
     gloo_exit_workaround()  # before accelerate or the Trainer makes the process group
-    tile = (1, 2 // cp_heads)
+    tile = (1, 2 // head_parallel)
     if deepspeed is None:
         PartialState()  # the process group, from accelerate launch
-        layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=tile, heads=cp_heads)
+        layout = hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile=tile, head_parallel=head_parallel)
     else:
         layout = None  # the Trainer builds it from the config's "mesh_attention" block
     torch.manual_seed(0)
@@ -164,7 +165,7 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
     )
     trainer = build_trainer(model, args, data, eval_data, layout)
     layout = trainer.parallel
-    assert layout.dp_size == dp_size and (layout.mesh.tile, layout.mesh.heads) == (tile, cp_heads), layout
+    assert layout.dp_size == dp_size and (layout.mesh.tile, layout.mesh.head_parallel) == (tile, head_parallel), layout
     trainer.train()
     evaluated = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
     assert [step for step, _ in evaluated] == [STEPS * (e + 1) for e in range(EPOCHS)], trainer.state.log_history
@@ -202,7 +203,7 @@ def main(output_dir: str, deepspeed: str | None, cp_heads: int) -> None:
     err = max((p - q).abs().max().item() for p, q in zip(trained, reference.parameters(), strict=True))
     if deepspeed is None:  # accelerate allows one Accelerator with a DeepSpeed plugin per process
         mine = [b for b in trainer.seen if b[0] < EVAL_INDEX]
-        resume_err = check_resume(output_dir, args, data, trained, mine, cp_heads)
+        resume_err = check_resume(output_dir, args, data, trained, mine, head_parallel)
         print(f"rank {dist.get_rank()} resume err {resume_err:.3e}", flush=True)
     print(f"rank {dist.get_rank()} params err {err:.3e}", flush=True)
     print(f"rank {dist.get_rank()} eval err {eval_err:.3e} losses {eval_losses}", flush=True)
@@ -216,6 +217,8 @@ if __name__ == "__main__":
     parser.add_argument("output_dir")
     parser.add_argument("--deepspeed", default=None, help="DeepSpeed config with a mesh_attention block")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    parser.add_argument("--cp-heads", type=int, default=1, help="head-parallel ranks of the CP group (tile 1 x 2/u)")
+    parser.add_argument(
+        "--head-parallel", type=int, default=1, help="head-parallel ranks of the CP group (tile 1 x 2/u)"
+    )
     cli = parser.parse_args()
-    main(cli.output_dir, cli.deepspeed, cli.cp_heads)
+    main(cli.output_dir, cli.deepspeed, cli.head_parallel)

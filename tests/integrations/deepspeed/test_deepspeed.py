@@ -1,7 +1,7 @@
 """DeepSpeed with a ``"mesh_attention"`` config block against training without CP.
 
 On 4 gloo ranks, for ZeRO stages 0-3 and the layouts CP 4 (2x2) and DP 2 x CP 2 (1x2), and at ZeRO 2 for the
-head-parallel x mesh hybrid CP 4 = 2 heads x 1x2 (``"heads": 2``), a tiny Llama
+head-parallel x mesh hybrid CP 4 = head_parallel 2 x 1x2 (``"head_parallel": 2``), a tiny Llama
 trained 3 steps through :func:`mesh_cp.integrations.deepspeed.initialize` ends with the parameters of
 the same model trained in one process with ``torch.optim.SGD`` (momentum 0.9) on the same global batches (the mean of
 the replicas' token-mean losses); the losses are printed side by side. A model that is not a Hugging
@@ -170,12 +170,12 @@ def deepspeed_worker(rank: int, world: int) -> dict:
             hand_params[(cp_size, stage)] = params
         if cp_size == 2:
             results["training_data"] = _training_data_cases(data, reference, hand_params)
-    # The head-parallel x mesh hybrid from the block: CP 4 = 2 heads x tile 1x2, ZeRO 2.
+    # The head-parallel x mesh hybrid from the block: CP 4 = head_parallel 2 x tile 1x2, ZeRO 2.
     data = batches(1)
     reference = tiny_llama()
     ref_losses = train_reference(reference, data, hf_loss)
-    losses, params = train_mesh(tiny_llama(), ds_config(2, 4, "1x2", heads=2), data, hf_logits)
-    results["cases"][("CP4(2 heads x 1x2)", 2)] = (losses, ref_losses, _max_err(params, reference.parameters()))
+    losses, params = train_mesh(tiny_llama(), ds_config(2, 4, "1x2", head_parallel=2), data, hf_logits)
+    results["cases"][("CP4(head_parallel 2 x 1x2)", 2)] = (losses, ref_losses, _max_err(params, reference.parameters()))
     torch.manual_seed(0)
     gpt = TinyGPT()
     reference = copy.deepcopy(gpt)
@@ -202,13 +202,13 @@ def _dataset_in_sampler_order(data: list[list[torch.Tensor]]) -> list[torch.Tens
 
 
 def _training_data_cases(data, reference, hand_params: dict) -> dict:
-    """``initialize(training_data=...)`` on DP 2 x CP 2 (ZeRO 2 and 3, and the hybrid CP 2 = 2 heads with a
+    """``initialize(training_data=...)`` on DP 2 x CP 2 (ZeRO 2 and 3, and the hybrid CP 2 = head_parallel 2 with a
     user collate_fn at ZeRO 2): parameters against the hand-sharded runs and single-process training on the
     same batches; what the sampler draws; the collate against ``cp.shard`` on ragged examples."""
     from mesh_cp.integrations import deepspeed as mesh_ds
 
     dataset, out = _dataset_in_sampler_order(data), {}
-    for stage, block, collate in ((2, {}, None), (3, {}, None), (2, {"heads": 2}, torch.stack)):
+    for stage, block, collate in ((2, {}, None), (3, {}, None), (2, {"head_parallel": 2}, torch.stack)):
         model = tiny_llama()
         config = ds_config(stage, 2, "1x1" if block else "1x2", **block)
         engine, _, loader, _ = mesh_ds.initialize(
@@ -320,8 +320,12 @@ def _bad_blocks(world: int) -> dict:
     expect_error(errors, "auto", ValueError, r"needs \['topology', 'seq_len'\]", lambda: start(cp_size=4, tile="auto"))
     expect_error(errors, "seq_len", ValueError, r'"seq_len" 100 must be a multiple of 2 \* cp_size = 8',
                  lambda: start(cp_size=4, seq_len=100))  # fmt: skip
-    expect_error(errors, "heads 3", ValueError, r'"heads" 3 does not divide "cp_size" 4.*choose one of \[1, 2, 4\]',
-                 lambda: start(cp_size=4, heads=3))  # fmt: skip
+    expect_error(errors, "head_parallel 3", ValueError,
+                 r'head_parallel=3 does not divide the CP group size P=4; choose one of \[1, 2, 4\] \("cp_size"\)',
+                 lambda: start(cp_size=4, head_parallel=3))  # fmt: skip
+    expect_error(errors, "former heads key", ValueError,
+                 r"\"mesh_attention\": 'heads' was renamed 'head_parallel'.*pass head_parallel=2",
+                 lambda: start(cp_size=4, heads=2))  # fmt: skip
     expect_error(errors, "mpu", ValueError, r"\['mpu'\] cannot be used", lambda: start(cp_size=4, mpu=object()))
     expect_error(errors, "iterable training_data", ValueError, r"training_data Stream is not a map-style dataset.*"
                  r"engine.mesh_attention.shard", lambda: start(cp_size=4, training_data=Stream()))  # fmt: skip
@@ -362,7 +366,7 @@ def test_training_data_trains_like_hand_sharding(deepspeed_results: list[dict]) 
     draws = {}
     for rank, result in enumerate(deepspeed_results):
         out = result["training_data"]
-        for case in ((2, "{}"), (3, "{}"), (2, "{'heads': 2}")):
+        for case in ((2, "{}"), (3, "{}"), (2, "{'head_parallel': 2}")):
             batches_seen, hand, err = out[case]
             assert batches_seen == STEPS, (rank, case)
             assert (hand is None or hand <= TOL) and err <= TOL, (rank, case, hand, err)
@@ -378,7 +382,7 @@ def test_training_data_trains_like_hand_sharding(deepspeed_results: list[dict]) 
 
 def test_bad_blocks_stop_before_training(deepspeed_results: list[dict]) -> None:
     for result in deepspeed_results:
-        assert len(result["errors"]) == 12
+        assert len(result["errors"]) == 13
         assert all(v is True for v in result["errors"].values()), result["errors"]
 
 
@@ -426,16 +430,16 @@ def test_example_under_both_launchers_and_resume_equals_not_stopping(tmp_path: P
 
 def test_trainer_with_deepspeed_flag_equals_single_process(tmp_path: Path) -> None:
     """``--deepspeed`` with the shipped Trainer config (ZeRO 3), its block set to DP 2 x CP 2 as the head-parallel
-    x mesh hybrid (``"heads": 2``, tile 1x1: the trainer builds the hybrid from the block)."""
+    x mesh hybrid (``"head_parallel": 2``, tile 1x1: the trainer builds the hybrid from the block)."""
     config = json.loads((ROOT / "configs" / "ds_mesh_cp.json").read_text())
-    config["mesh_attention"] |= {"cp_size": 2, "heads": 2, "tile": "1x1"}
+    config["mesh_attention"] |= {"cp_size": 2, "head_parallel": 2, "tile": "1x1"}
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
     script = str(ROOT / "tests" / "integrations" / "accelerate" / "trainer_script.py")
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port", "29624", script]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [*cmd, str(tmp_path / "out"), "--deepspeed", str(path), "--cp-heads", "2"],
+        [*cmd, str(tmp_path / "out"), "--deepspeed", str(path), "--head-parallel", "2"],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

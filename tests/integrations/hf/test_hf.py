@@ -666,8 +666,8 @@ def test_autocast_deepcopy_and_host_reads(world4) -> None:
         assert two == four == 0, f"rank {rank}: host reads per step: {two} with 2 layers, {four} with 4"
 
 
-def heads_section(rank: int, world: int) -> dict:
-    """The head-parallel x mesh hybrid (CP 4 = 2 heads x 2 mesh ranks) through DataContextParallel: MHA (K/V heads
+def head_parallel_section(rank: int, world: int) -> dict:
+    """The head-parallel x mesh hybrid (CP 4 = head_parallel 2 x 2 mesh ranks) through DataContextParallel: MHA (K/V heads
     split) on tile 1x2 and packed GQA on tile 2x1 match the stock model; the collator pads to 2P as for a plain mesh;
     a model whose heads do not split is refused at attach."""
     import torch.distributed as dist
@@ -677,8 +677,8 @@ def heads_section(rank: int, world: int) -> dict:
 
     results: dict = {}
     for tile, name, documents in (((1, 2), "llama", None), ((2, 1), "llama-gqa", [[1, 5, 13, 2, 20, 3]])):
-        parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=4, tile=tile, heads=2)
-        label = f"{name}{' packed' if documents else ''} heads 2 x {tile[0]}x{tile[1]}"
+        parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=4, tile=tile, head_parallel=2)
+        label = f"{name}{' packed' if documents else ''} head_parallel 2 x {tile[0]}x{tile[1]}"
         results |= compare(label, tiny_causal_lms()[name], parallel.mesh, documents=documents)
     mesh = parallel.mesh
     # 34 tokens: the hybrid pads to 2P = 8 as the plain mesh does (40, 10 per rank).
@@ -696,24 +696,24 @@ def heads_section(rank: int, world: int) -> dict:
     ref_loss = ref(input_ids=padded, attention_mask=real, labels=padded.masked_fill(real == 0, -100)).loss
     results["collator shape"] = tuple(batch["input_ids"].shape)
     results["collator loss"] = abs(loss.item() - ref_loss.item())
-    ulysses = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(1, 1), heads=4)
+    ulysses = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(1, 1), head_parallel=4)
     two_heads = tiny_config("LlamaConfig", num_attention_heads=2, num_key_value_heads=2)
     expect_error(
         results,
         "heads that do not split refused",
         ValueError,
-        r"model\.layers\.0\.self_attn \(LlamaAttention\): 2 query heads cannot be split over heads=4",
+        r"model\.layers\.0\.self_attn \(LlamaAttention\): head_parallel=4 does not divide the 2 query heads",
         lambda: hf.attach(AutoModelForCausalLM.from_config(two_heads), ulysses),
     )
     return results
 
 
 def test_head_parallel_hybrid_matches_single_process_sdpa(world4) -> None:
-    for rank, res in enumerate(section(world4, "heads")):
+    for rank, res in enumerate(section(world4, "head_parallel")):
         assert res.pop("collator shape") == (2, 10), res
         assert res.pop("heads that do not split refused") is True, res
         metrics = ("logits", "loss", "grads", "params after 3 steps")
-        cases = ("llama heads 2 x 1x2", "llama-gqa packed heads 2 x 2x1")
+        cases = ("llama head_parallel 2 x 1x2", "llama-gqa packed head_parallel 2 x 2x1")
         assert set(res) == {f"{c} {m}" for c in cases for m in metrics} | {"collator loss"}, sorted(res)
         bad = {k: v for k, v in res.items() if not v <= TOL}
         assert not bad, f"rank {rank}: errors above {TOL}: {bad}"
@@ -721,7 +721,7 @@ def test_head_parallel_hybrid_matches_single_process_sdpa(world4) -> None:
 
 WORLD4_SECTIONS = {
     "models": hf_worker,
-    "heads": heads_section,
+    "head_parallel": head_parallel_section,
     "dp_cp": dp_cp_worker,
     "collator": collator_worker,
     "keywords": keywords_section,

@@ -2,7 +2,7 @@
 
 One process trains the reference (TP1 x CP1, the mesh spec on one rank, whose attention is checked
 against plain causal SDPA); one group of 8 gloo ranks trains TP2 x CP2(1x2) x DP2, TP1 x CP4(2x2) x DP2,
-TP2 x CP4(2x2) x DP1 and the head-parallel x mesh hybrid TP2 x CP4(2 heads x 2x1) x DP1 (Megatron's
+TP2 x CP4(2x2) x DP1 and the head-parallel x mesh hybrid TP2 x CP4(head_parallel 2 x 2x1) x DP1 (Megatron's
 ``cp_comm_type="a2a+p2p"``, on Megatron's own zig-zag layout) on the same global batches, with learned absolute and RoPE position
 embeddings. After each of 3 SGD steps the global loss and gradient norm, and after the last every
 rank's parameter shards, equal the reference within 1e-5 (fp32). The same group checks the layout
@@ -36,7 +36,8 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "rope, packed rows, window on
 DOCUMENTS = (1, 7, 3, 12, 6)
 """Document lengths of every packed row (29 of 32 tokens; the rest is padding)."""
 LAYOUTS = ((2, 2, (1, 2), 1), (1, 4, (2, 2), 1), (2, 4, (2, 2), 1), (2, 4, (2, 1), 2))
-"""(TP, CP, tile, heads) on 8 ranks; DP = 8 / (TP * CP). heads 2: the head-parallel x mesh hybrid through Megatron's
+"""(TP, CP, tile, head_parallel) on 8 ranks; DP = 8 / (TP * CP). head_parallel 2: the head-parallel x mesh hybrid
+through Megatron's
 cp_comm_type "a2a+p2p" with hierarchical_context_parallel_sizes [2, 2] (1 K/V head per TP rank, repeated)."""
 
 
@@ -64,21 +65,23 @@ def _global_batches() -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(STEPS)]
 
 
-def train(position_embedding: str, tp: int, cp: int, tile, heads: int = 1) -> dict:
+def train(position_embedding: str, tp: int, cp: int, tile, head_parallel: int = 1) -> dict:
     """3 SGD steps of a tiny GPT under the current parallel_state; global losses, grad norms, parameters. With
-    ``heads > 1`` the layers get Megatron's ``cp_comm_type="a2a+p2p"`` and the layout's mesh that hybrid."""
+    ``head_parallel > 1`` the layers get Megatron's ``cp_comm_type="a2a+p2p"`` and the layout's mesh that hybrid."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
-    from examples.megatron import training
+    from examples.megatron import cpu_workarounds
     from mesh_cp.integrations import megatron as mcp
+    from mesh_cp.integrations.megatron import training
 
-    layout = mcp.MeshLayout.from_parallel_state(tile=tile, heads=heads)
+    layout = mcp.MeshLayout.from_parallel_state(tile=tile, head_parallel=head_parallel)
     packed = "packed" in position_embedding
     overrides = {"window_size": (4, 0), "window_attn_skip_freq": 2} if packed else {}  # layer 1 sees 5 keys
-    if heads > 1:
-        overrides |= {"cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [heads, cp // heads]}
+    if head_parallel > 1:
+        sizes = [head_parallel, cp // head_parallel]
+        overrides |= {"cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": sizes}
     torch.manual_seed(0)  # the full weights, split over TP by use_cpu_initialization
     model = GPTModel(
         config=_config(tp, cp, **overrides),
@@ -87,7 +90,7 @@ def train(position_embedding: str, tp: int, cp: int, tile, heads: int = 1) -> di
         max_sequence_length=SEQ,
         position_embedding_type="rope" if packed else position_embedding,
     )
-    training.use_cpu_rotary_embedding(model)
+    cpu_workarounds.use_cpu_rotary_embedding(model)
     # SGD with momentum: Adam would turn roundoff-sized gradients into full-size steps.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -104,10 +107,10 @@ def train(position_embedding: str, tp: int, cp: int, tile, heads: int = 1) -> di
             loss = training.loss_share(per_token, batch["loss_mask"], count)
             loss.backward()
             total += loss.detach().double()
-        training.reduce_gradients_cpu(model)
+        cpu_workarounds.reduce_gradients_cpu(model)
         dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         losses.append(total.item())
-        norms.append(float(training.grad_norm_cpu(model)))
+        norms.append(float(cpu_workarounds.grad_norm_cpu(model)))
         optimizer.step()
         optimizer.zero_grad()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -257,13 +260,13 @@ def mesh_worker(rank: int, world: int, reference: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     results: dict = {}
-    for tp, cp, tile, heads in LAYOUTS:
+    for tp, cp, tile, u in LAYOUTS:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
         tp_rank = ps.get_tensor_model_parallel_rank()
-        mesh = f"{heads} heads x " if heads > 1 else ""
+        mesh = f"head_parallel {u} x " if u > 1 else ""
         name = f"TP{tp} x CP{cp}({mesh}{tile[0]}x{tile[1]}) x DP{world // (tp * cp)}"
         for pos in POSITION_EMBEDDINGS:
-            run, ref = train(pos, tp, cp, tile, heads), reference[pos]
+            run, ref = train(pos, tp, cp, tile, u), reference[pos]
             model = run["model"]
             results[(name, pos)] = {
                 "layout": run["layout"],
@@ -276,7 +279,7 @@ def mesh_worker(rank: int, world: int, reference: dict) -> dict:
                     for n, p in model.named_parameters()
                 ),
             }
-        if (tp, cp, heads) == (2, 4, 1):
+        if (tp, cp, u) == (2, 4, 1):
             results |= _checks(rank, world)
         ps.destroy_model_parallel()
     return results
@@ -290,8 +293,9 @@ def _checks(rank: int, world: int) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
 
-    from examples.megatron import training
+    from examples.megatron import cpu_workarounds
     from mesh_cp.integrations import megatron as mcp
+    from mesh_cp.integrations.megatron import training
 
     out: dict = {}
     layout = mcp.MeshLayout.from_parallel_state(ranks_per_node=4)
@@ -322,7 +326,7 @@ def _checks(rank: int, world: int) -> dict:
 
     spec = import_module(("mesh_cp.integrations.megatron", "gpt_layer_mesh_spec"))
     lm = GPTModel(config=_config(2, 4), transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
-    training.use_cpu_rotary_embedding(lm)
+    cpu_workarounds.use_cpu_rotary_embedding(lm)
     cores = [m for m in lm.modules() if isinstance(m, mcp.MeshCoreAttention)]
     out["--spec meshes"] = [c.mesh.tile for c in cores] + [len({id(c.mesh) for c in cores})]
     sharded = training.shard_batch(torch.arange(SEQ + 1).unsqueeze(0) % VOCAB, cp_group=ps.get_context_parallel_group())
@@ -408,35 +412,38 @@ def _checks(rank: int, world: int) -> dict:
 
 
 def _comm_type_checks(out: dict, attention, layout) -> None:
-    """Megatron's cp_comm_type under TP2 x CP4: "a2a+p2p" with hierarchical sizes [u, m] is the hybrid with heads=u
-    (and must agree with a given mesh), "a2a" is heads=CP (refused here: 2 heads per TP rank do not split over 4);
-    what has no exact mapping is refused by name with the fix."""
+    """Megatron's cp_comm_type under TP2 x CP4: "a2a+p2p" with hierarchical sizes [u, m] is the hybrid with
+    head_parallel=u (and must agree with a given mesh), "a2a" is head_parallel=CP (refused here: 2 heads per TP rank
+    do not split over 4); what has no exact mapping is refused by name with the fix."""
     import torch.distributed as dist
 
     from mesh_cp.integrations import megatron as mcp
 
     a2a_p2p = _config(2, 4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2])
     hybrid = attention(a2a_p2p, provider=mcp.MeshProvider(tile=(1, 2)), cp_comm_type="a2a+p2p")
-    out["a2a+p2p mesh"] = (hybrid.mesh.heads, hybrid.mesh.tile, dist.get_process_group_ranks(hybrid.mesh.head_group))
+    mesh = hybrid.mesh
+    out["a2a+p2p mesh"] = (mesh.head_parallel, mesh.tile, dist.get_process_group_ranks(mesh.head_group))
     expect_error(out, "a2a+p2p against a plain mesh", ValueError,
-                 r"cp_comm_type 'a2a\+p2p' with hierarchical_context_parallel_sizes \[2, 2\] asks for heads=2 but the "
-                 r"mesh it was given has heads=1; build it with heads=2",
+                 r"cp_comm_type 'a2a\+p2p' with hierarchical_context_parallel_sizes \[2, 2\] asks for head_parallel=2 "
+                 r"but the mesh it was given has head_parallel=1; build it with head_parallel=2",
                  lambda: attention(a2a_p2p, cp_comm_type="a2a+p2p"))  # fmt: skip
-    expect_error(out, "a2a+p2p against provider heads", ValueError, r"asks for heads=2 but the layer spec's MeshProvider has heads=4",
-                 lambda: attention(a2a_p2p, provider=mcp.MeshProvider(heads=4), cp_comm_type="a2a+p2p"))  # fmt: skip
+    expect_error(out, "a2a+p2p against provider head_parallel", ValueError,
+                 r"asks for head_parallel=2 but the layer spec's MeshProvider has head_parallel=4",
+                 lambda: attention(a2a_p2p, provider=mcp.MeshProvider(head_parallel=4), cp_comm_type="a2a+p2p"))  # fmt: skip
     wrong_sizes = _config(2, 4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 4])
     expect_error(out, "a2a+p2p sizes", NotImplementedError, r"needs hierarchical_context_parallel_sizes \[a2a, p2p\] with "
                  r"a2a \* p2p = CP size 4, got \[2, 4\]",
                  lambda: attention(wrong_sizes, cp_comm_type="a2a+p2p"))  # fmt: skip
-    expect_error(out, "a2a heads", ValueError, r"2 query heads cannot be split over heads=4",
+    expect_error(out, "a2a heads", ValueError, r"head_parallel=4 does not divide the 2 query heads",
                  lambda: attention(provider=mcp.MeshProvider(), cp_comm_type="a2a"))  # fmt: skip
     expect_error(out, "hierarchical sizes without a2a+p2p", NotImplementedError,
                  r"hierarchical_context_parallel_sizes \[2, 2\] is read by cp_comm_type 'a2a\+p2p' only",
                  lambda: attention(_config(2, 4, hierarchical_context_parallel_sizes=[2, 2])))  # fmt: skip
     expect_error(out, "cp_comm_type", NotImplementedError, r"cp_comm_type 'all_gather' selects TransformerEngine",
                  lambda: attention(cp_comm_type="all_gather"))  # fmt: skip
-    expect_error(out, "heads 3", ValueError, r"heads=3 must divide the CP size 4 \(one of \[1, 2, 4\]\)",
-                 lambda: mcp.build_mesh(layout.mesh.group, heads=3))  # fmt: skip
+    expect_error(out, "head_parallel 3", ValueError,
+                 r"head_parallel=3 does not divide the CP group size P=4; choose one of \[1, 2, 4\]",
+                 lambda: mcp.build_mesh(layout.mesh.group, head_parallel=3))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -504,9 +511,10 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
         cp_ranks = [rank % 2 + 2 * c for c in range(4)]  # TP2 x CP4: head groups of CP ranks {0, 1} and {2, 3}
         first = rank // 2 // 2 * 2
         assert res["a2a+p2p mesh"] == (2, (1, 2), cp_ranks[first : first + 2]), res["a2a+p2p mesh"]
-    # rank 5 = tp 1 + 2 * cp 2 under 2 heads x 2x1: head group CP ranks {2, 3}, mesh group CP ranks {0, 2}.
-    hybrid = mesh_results[5][("TP2 x CP4(2 heads x 2x1) x DP1", "rope")]["layout"]
-    assert hybrid == "TP(2)-CP(2 heads x 2x1)-DP(1) rank 5: head group [5, 7], Q-group [1, 5], KV-group [5]", hybrid
+    # rank 5 = tp 1 + 2 * cp 2 under head_parallel 2 x 2x1: head group CP ranks {2, 3}, mesh group CP ranks {0, 2}.
+    hybrid = mesh_results[5][("TP2 x CP4(head_parallel 2 x 2x1) x DP1", "rope")]["layout"]
+    expected = "TP(2)-CP(head_parallel 2 x 2x1)-DP(1) rank 5: head group [5, 7], Q-group [1, 5], KV-group [5]"
+    assert hybrid == expected, hybrid
     # rank 5 = tp 1 + 2 * cp 2: CP group [1, 3, 5, 7], Q-group CP ranks {2, 3}, KV-group CP ranks {0, 2}.
     assert (
         mesh_results[5]["layout str"] == "TP(2)-CP(2x2)-DP(1) rank 5: Q-group [5, 7], KV-group [1, 5], 4 ranks per node"
@@ -539,12 +547,12 @@ def torchrun_pretrain(*args: str, port: int, nproc: int = 8) -> dict:
 RESHARD_LAYOUTS = {
     "TP2 x CP4(2x2) x DP1": ("--tp", "2", "--cp", "4", "--tile", "2x2", "--micro-batch", "2"),
     "TP1 x CP4(1x4) x DP2": ("--tp", "1", "--cp", "4", "--tile", "1x4", "--micro-batch", "1"),
-    "TP2 x CP2(2 heads x 1x1) x DP2": (
+    "TP2 x CP2(head_parallel 2 x 1x1) x DP2": (
         "--tp",
         "2",
         "--cp",
         "2",
-        "--cp-heads",
+        "--head-parallel",
         "2",
         "--tile",
         "1x1",
@@ -588,15 +596,35 @@ def test_pretrain_script_resumes_distributed_checkpoints_in_other_layouts(tmp_pa
             assert straight[target]["steps"][step] == pytest.approx(losses[step], abs=TOL), (target, step)
 
 
-def test_pretrain_script_takes_cp_heads_beside_tile(tmp_path: Path) -> None:
-    """``--cp-heads`` / config key ``cp_heads`` (the head-parallel x mesh hybrid), 1 unless given."""
+def test_pretrain_script_takes_head_parallel_beside_tile(tmp_path: Path, capsys) -> None:
+    """``--head-parallel`` / config key ``head_parallel`` (the head-parallel x mesh hybrid), 1 unless given; the
+    former ``--cp-heads`` / ``cp_heads`` are refused, naming the new spelling."""
     from examples.megatron import pretrain_gpt
 
     config = tmp_path / "hybrid.yaml"
-    config.write_text("cp: 4\ncp_heads: 2\ntile: 1x2\n")
-    assert pretrain_gpt.parse_args([]).cp_heads == 1
-    assert pretrain_gpt.parse_args(["--config", str(config)]).cp_heads == 2
-    assert pretrain_gpt.parse_args(["--config", str(config), "--cp-heads", "4"]).cp_heads == 4
+    config.write_text("cp: 4\nhead_parallel: 2\ntile: 1x2\n")
+    assert pretrain_gpt.parse_args([]).head_parallel == 1
+    assert pretrain_gpt.parse_args(["--config", str(config)]).head_parallel == 2
+    assert pretrain_gpt.parse_args(["--config", str(config), "--head-parallel", "4"]).head_parallel == 4
+    with pytest.raises(SystemExit):
+        pretrain_gpt.parse_args(["--cp-heads", "2"])
+    assert "--cp-heads was renamed --head-parallel" in capsys.readouterr().err
+    old = tmp_path / "old.yaml"
+    old.write_text("cp: 4\ncp_heads: 2\n")
+    with pytest.raises(ValueError, match=r"key cp_heads was renamed head_parallel"):
+        pretrain_gpt.parse_args(["--config", str(old)])
+
+
+def test_former_heads_keyword_is_refused_naming_head_parallel() -> None:
+    """``heads=`` (now only the query-head count) as the degree of the spec or the layout is refused, before any
+    process group is needed, naming ``head_parallel``."""
+    from mesh_cp.integrations import megatron as mcp
+
+    renamed = r"'heads' was renamed 'head_parallel'.*pass head_parallel=2"
+    with pytest.raises(ValueError, match=rf"get_gpt_layer_mesh_spec: {renamed}"):
+        mcp.get_gpt_layer_mesh_spec(heads=2)
+    with pytest.raises(ValueError, match=rf"MeshLayout.from_parallel_state: {renamed}"):
+        mcp.MeshLayout.from_parallel_state(tile=(1, 2), heads=2)
 
 
 def test_checkpoint_refusals(tmp_path: Path) -> None:
