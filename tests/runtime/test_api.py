@@ -286,40 +286,58 @@ def _runs_exactly(mesh) -> bool | float:
 
 
 def auto_tile_worker(rank: int, world: int) -> dict:
-    """``tile="auto"``: the cost model's choice, used exactly, with topology-ordered rings."""
+    """``mesh_cp.auto_mesh``: the cost model's choice, used exactly, with topology-ordered rings."""
     import torch.distributed as dist
 
     from mesh_cp.core import AttentionShape
-    from mesh_cp.sim import Topology, choose_hybrid, choose_tile
+    from mesh_cp.sim import Topology, choose
 
     res: dict = {}
     # Two "nodes" of two ranks, inter-node links 20x slower: the Q ring of a 2x2 tile stays inside a node.
     topology = Topology(ranks_per_node=2, intra_bandwidth=2e10, inter_bandwidth=1e9, pairs_per_second=1e12)
     shape = AttentionShape(batch=1, seq_local=8192, heads=8, kv_heads=8, head_dim=64, itemsize=2)
-    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology, shape=shape, heads=1)
-    expected, reason = choose_tile(world, shape, topology)
-    res["auto tile"] = (mesh.tiling == expected and mesh.heads == 1) or (mesh.tile, expected.shape)
-    res["reason"] = (mesh.reason == reason and reason.startswith(f"tile {expected}")) or mesh.reason
-    # Without heads=1 the choice spans head-parallel layouts too (hybrids, USP, Ulysses).
-    hybrid = mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology, shape=shape)
-    u, tiling, why = choose_hybrid(world, shape, topology)
-    res["auto layout"] = (hybrid.heads, hybrid.tiling, hybrid.reason) == (u, tiling, why) or (hybrid.heads, why)
+    world_group = dist.group.WORLD
+    mesh = mesh_cp.auto_mesh(world_group, topology=topology, shape=shape, head_parallel=1)
+    expected = choose(world, shape, topology, head_parallel=1)
+    res["auto tile"] = (mesh.tiling == expected.tiling and mesh.head_parallel == 1) or (mesh.tile, expected)
+    res["reason"] = (mesh.reason == expected.reason and expected.reason.startswith(f"tile {expected.tiling}")) or (
+        mesh.reason
+    )
+    # Without head_parallel=1 the choice spans head-parallel layouts too (hybrids, USP, Ulysses).
+    hybrid = mesh_cp.auto_mesh(world_group, topology=topology, shape=shape)
+    chosen = choose(world, shape, topology)
+    got = (hybrid.head_parallel, hybrid.tiling, hybrid.reason)
+    res["auto layout"] = got == (chosen.head_parallel, chosen.tiling, chosen.reason) or got
     res["auto layout runs"] = _runs_exactly(hybrid)
-    fixed = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2), topology=topology)
+    fixed = mesh_cp.auto_mesh(world_group, tile=(2, 2), topology=topology)
     res["link cost"] = (fixed.link_cost[0] == 1.0 and fixed.link_cost[1] == 20.0) or fixed.link_cost
     expect_error(
         res,
         "auto needs shape",
         ValueError,
         r"tile='auto' needs topology= .* and shape=",
-        lambda: mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology),
+        lambda: mesh_cp.auto_mesh(world_group, topology=topology),
     )
     expect_error(
         res,
         "budget below every tile",
         ValueError,
         r"memory_budget 1 bytes is below the peak of every tile",
-        lambda: mesh_cp.CPMesh.create(dist.group.WORLD, tile="auto", topology=topology, shape=shape, memory_budget=1),
+        lambda: mesh_cp.auto_mesh(world_group, topology=topology, shape=shape, memory_budget=1),
+    )
+    expect_error(
+        res,
+        "create refuses the cost model's arguments",
+        ValueError,
+        r"CPMesh.create got topology=: choosing the tile from a cluster topology is mesh_cp.auto_mesh",
+        lambda: mesh_cp.CPMesh.create(world_group, tile=(2, 2), topology=topology),
+    )
+    expect_error(
+        res,
+        "auto_mesh refuses the former spelling",
+        ValueError,
+        r"'heads' was renamed 'head_parallel'",
+        lambda: mesh_cp.auto_mesh(world_group, topology=topology, shape=shape, heads=1),
     )
     # A buffer budget at the least any path needs streams one ring; one byte less is refused.
     from mesh_cp.core import make_plan

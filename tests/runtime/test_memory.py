@@ -1,11 +1,12 @@
 """Peak memory of one attention call measured against mesh_cp.sim.memory.peak_bytes.
 
-The overlapped schedule (the default) must be within 20% of the plan. The collective schedule is
-checked within 30%: gloo stages its all-gathers and all-to-alls through copies that it frees on its
-own threads, so where the peak lands varies from run to run.
+The overlapped schedule (the default) must be within 20% of the plan. The collective schedule and the
+head exchange of head-parallel layouts are checked within 30%: gloo stages their all-gathers and all-to-alls
+through copies that it frees on its own threads, so where the peak lands varies from run to run.
 
-One gloo group of P = 4 runs every tile with both schedules, both backward modes, MHA and GQA;
-each rank measures the bytes allocated at the peak of forward and of backward.
+One gloo group of P = 4 runs every tile with both schedules, both backward modes, MHA and GQA, and the
+head-parallel x mesh layouts (head_parallel 2 with tiles 1x2 and 2x1, and Ulysses, head_parallel 4) with MHA and
+GQA; each rank measures the bytes allocated at the peak of forward and of backward.
 """
 
 from __future__ import annotations
@@ -27,15 +28,22 @@ CONFIGS = [
     for backward in ("regather", "reuse")
     for kv_heads in (8, 2)
 ]
+# Head-parallel x mesh layouts: (u, tile of the P / u mesh ranks); the plan adds the head exchange's copies.
+HYBRIDS = [(2, (1, 2)), (2, (2, 1)), (4, (1, 1))]
+HYBRID_CONFIGS = [(u, tile, kv_heads) for u, tile in HYBRIDS for kv_heads in (8, 2)]
 
 
 def memory_worker(rank: int, world: int) -> list[dict]:
     import torch.distributed as dist
 
-    meshes = {tile: mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile) for tile in factorizations(world)}
+    meshes = {(1, tile): mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile) for tile in factorizations(world)}
+    meshes |= {(u, tile): mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile, head_parallel=u) for u, tile in HYBRIDS}
+    configs = [(1, *config) for config in CONFIGS] + [
+        (u, tile, "overlap", "regather", kv) for u, tile, kv in HYBRID_CONFIGS
+    ]
     results = []
-    for tile, schedule, backward, kv_heads in CONFIGS:
-        mesh = meshes[tile]
+    for u, tile, schedule, backward, kv_heads in configs:
+        mesh = meshes[(u, tile)]
         gen = torch.Generator().manual_seed(rank)
         q = torch.randn(1, 256, 8, 64, generator=gen).requires_grad_()
         k, v = (torch.randn(1, 256, kv_heads, 64, generator=gen).requires_grad_() for _ in range(2))
@@ -44,14 +52,13 @@ def memory_worker(rank: int, world: int) -> list[dict]:
             out = mesh_cp.mesh_attn_func(q, k, v, mesh=mesh, schedule=schedule, backward=backward)
         with MemoryPeak() as bwd:
             out.backward(do)
-        plan = make_plan(
-            mesh.tiling, attention_shape(q, k, v), causal=True, layout="zigzag", backward=backward, schedule=schedule
-        )
+        options = {"causal": True, "layout": "zigzag", "backward": backward, "schedule": schedule}
+        plan = make_plan(mesh.tiling, attention_shape(q, k, v), head_parallel=u, **options)
         results.append(
             {
-                "config": (tile, schedule, backward, kv_heads),
+                "config": (tile, schedule, backward, kv_heads) if u == 1 else (u, tile, kv_heads),
                 "measured": (fwd.peak, bwd.peak),
-                "plan": (peak_bytes(plan, "forward", rank), peak_bytes(plan, "backward", rank)),
+                "plan": (peak_bytes(plan, "forward", mesh.mesh_rank), peak_bytes(plan, "backward", mesh.mesh_rank)),
             }
         )
     return results
@@ -67,9 +74,10 @@ TOLERANCE = {"overlap": 0.2, "collective": 0.3}
 
 def test_peak_memory_matches_plan(measured) -> None:
     for rank, results in enumerate(measured):
-        assert [r["config"] for r in results] == CONFIGS
+        assert [r["config"] for r in results] == CONFIGS + HYBRID_CONFIGS
         for r in results:
-            tol = TOLERANCE[r["config"][1]]
+            # The head exchange is all-to-alls, staged by gloo as the collective schedule's are.
+            tol = TOLERANCE[r["config"][1] if len(r["config"]) == 4 else "collective"]
             for phase, got, want in zip(("forward", "backward"), r["measured"], r["plan"], strict=True):
                 assert got > 0, (rank, r)
                 assert 1 - tol <= want / got <= 1 + tol, (
