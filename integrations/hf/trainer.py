@@ -11,7 +11,6 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from mesh_cp.config import MeshConfig
-from mesh_cp.integrations.layout import ds_attention_shape, parallel_from_config
 from mesh_cp.integrations.hf.attach import attach
 from mesh_cp.integrations.hf.collate import TOKEN_COUNTS, ShardCollated, replica_examples
 from mesh_cp.integrations.hf.compat import (
@@ -22,6 +21,7 @@ from mesh_cp.integrations.hf.compat import (
     seed_worker,
 )
 from mesh_cp.integrations.hf.evaluation import MeshCPEvaluation, check_evaluation
+from mesh_cp.integrations.layout import ds_attention_shape, parallel_from_config
 from mesh_cp.runtime.batch import ShardingCollator
 from mesh_cp.runtime.parallel import DataContextParallel
 

@@ -21,6 +21,7 @@ import enum
 from dataclasses import dataclass
 
 from mesh_cp.core.layout import check_layout
+from mesh_cp.core.options import Layout
 
 
 class MaskKind(enum.Enum):
@@ -36,7 +37,7 @@ class MaskKind(enum.Enum):
     (Note [Masked blocks] in :mod:`mesh_cp.core.masks`)."""
 
 
-def mask_kind(x: int, y: int, *, causal: bool, layout: str) -> MaskKind:
+def mask_kind(x: int, y: int, *, causal: bool, layout: Layout) -> MaskKind:
     if not causal:
         return MaskKind.FULL
     if x == y:
@@ -75,7 +76,7 @@ class BlockWork:
         return nq * (nq + 1) // 2 if self.causal else nq * nk
 
 
-def block_work(x: int, y: int, *, causal: bool, layout: str, seq_local: int) -> BlockWork | None:
+def block_work(x: int, y: int, *, causal: bool, layout: Layout, seq_local: int) -> BlockWork | None:
     """The kernel call for block ``(x, y)``, or ``None`` when the mask leaves nothing to compute."""
     kind = mask_kind(x, y, causal=causal, layout=layout)
     half = seq_local // 2

@@ -7,7 +7,7 @@ says why).
 
 from __future__ import annotations
 
-from mesh_cp.core.options import check_layout
+from mesh_cp.core.options import Layout, check_layout
 
 __all__ = [
     "check_layout",
@@ -19,7 +19,7 @@ __all__ = [
 ]
 
 
-def check_seq_len(seq_len: int, world: int, layout: str) -> None:
+def check_seq_len(seq_len: int, world: int, layout: Layout) -> None:
     """Raise ``ValueError`` unless a global ``seq_len`` can be laid out over ``world`` ranks."""
     check_layout(layout)
     parts = 2 * world if layout == "zigzag" else world
@@ -32,7 +32,7 @@ def check_seq_len(seq_len: int, world: int, layout: str) -> None:
         )
 
 
-def chunk_ranges(seq_len: int, world: int, rank: int, layout: str) -> tuple[tuple[int, int], ...]:
+def chunk_ranges(seq_len: int, world: int, rank: int, layout: Layout) -> tuple[tuple[int, int], ...]:
     """Global token ranges ``[start, stop)`` held by ``rank``, in local order.
 
     ``contiguous``: one range, chunk ``rank``. ``zigzag``: half-chunks ``rank`` and
@@ -49,18 +49,18 @@ def chunk_ranges(seq_len: int, world: int, rank: int, layout: str) -> tuple[tupl
     return ((rank * half, (rank + 1) * half), (second * half, (second + 1) * half))
 
 
-def local_positions(seq_len: int, world: int, rank: int, layout: str) -> list[int]:
+def local_positions(seq_len: int, world: int, rank: int, layout: Layout) -> list[int]:
     """Global positions of the tokens ``rank`` holds, in local order."""
     return [p for start, stop in chunk_ranges(seq_len, world, rank, layout) for p in range(start, stop)]
 
 
-def layout_permutation(seq_len: int, world: int, layout: str) -> list[int]:
+def layout_permutation(seq_len: int, world: int, layout: Layout) -> list[int]:
     """Global positions in the order of the concatenated local shards of ranks ``0..P-1``."""
     return [p for rank in range(world) for p in local_positions(seq_len, world, rank, layout)]
 
 
 def global_ranges(
-    seq_len: int, world: int, chunk: int, layout: str, local: tuple[int, int]
+    seq_len: int, world: int, chunk: int, layout: Layout, local: tuple[int, int]
 ) -> tuple[tuple[int, int], ...]:
     """The global ``[start, stop)`` ranges of the local rows ``local = [start, stop)`` of ``chunk``."""
     out, offset = [], 0

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mesh_cp.core.layout import chunk_ranges, global_ranges
+from mesh_cp.core.options import Layout
 
 Range = tuple[int, int]
 
@@ -185,7 +186,7 @@ def rectangle_pairs(
     *,
     seq_len: int,
     world: int,
-    layout: str,
+    layout: Layout,
     causal: bool,
 ) -> list[int]:
     """Pairs that attend, per batch row of ``mask``, between the local rows ``q[1]`` of Q chunk ``q[0]`` and the
@@ -202,7 +203,7 @@ def block_tiles(
     *,
     seq_len: int,
     world: int,
-    layout: str,
+    layout: Layout,
     causal: bool,
 ) -> tuple[Tile, ...]:
     """The kernel calls of a ``MASKED`` block of Q chunk ``q[0]`` (local rows ``q[1]``) against KV chunk ``k[0]``
@@ -212,7 +213,7 @@ def block_tiles(
     return _block_tiles(mask, q, k, seq_len, world, layout, causal, TILE)
 
 
-def _runs(seq_len: int, world: int, chunk: int, layout: str, local: Range, size: int) -> list[Range]:
+def _runs(seq_len: int, world: int, chunk: int, layout: Layout, local: Range, size: int) -> list[Range]:
     """The local rows ``local`` of ``chunk`` cut into pieces of at most ``size`` rows, each of consecutive global
     positions (a piece never straddles the two halves of a zig-zag chunk)."""
     pieces, offset = [], 0
@@ -255,7 +256,7 @@ def tile_segments(
     *,
     seq_len: int,
     world: int,
-    layout: str,
+    layout: Layout,
     causal: bool,
 ) -> tuple[tuple[Segment, ...], ...]:
     """The visible pairs of one tile (local rows ``q[1]`` of Q chunk ``q[0]``, ``k[1]`` of KV chunk ``k[0]``, each

@@ -15,6 +15,8 @@ Hq, D)`` result in ``q``'s dtype (combined in fp32).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -22,7 +24,7 @@ from torch.distributed import ProcessGroup
 
 from mesh_cp.core.decode import DecodeReduction
 from mesh_cp.core.numerics import acc_dtype
-from mesh_cp.kernels import resolve_kernel, takes
+from mesh_cp.kernels import KernelName, resolve_kernel, takes
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.runtime.mesh import CPMesh
 
@@ -52,7 +54,7 @@ def decode_attn_func(
     k_positions: Tensor,
     softmax_scale: float | None = None,
     return_lse: bool = False,
-    kernel: str | BlockKernel = "reference",
+    kernel: KernelName | Literal["auto"] | BlockKernel = "reference",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of the replicated queries ``q`` over the cache whose shards the ranks of ``mesh`` hold (module
     docstring); ``return_lse`` also gives the ``(B, Hq, k)`` fp32 log-sum-exp over the whole cache. Inference only

@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 
 from mesh_cp.core.head_parallel import check_head_parallel, head_group_ranks, mesh_group_ranks
 from mesh_cp.core.layout import check_layout, chunk_ranges
-from mesh_cp.core.options import refuse_renamed
+from mesh_cp.core.options import Layout, refuse_renamed
 from mesh_cp.core.tiling import Tiling
 from mesh_cp.runtime.check import check_same
 from mesh_cp.runtime.groups import group_timeout, new_subgroups
@@ -82,12 +82,12 @@ class CPMesh:
     def tile(self) -> tuple[int, int]:
         return self.tiling.shape
 
-    def local_ranges(self, seq_len: int, layout: str) -> tuple[tuple[int, int], ...]:
+    def local_ranges(self, seq_len: int, layout: Layout) -> tuple[tuple[int, int], ...]:
         """Global ``[start, stop)`` ranges of the tokens this rank holds of a sequence of ``seq_len``, in local
         order: its chunk of ``layout`` over the ``P`` ranks, whatever :attr:`head_parallel`."""
         return chunk_ranges(seq_len, self.size, self.rank, layout)
 
-    def seq_multiple(self, layout: str) -> int:
+    def seq_multiple(self, layout: Layout) -> int:
         """The multiple every global sequence length must be for ``layout`` (pad to it): ``2P`` for zig-zag and
         ``P`` for contiguous, whatever :attr:`head_parallel`."""
         return 2 * self.size if check_layout(layout) == "zigzag" else self.size

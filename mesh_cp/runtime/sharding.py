@@ -6,11 +6,12 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.layout import check_layout, layout_permutation, local_positions
+from mesh_cp.core.options import Layout
 from mesh_cp.runtime.comm import all_gather
 from mesh_cp.runtime.mesh import CPMesh
 
 
-def shard_sequence(x: Tensor, *, mesh: CPMesh, dim: int, layout: str) -> Tensor:
+def shard_sequence(x: Tensor, *, mesh: CPMesh, dim: int, layout: Layout) -> Tensor:
     """This rank's shard of the full tensor ``x`` along its sequence dimension ``dim``.
 
     ``layout="contiguous"``: chunk ``rank`` of ``P``; ``layout="zigzag"``: half-chunks ``rank`` and
@@ -24,7 +25,7 @@ def shard_sequence(x: Tensor, *, mesh: CPMesh, dim: int, layout: str) -> Tensor:
     return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
-def unshard_sequence(x_local: Tensor, *, mesh: CPMesh, dim: int, layout: str) -> Tensor:
+def unshard_sequence(x_local: Tensor, *, mesh: CPMesh, dim: int, layout: Layout) -> Tensor:
     """The full tensor from every rank's shard along ``dim``; collective over ``mesh.group``.
 
     Every rank gets the whole tensor in global sequence order. Not differentiable: it refuses an
@@ -45,7 +46,7 @@ def unshard_sequence(x_local: Tensor, *, mesh: CPMesh, dim: int, layout: str) ->
     return full.movedim(0, dim)
 
 
-def position_ids(seq_len: int, *, mesh: CPMesh, layout: str, device: torch.device | str | None = None) -> Tensor:
+def position_ids(seq_len: int, *, mesh: CPMesh, layout: Layout, device: torch.device | str | None = None) -> Tensor:
     """Global positions (``int64``, ``(seq_local,)``) of the tokens this rank holds for a sequence of
     ``seq_len`` tokens; feed them to RoPE / position embeddings of the sharded tokens."""
     check_layout(layout)

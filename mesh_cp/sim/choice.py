@@ -205,6 +205,9 @@ def _reason(
         f"{candidate_label(*chosen)}{suffix}: predicted {win.time * 1e3:.3g} ms fwd+bwd, {win.traffic.inter / c:.3g} "
         f"C per rank across nodes fwd+bwd (C = a rank's Q chunk)"
     ]
+    ring = (1, Tiling(world=world, a=1, b=world))
+    if ring != chosen and ring in results:
+        parts.append(f"vs ring 1x{world} {results[ring].time * 1e3:.3g} ms ({results[ring].time / win.time:.2f}x)")
     for kind in ("mesh", "hybrid", "usp", "ulysses"):
         name, best = _KIND_NAMES[kind], best_of_kind(fits, kind)
         if best == chosen:

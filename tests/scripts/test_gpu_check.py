@@ -38,7 +38,10 @@ def run_check(tmp_path: Path, *args: str) -> tuple[int, dict[tuple[str, str], di
 
 def mesh_cases(schedules=("collective", "overlap")) -> list[str]:
     cases = []
-    layouts = {4: ("1x4", "2x2", "4x1", "1x2 heads=2", "2x1 heads=2"), 2: ("1x2", "2x1", "1x1 heads=2")}
+    layouts = {
+        4: ("1x4", "2x2", "4x1", "1x2 head_parallel=2", "2x1 head_parallel=2"),
+        2: ("1x2", "2x1", "1x1 head_parallel=2"),
+    }
     for p, tiles in layouts.items():
         cases += [f"gloo cpu P={p} {t} {d} {s}" for t in tiles for d in ("bf16", "fp32") for s in schedules]
     return cases
