@@ -1,4 +1,4 @@
-"""Data parallel x context parallel: the DP x CP groups, and the one gradient all-reduce."""
+"""Data parallel x context parallel: the DP x CP groups, and the gradient reduction over them (in buckets)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,16 @@ import torch
 import torch.distributed as dist
 
 from mesh_cp.core.options import refuse_renamed
+from mesh_cp.runtime.gradients import BUCKET_BYTES, all_reduce_gradients
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
 
 
-def reduce_gradients(model: torch.nn.Module, mesh: CPMesh) -> None:
-    """Sum every parameter gradient over the CP group (each rank holds the gradient of its loss share)."""
-    _all_reduce_gradients(model, mesh.group, divide_by=1)
-
-
-def _all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup, *, divide_by: int) -> None:
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-            if divide_by != 1:
-                p.grad.div_(divide_by)
+def reduce_gradients(model: torch.nn.Module, mesh: CPMesh, *, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Sum every parameter gradient over the CP group (each rank holds the gradient of its loss share), one
+    all-reduce per bucket of ``bucket_bytes`` (Note [Gradient buckets] in :mod:`mesh_cp.runtime.gradients`);
+    returns the number of all-reduces."""
+    return all_reduce_gradients(model.parameters(), mesh.group, bucket_bytes=bucket_bytes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,7 +28,7 @@ class DataContextParallel:
 
     Rank ``r`` of ``group`` is CP rank ``r % cp_size`` of data-parallel replica ``r // cp_size``; each
     replica's CP group is tiled as a :class:`CPMesh`. Gradients are summed over the CP group (the loss
-    is split across it) and averaged over the replicas, in one all-reduce over ``group``.
+    is split across it) and averaged over the replicas, in bucketed all-reduces over ``group``.
     """
 
     mesh: CPMesh
@@ -93,9 +88,10 @@ class DataContextParallel:
             built = mesh(cp_group)
         return cls(mesh=built, group=group, dp_group=dp_group, dp_size=dp_size, dp_rank=dp_rank)
 
-    def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Sum gradients over CP and average them over DP (one all-reduce over all DP x CP ranks)."""
-        _all_reduce_gradients(model, self.group, divide_by=self.dp_size)
+    def reduce_gradients(self, model: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES) -> int:
+        """Sum gradients over CP and average them over DP: one all-reduce over all DP x CP ranks per bucket of
+        ``bucket_bytes`` (Note [Gradient buckets] in :mod:`mesh_cp.runtime.gradients`); returns their number."""
+        return all_reduce_gradients(model.parameters(), self.group, divide_by=self.dp_size, bucket_bytes=bucket_bytes)
 
     def __str__(self) -> str:
         return f"DP({self.dp_size}) x {self.mesh}, replica {self.dp_rank}"
