@@ -113,8 +113,15 @@ class AttentionMask:
         return None if self.documents is None else len(self.documents)
 
     def code(self) -> str:
-        """A short fingerprint, equal on every process for equal masks (for the call check across ranks)."""
+        """A short fingerprint of the contents, equal on every process for equal masks (the call check across
+        ranks compares it with ``debug``)."""
         return _code(self)
+
+    def form(self) -> str:
+        """What the call check compares on every new call shape: the rows and the window, not the documents, which
+        change every step of a packed run (a check of them would gather and sync on every step)."""
+        rows = "every row one document" if self.documents is None else f"documents in {len(self.documents)} rows"
+        return f"{rows}, window {self.window}"
 
 
 NO_MASK = AttentionMask()

@@ -218,10 +218,14 @@ class CallOptions:
         kernel = self.kernel
         return kernel if isinstance(kernel, str) else getattr(kernel, "name", type(kernel).__qualname__)
 
-    def signature(self) -> dict[str, object]:
-        """The options every rank of the CP group must call with (:func:`mesh_cp.runtime.check.check_same_call`)."""
+    def signature(self, *, debug: bool = False) -> dict[str, object]:
+        """The options every rank of the CP group must call with (:func:`mesh_cp.runtime.check.check_same_call`).
+        A mask enters by its form (rows, window): its documents change every step of a packed run, and a signature
+        new on every step would gather and sync on every step; with ``debug`` its contents are compared too."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {**values, "kernel": self.kernel_name, "mask": None if self.mask is None else self.mask.code()}
+        mask = self.mask
+        values |= {"kernel": self.kernel_name, "mask": None if mask is None else mask.form()}
+        return values | ({"mask contents": None if mask is None else mask.code()} if debug else {})
 
 
 def _check_arguments(mesh: CPMesh, q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -248,7 +252,7 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, options: CallOp
     except (ValueError, NotImplementedError, RuntimeError) as err:
         block_kernel, kernel_error = None, err
     block = getattr(block_kernel, "name", None) if kernel_error is None else "cannot run"
-    signature = {**_tensor_signature(q, k, v), **options.signature(), "block kernel": block}
+    signature = {**_tensor_signature(q, k, v), **options.signature(debug=mesh.debug), "block kernel": block}
     check_same_call(mesh.check_group, signature, debug=mesh.debug)
     if kernel_error is not None:
         raise kernel_error

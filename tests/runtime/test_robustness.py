@@ -406,6 +406,16 @@ def disagreement_checks(rank: int) -> dict:
             with mesh_cp.CommCounter() as counter:
                 mesh_cp.mesh_attn_func(*x, mesh=mesh, causal=True, softmax_scale=0.3)
             sent[mesh_name, call] = counter.bytes_by_role(mesh).get("check", 0)
+    # A packed batch's documents change every step: the check keys on the mask's form (rows, window), so a new
+    # packing is not a new signature; debug compares the documents too.
+    seq = x[0].shape[1] * dist.get_world_size()
+    for mesh_name, mesh in (("plain", plain), ("debug", debug)):
+        for call in range(2):
+            cut = 3 + 2 * call  # another packing on the second call
+            mask = mesh_cp.AttentionMask.from_lengths([[cut, seq - cut]] * x[0].shape[0])
+            with mesh_cp.CommCounter() as counter:
+                mesh_cp.mesh_attn_func(*x, mesh=mesh, causal=True, softmax_scale=0.3, mask=mask)
+            sent[f"{mesh_name} masked", call] = counter.bytes_by_role(mesh).get("check", 0)
     checked = {key: value > 0 for key, value in sent.items()}
     res["checks once, every call in debug"] = (
         checked
@@ -414,8 +424,20 @@ def disagreement_checks(rank: int) -> dict:
             ("plain", 1): False,
             ("debug", 0): True,
             ("debug", 1): True,
+            ("plain masked", 0): True,
+            ("plain masked", 1): False,
+            ("debug masked", 0): True,
+            ("debug masked", 1): True,
         }
         or sent
+    )
+    lengths = [[3 + dist.get_rank(), seq - 3 - dist.get_rank()]] * x[0].shape[0]  # each rank another packing
+    expect_error(
+        res,
+        "debug: documents differ across ranks",
+        ValueError,
+        r"with different arguments: mask contents \(rank 0: ",
+        lambda: mesh_cp.mesh_attn_func(*x, mesh=debug, causal=True, mask=mesh_cp.AttentionMask.from_lengths(lengths)),
     )
 
     # A kernel that resolves on some ranks and cannot run on one (a flash-attn that fails to import on one
