@@ -105,18 +105,19 @@ def mask_causal(scores: Tensor) -> Tensor:
 
 
 def document_ids(mask: AttentionMask, batch: int, seq_len: int, device: torch.device | str | None = None) -> Tensor:
-    """``(batch, seq_len)`` int64: the document index of every global position, ``-1`` for padding (built once
-    per mask on the host, as every layer of a model calls with the same one)."""
-    return _document_ids(mask, batch, seq_len).to(device)
+    """``(batch, seq_len)`` int64 on ``device``: the document index of every global position, ``-1`` for padding.
+    Built once per mask and device (every layer of a model calls with the same mask: one host-to-device copy per
+    step, not per layer); do not write to it."""
+    return _document_ids(mask, batch, seq_len, None if device is None else torch.device(device))
 
 
 @functools.lru_cache(maxsize=8)
-def _document_ids(mask: AttentionMask, batch: int, seq_len: int) -> Tensor:
+def _document_ids(mask: AttentionMask, batch: int, seq_len: int, device: torch.device | None) -> Tensor:
     ids = torch.full((batch, seq_len), -1, dtype=torch.int64)
     for row in range(batch):
         for doc, (start, stop) in enumerate(mask.row_documents(row if mask.rows is not None else 0, seq_len)):
             ids[row, start:stop] = doc
-    return ids
+    return ids if device is None else ids.to(device)
 
 
 def visibility(doc_ids: Tensor, q_pos: Tensor, k_pos: Tensor, *, causal: bool, window: int | None) -> Tensor:

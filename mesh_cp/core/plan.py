@@ -112,7 +112,7 @@ class AttentionPlan:
 
     def blocks(self, rank: int) -> tuple[BlockWork, ...]:
         """Kernel calls of ``rank``, in execution order (its diagonal block first)."""
-        work = [self._masked(block_work(x, y, **self._work_options())) for x, y in self.tiling.blocks(rank)]
+        work = [self._block(x, y) for x, y in self.tiling.blocks(rank)]
         todo = [w for w in work if w is not None]
         return tuple(sorted(todo, key=lambda w: (w.x, w.y) != (rank, rank)))
 
@@ -198,7 +198,7 @@ class AttentionPlan:
         q_members, kv_members = t.q_group(rank), t.kv_group(rank)
         x = q_members[(q_members.index(rank) - q_offset) % t.a]
         y = kv_members[(kv_members.index(rank) - kv_offset) % t.b]
-        return self._masked(block_work(x, y, **self._work_options()))
+        return self._block(x, y)
 
     def tiles(self, w: BlockWork) -> tuple[Tile, ...]:
         """The kernel calls of block ``w`` cut into tiles (:func:`mesh_cp.core.masks.block_tiles`): a ``MASKED``
@@ -215,6 +215,17 @@ class AttentionPlan:
 
     def _work_options(self) -> dict:
         return {"causal": self.causal, "layout": self.layout, "seq_local": self.mesh_shape.seq_local}
+
+    def _block(self, x: int, y: int) -> BlockWork | None:
+        """The kernel call of block ``(x, y)`` under the mask, counted once per plan (plans are cached by
+        :func:`make_plan`, so once per call shape and mask, whatever the layers and phases that ask)."""
+        if (x, y) not in self._blocks:
+            self._blocks[(x, y)] = self._masked(block_work(x, y, **self._work_options()))
+        return self._blocks[(x, y)]
+
+    @functools.cached_property
+    def _blocks(self) -> dict[tuple[int, int], BlockWork | None]:
+        return {}
 
     def _masked(self, w: BlockWork | None) -> BlockWork | None:
         """``w`` under :attr:`mask`: ``None`` when no row keeps a pair, ``w`` when the mask removes none,

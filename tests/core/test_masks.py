@@ -239,3 +239,42 @@ def test_tiles_never_straddle_the_halves_of_a_zigzag_chunk() -> None:
     assert {q for q, _, _ in tiles} == {(0, 6), (6, 8), (8, 14), (14, 16)}
     with pytest.raises(ValueError, match="consecutive global positions"):
         masks.tile_segments(mask, (1, (4, 12)), (0, (0, 4)), **where)
+
+
+def test_visible_pairs_are_counted_once_per_plan_and_block(monkeypatch) -> None:
+    """Every layer and both phases ask the plan for the same blocks: their visible pairs are counted once per plan
+    (and make_plan returns that plan for an equal mask, so once per call shape and mask)."""
+    import mesh_cp.core.plan as plan_module
+
+    counted = []
+    real = plan_module.rectangle_pairs
+
+    def counting(mask, q, kv, **options):
+        counted.append((q, kv))
+        return real(mask, q, kv, **options)
+
+    monkeypatch.setattr(plan_module, "rectangle_pairs", counting)
+    tiling = Tiling(world=4, a=2, b=2)
+    mask = AttentionMask.from_lengths([[5, 20, 7], [32]])
+    options = {"causal": True, "layout": "zigzag", "mask": mask}
+    plan = make_plan(tiling, AttentionShape(2, 8, 2, 2, 8, 4), **options)
+    for _ in range(3):  # three layers
+        for rank in range(tiling.world):
+            plan.blocks(rank)
+            for phase in ("forward", "backward"):
+                for act in plan.overlap(phase).actions:
+                    if act.op == "compute":
+                        plan.block_at(rank, *act.block)
+    assert len(counted) == len(set(counted)) == tiling.world * tiling.a * tiling.b
+    again = make_plan(
+        tiling, AttentionShape(2, 8, 2, 2, 8, 4), **{**options, "mask": AttentionMask.from_lengths([[5, 20, 7], [32]])}
+    )
+    assert again is plan
+
+
+def test_document_ids_are_built_once_per_mask_and_device() -> None:
+    """Every layer of a step passes the same mask: one tensor on the device per step, not one copy per layer."""
+    mask = AttentionMask.from_lengths([[5, 20, 7], [32]])
+    first = document_ids(mask, 2, 32, "cpu")
+    assert document_ids(AttentionMask.from_lengths([[5, 20, 7], [32]]), 2, 32, torch.device("cpu")) is first
+    assert first[0].tolist() == [0] * 5 + [1] * 20 + [2] * 7 and first[1].tolist() == [0] * 32
