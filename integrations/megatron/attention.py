@@ -52,9 +52,10 @@ class MaskCheck:
     The first mask of each (shape, device, dtype) is compared on the host (a clear error, one
     synchronisation). A later mask of that kind, a new tensor every step from the data loader, is compared
     where it is with ``torch._assert_async`` (on a GPU a wrong mask stops the run with a device-side
-    assertion at the next synchronisation; on the CPU the same ``NotImplementedError`` at once). The layers of a model share one check, and a mask already
-    checked (the same tensor, not modified since) is not compared again, so a step costs at most one
-    comparison and no synchronisation.
+    assertion at the next synchronisation; on the CPU the same ``NotImplementedError`` at once), :attr:`ROWS` rows
+    at a time against this rank's cached positions, never a second mask-sized tensor. The layers of a model share
+    one check, and a mask already checked (the same tensor, not modified since) is not compared again, so a step
+    costs at most one comparison and no synchronisation.
     """
 
     MESSAGE = (
@@ -64,7 +65,27 @@ class MaskCheck:
 
     def __init__(self) -> None:
         self._kinds: set[tuple] = set()
+        self._rows: dict[tuple, Tensor] = {}
         self._last: tuple[weakref.ref, int] | None = None
+
+    ROWS = 1024
+    """Mask rows compared at once: the comparison holds ``ROWS x seq`` booleans, not the whole mask again."""
+
+    def _matches(self, mask: Tensor, mesh: CPMesh, seq: int) -> Tensor:
+        """A 0-dim boolean on the mask's device: ``mask`` is the causal mask of this rank's zig-zag rows (Megatron's
+        zig-zag over all P CP ranks, also under head-parallel ranks: Note [Head-parallel x mesh]). The expected
+        mask is never built: row ``i`` must hide exactly the keys after its global position ``rows[i]``, compared
+        ``ROWS`` rows at a time."""
+        key = (seq, mesh.size, mesh.rank, mask.device)
+        if key not in self._rows:
+            positions = local_positions(seq, mesh.size, mesh.rank, "zigzag")
+            self._rows[key] = torch.tensor(positions, device=mask.device)
+        rows, keys = self._rows[key], torch.arange(seq, device=mask.device)
+        same = torch.ones((), dtype=torch.bool, device=mask.device)
+        for start in range(0, rows.numel(), self.ROWS):
+            part = rows[start : start + self.ROWS]
+            same &= (mask[..., start : start + self.ROWS, :] == (part[:, None] < keys[None, :])).all()
+        return same
 
     def __call__(self, mask: Tensor, mesh: CPMesh, causal: bool, seq_local: int, batch: int) -> None:
         seq = seq_local * mesh.size
@@ -77,10 +98,7 @@ class MaskCheck:
             raise NotImplementedError(self.MESSAGE)
         if self._last is not None and self._last[0]() is mask and self._last[1] == mask._version:
             return
-        # Megatron's zig-zag over all P CP ranks, also under head-parallel ranks (Note [Head-parallel x mesh]).
-        rows = torch.tensor(local_positions(seq, mesh.size, mesh.rank, "zigzag"), device=mask.device)
-        expected = rows[:, None] < torch.arange(seq, device=mask.device)[None, :]
-        same = (mask == expected).all()
+        same = self._matches(mask, mesh, seq)
         kind = (tuple(mask.shape), mask.device, mask.dtype)
         if kind in self._kinds:
             check_on_device(same, NotImplementedError(self.MESSAGE))
