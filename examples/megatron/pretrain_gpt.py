@@ -310,8 +310,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
     if ckpt_dir is not None and (ckpt_dir / "latest").exists():
         start, resumed = int((ckpt_dir / "latest").read_text()), True
         common = checkpoint.load(ckpt_dir / f"step_{start}", step_fn.model, step_fn.optimizer)
-        consumed = common["consumed_samples"]
-        torch.set_rng_state(common["rng_state"])
+        consumed = common["consumed_samples"]  # each rank's RNG states come back with the checkpoint
         if main_rank:
             print(
                 f"resumed from {ckpt_dir / f'step_{start}'} at step {start} ({consumed} samples consumed), saved in "
@@ -373,10 +372,10 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
 
 def save(directory: Path, step: int, step_fn, common: dict) -> None:
     """A Megatron distributed checkpoint of the model and optimizer in ``directory/step_<step>`` (any layout can
-    load it), with ``common`` and the RNG state; rank 0 then marks the step as the latest."""
+    load it), with ``common`` and every rank's RNG states; rank 0 then marks the step as the latest."""
     from mesh_cp.integrations.megatron import checkpoint
 
-    common = {"step": step, "rng_state": torch.get_rng_state(), **common}
+    common = {"step": step, **common}
     checkpoint.save(directory / f"step_{step}", step_fn.model, step_fn.optimizer, common=common)
     if dist.get_rank() == 0:
         (directory / "latest").write_text(str(step))

@@ -7,26 +7,49 @@
     checkpoint.save(directory, model, optimizer, common={"step": step})   # every rank, collectively
     common = checkpoint.load(directory, model, optimizer)                  # in any TP x CP(a x b) x DP layout
 
+    checkpoint.save(directory, model, optimizer, common=..., async_save=True)  # written in the background
+    checkpoint.finalize_async_saves(blocking=False)                             # every step, every rank
+
+``model`` may be wrapped in Megatron's ``DistributedDataParallel`` (and ``Float16Module``); it is unwrapped
+(:func:`unwrap`) before its ``sharded_state_dict()`` is taken, so the keys are Megatron-LM's, without ``module.``,
+and wrapped and unwrapped models load each other's checkpoints.
+
 The files are Megatron's ``torch_dist`` format (what Megatron-LM's ``--ckpt-format torch_dist`` writes and its
 converters read): the model's ``sharded_state_dict()`` and the optimizer state sharded like the parameters it
 belongs to. Nothing in them depends on CP, the tile or ``heads`` (attention has no parameters, and Megatron gives
 CP and DP ranks replica ids of one parameter), and TP shards are global slices, so a checkpoint loads into any
 layout of the same model.
 
-Note [Distributed checkpoints on CPU]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-megatron-core 0.16.1's ``torch_dist`` save strategy (``TorchDistSaveShardedStrategy``) assumes CUDA in two places
-of its save path, so ``dist_checkpointing.save`` dies on a CPU-only torch with gloo:
+Note [Distributed checkpoints on CPU] in :mod:`mesh_cp.integrations.megatron.checkpoint_cpu` says what runs on
+CPU parameters.
 
-- ``FileSystemWriterAsync.preload_tensors`` is always handed ``non_blocking=True`` and then calls
-  ``torch.cuda.synchronize()`` (needed only after pinned device-to-host copies);
-- ``save_state_dict_async_finalize`` broadcasts its failure flag from ``torch.cuda.current_device()``.
+Note [Fully parallel save and load]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Megatron marks replicas of a tensor with ``replica_id`` and its plain strategies write replica 0 only, so with DP
+(and CP) replicas one rank of each TP/PP position writes everything. :func:`save` wraps the strategy in
+``FullyParallelSaveStrategyWrapper`` over :func:`parallelization_group` (DP x CP, as Megatron-LM's
+``--ckpt-fully-parallel-save``), which spreads the replica-0 role of every shard over that group; :func:`load`
+wraps it in ``FullyParallelLoadStrategyWrapper``: each rank reads a share and the group exchanges them. On CPU
+parameters the load wrapper is :class:`CpuFullyParallelLoadStrategy` (the ``"gather_object"`` exchange, no
+``torch.cuda.synchronize()`` on a torch without CUDA); the save wrapper needs no change.
 
-:class:`CpuTorchDistSaveStrategy` is that strategy with those two callbacks replaced: a blocking preload (no CUDA
-call) and the same finalize (gather the write results, the coordinator writes the metadata, every rank learns of
-any failure) with the flag on the CPU, which gloo takes. Planning, the writer, the files and the metadata are
-Megatron's own; loading needs no change. It is used only when the parameters are on the CPU; on GPUs Megatron's
-default strategy runs as it is.
+Note [Per-rank state]
+~~~~~~~~~~~~~~~~~~~~~
+``common`` is written by rank 0 only, so per-rank values there come back as rank 0's. Every rank's RNG states
+(:func:`get_rng_state`: Python, NumPy, torch CPU, CUDA, Megatron's tensor-parallel tracker) are saved as its own
+``ShardedObject("rng_state", state, grid shape, rank position, replica_id=0)`` over the PP x TP x CP x DP grid
+(:func:`rank_grid`; Megatron-LM keys its ``rng_state`` by (PP, TP) only, but CP and DP ranks draw differently too)
+and restored per rank by :func:`load` when the grid is the same; the grid's shape is kept in common
+(``rng_state_grid``). In another grid no rank has a saved state of its own; they are left as they are (logged).
+
+Note [Asynchronous save]
+~~~~~~~~~~~~~~~~~~~~~~~~
+``save(..., async_save=True)`` plans the save and hands Megatron's ``AsyncRequest`` (``async_sharded_save=True``)
+to an ``AsyncCallsQueue``: a forked process writes the files from a copy of the state taken before :func:`save`
+returns; :func:`finalize_async_saves`, called by every rank, runs the finalization (write results gathered,
+``.metadata`` and ``metadata.json`` written, failures raised on every rank). Megatron's ``TemporalAsyncCaller`` and
+queue call CUDA (``torch.cuda.synchronize()`` and flags on ``torch.cuda.current_device()``); for CPU parameters
+``CpuAsyncCaller`` and ``CpuAsyncCallsQueue`` (:mod:`mesh_cp.integrations.megatron.checkpoint_cpu`) are the same with those on the CPU.
 
 Megatron's ``DistributedOptimizer``/``FP32Optimizer`` assert CUDA, so on the CPU the optimizer is a torch one (the
 example's AdamW). :func:`optimizer_sharded_state_dict` shards its state the way Megatron's own optimizers do
@@ -37,6 +60,8 @@ Megatron optimizer (it has ``sharded_state_dict``) is saved by its own method.
 
 from __future__ import annotations
 
+import logging
+import random
 from pathlib import Path
 from typing import Any
 
@@ -44,53 +69,33 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.async_utils import (
+    AsyncCallsQueue,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+
+from mesh_cp.integrations.megatron.checkpoint_cpu import (
+    CpuAsyncCallsQueue,
+    CpuFullyParallelLoadStrategy,
+    CpuTorchDistSaveStrategy,
+)
 
 _STEP = "step"
-
-
-class CpuTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
-    """Megatron's ``torch_dist`` save strategy without its CUDA calls (Note [Distributed checkpoints on CPU])."""
-
-    def __init__(self) -> None:
-        super().__init__("torch_dist", 1, thread_count=1)
-
-    def _get_save_and_finalize_callbacks(self, writer: FileSystemWriterAsync, save_state_dict_ret: tuple) -> Any:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-
-        save_fn, _, save_args = writer.get_save_function_and_args()
-        storage_writer, global_metadata, dist_wrapper = save_state_dict_ret
-
-        def preload() -> list:
-            return FileSystemWriterAsync.preload_tensors(writer.write_buckets, non_blocking=False)
-
-        def finalize() -> None:
-            _finalize_on_cpu(storage_writer, global_metadata, dist_wrapper)
-
-        return AsyncRequest(save_fn, save_args, [finalize], preload_fn=preload if save_fn is not None else None)
-
-
-def _finalize_on_cpu(storage_writer: FileSystemWriterAsync, global_metadata: Any, dist_wrapper: Any) -> None:
-    """``save_state_dict_async_finalize`` with its failure flag broadcast from the CPU."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.utils import _get_failure_dict
-
-    all_results = dist_wrapper.gather_object(storage_writer.retrieve_write_results())
-    failures = {}
-    if dist_wrapper.is_coordinator:
-        failures = _get_failure_dict(all_results)
-        if not failures:
-            storage_writer.finish(global_metadata, all_results)
-    failed = torch.tensor([int(bool(failures))], dtype=torch.int)
-    dist.broadcast(failed, src=dist_wrapper.coordinator_rank, group=dist_wrapper.group)
-    if failed.item():
-        raise CheckpointException("write", failures)
+_RNG_KEY = "rng_state"
+_RNG_GRID = "rng_state_grid"
+_log = logging.getLogger(__name__)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -134,6 +139,15 @@ def optimizer_sharded_state_dict(
     return state
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` without Megatron's wrappers (``DistributedDataParallel``, its FSDPs, ``Float16Module``): the module
+    whose ``sharded_state_dict()`` has Megatron-LM's keys (``decoder.layers.0...``), as Megatron-LM's
+    ``unwrap_model`` gives it. A model without wrappers is returned as it is."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model)
+
+
 def _sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, loading: bool) -> ShardedStateDict:
     model_sharded = model.sharded_state_dict()
     state = {"model": model_sharded}
@@ -146,32 +160,222 @@ def _on_cpu(model: torch.nn.Module) -> bool:
     return next(model.parameters()).device.type == "cpu"
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Per-rank RNG state (Note [Per-rank state])
+
+
+def rank_grid() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, this rank's position) of the PP x TP x CP x DP grid of Megatron's parallel_state, or ``(world,)``
+    and the rank when parallel_state is not initialized."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return (dist.get_world_size(),), (dist.get_rank(),)
+    shape = (
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_context_parallel_world_size(),
+        ps.get_data_parallel_world_size(),
+    )
+    position = (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_context_parallel_rank(),
+        ps.get_data_parallel_rank(),
+    )
+    return shape, position
+
+
+def _rng_tracker():
+    """Megatron's tensor-parallel RNG tracker if something created it (asking for it would create one)."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if not getattr(tp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
+        return None
+    return tp_random.get_cuda_rng_tracker()
+
+
+def get_rng_state() -> dict[str, Any]:
+    """This rank's RNG states: Python's ``random``, NumPy's global generator, torch's CPU generator, the current
+    CUDA device's generator (when CUDA is initialized) and the states of Megatron's tensor-parallel RNG tracker
+    (when one exists)."""
+    state: dict[str, Any] = {"random": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        pass
+    else:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    tracker = _rng_tracker()
+    if tracker is not None:
+        state["rng_tracker"] = tracker.get_states()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`get_rng_state` returned."""
+    random.setstate(state["random"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state.get("rng_tracker"):
+        from megatron.core.tensor_parallel import random as tp_random
+
+        tp_random.get_cuda_rng_tracker().set_states(state["rng_tracker"])
+
+
+def _rng_object(state: Any, shape: tuple[int, ...], position: tuple[int, ...]):
+    return ShardedObject(_RNG_KEY, state, shape, position, replica_id=0)  # every rank saves its own
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fully parallel save and load (Note [Fully parallel save and load])
+
+
+def parallelization_group() -> dist.ProcessGroup:
+    """The ranks that share the writing and reading of one model replica: Megatron's data-parallel group with the
+    context-parallel ranks (they hold replicas of every parameter too), as Megatron-LM's ``--ckpt-fully-parallel-save``
+    uses; the whole world when parallel_state is not initialized."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return dist.group.WORLD
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def _save_strategy(on_cpu: bool, fully_parallel: bool):
+    base = CpuTorchDistSaveStrategy() if on_cpu else get_default_save_sharded_strategy()
+    group = parallelization_group()
+    if not fully_parallel or dist.get_world_size(group) == 1:
+        return base
+    return FullyParallelSaveStrategyWrapper(base, group)
+
+
+def _load_strategy(directory: Path, on_cpu: bool, fully_parallel: bool):
+    base = get_default_load_sharded_strategy(str(directory))
+    group = parallelization_group()
+    if not fully_parallel or dist.get_world_size(group) == 1:
+        return base
+    if on_cpu:
+        return CpuFullyParallelLoadStrategy(base, group)
+    return FullyParallelLoadStrategyWrapper(base, group)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Asynchronous save (Note [Asynchronous save])
+
+_ASYNC_QUEUES: dict[str, Any] = {}
+
+
+def _async_queue(on_cpu: bool) -> AsyncCallsQueue:
+    kind = "cpu" if on_cpu else "cuda"
+    if kind not in _ASYNC_QUEUES:
+        _ASYNC_QUEUES[kind] = CpuAsyncCallsQueue() if on_cpu else AsyncCallsQueue()
+    return _ASYNC_QUEUES[kind]
+
+
+def finalize_async_saves(blocking: bool = True) -> list[int]:
+    """Finish the asynchronous saves (``save(..., async_save=True)``) that are written: gather every rank's write
+    results, write the checkpoint's metadata (only then is it a checkpoint :func:`load` accepts) and raise on every
+    rank if a rank failed to write. ``blocking``: wait for every pending save; otherwise finish only those every
+    rank has written. Returns the indices :func:`save` returned of the saves finished. Called by every rank."""
+    finalized: list[int] = []
+    for kind in sorted(_ASYNC_QUEUES):
+        finalized += _ASYNC_QUEUES[kind].maybe_finalize_async_calls(blocking=blocking)
+    return finalized
+
+
+def pending_async_saves() -> int:
+    """How many asynchronous saves are not finalized yet."""
+    return sum(q.get_num_unfinalized_calls() for q in _ASYNC_QUEUES.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
 def save(
     directory: str | Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     common: dict[str, Any] | None = None,
-) -> None:
+    *,
+    rng: bool = True,
+    fully_parallel: bool = True,
+    async_save: bool = False,
+) -> int | None:
     """Save ``model`` (and ``optimizer``) into the empty or new folder ``directory``, with ``common`` (plain values
-    every rank agrees on: step, data position, RNG states) under ``"common"``. Called by every rank."""
+    every rank agrees on: step, data position, arguments) under ``"common"``. Called by every rank.
+
+    ``model`` may be wrapped in Megatron's ``DistributedDataParallel`` / ``Float16Module``: the keys are those of
+    the module inside (Megatron-LM's). ``rng``: every rank's RNG states (:func:`get_rng_state`) are saved as its
+    own sharded object (Note [Per-rank state]). ``fully_parallel``: the ranks of :func:`parallelization_group`
+    share the writing (Megatron's ``FullyParallelSaveStrategyWrapper``) instead of DP rank 0 writing everything.
+    ``async_save``: the files are written by a background process; returns the save's index, and the checkpoint
+    exists once :func:`finalize_async_saves` has returned it (Note [Asynchronous save]). The state is taken
+    before this returns, so training may go on at once."""
     directory = Path(directory)
+    model = unwrap(model)
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     state = _sharded(model, optimizer, loading=False)
     state["common"] = dict(common or {})
-    strategy = CpuTorchDistSaveStrategy() if _on_cpu(model) else None
-    dist_checkpointing.save(state, str(directory), sharded_strategy=strategy)
+    if rng:
+        shape, position = rank_grid()
+        state[_RNG_GRID] = list(shape)
+        state[_RNG_KEY] = _rng_object(get_rng_state(), shape, position)
+    on_cpu = _on_cpu(model)
+    strategy = _save_strategy(on_cpu, fully_parallel)
+    if not async_save:
+        dist_checkpointing.save(state, str(directory), sharded_strategy=strategy)
+        return None
+    request = dist_checkpointing.save(state, str(directory), sharded_strategy=strategy, async_sharded_save=True)
+    return _async_queue(on_cpu).schedule_async_request(request)
 
 
 def load(
-    directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    rng: bool = True,
+    fully_parallel: bool = True,
 ) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save` (in any layout of the same model) into ``model`` and
-    ``optimizer``; returns its ``common`` dict. Called by every rank."""
+    """Load a checkpoint written by :func:`save` (in any layout of the same model, wrapped in Megatron's DDP or
+    not) into ``model`` and ``optimizer``; returns its ``common`` dict. Called by every rank.
+
+    ``rng``: every rank's RNG states are restored from its own sharded object when the checkpoint was saved in the
+    same PP x TP x CP x DP grid; in another grid there is no state of this rank to restore, and they are left as
+    they are (logged). ``fully_parallel``: the ranks of :func:`parallelization_group` share the reading and
+    exchange what they read (Megatron's ``FullyParallelLoadStrategyWrapper``)."""
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise CheckpointingException(f"{directory} is not a Megatron distributed checkpoint (no metadata.json)")
-    state = dist_checkpointing.load(_sharded(model, optimizer, loading=True), str(directory))
+    directory = Path(directory)
+    model = unwrap(model)
+    template = _sharded(model, optimizer, loading=True)
+    restore_rng = False
+    if rng:
+        shape, position = rank_grid()
+        saved_grid = dist_checkpointing.load_common_state_dict(str(directory)).get(_RNG_GRID)
+        restore_rng = saved_grid is not None and tuple(saved_grid) == shape
+        if restore_rng:
+            template[_RNG_KEY] = _rng_object(None, shape, position)
+        elif dist.get_rank() == 0:
+            why = "it has none" if saved_grid is None else f"it was saved in grid {tuple(saved_grid)}"
+            _log.warning(
+                "%s: RNG states not restored: %s, this run's PP x TP x CP x DP grid is %s",
+                directory,
+                why,
+                shape,
+            )
+    strategy = _load_strategy(directory, _on_cpu(model), fully_parallel)
+    state = dist_checkpointing.load(template, str(directory), sharded_strategy=strategy)
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optim = state["optimizer"]
@@ -183,4 +387,6 @@ def load(
             for index in range(len(params)):
                 optim["state"][index][_STEP] = torch.tensor(step, dtype=torch.float32)
             optimizer.load_state_dict(optim)
+    if restore_rng:
+        set_rng_state(state[_RNG_KEY])
     return state.get("common", {})
