@@ -1,0 +1,333 @@
+"""Per-rank speed: one rank's work of a ``P``-rank plan on one device, against one kernel call of the same FLOPs.
+
+Training rows. For a ``P``-rank plan (tile :func:`mesh_cp.core.most_square_tile`, zig-zag layout, causal) of
+batch 1, ``L`` tokens per rank and ``H:Hkv`` heads, random Q chunks (``a``) and stacked K, V chunks (``b``) stand
+on the device for the chunks rank 0 gathers (no communication). Forward runs rank 0's blocks as
+:class:`~mesh_cp.runtime.executors.CollectiveExecutor` does: :meth:`AttentionCall.forward_block` and ``merge_``
+into the row accumulators per block; backward runs :meth:`AttentionCall.backward_block` per block with the rows'
+lse and delta from that forward, summing ``dq, dk, dv`` in fp32. The baseline is one call of the same kernel,
+causal over ``n`` tokens with ``n (n + 1) / 2`` closest to rank 0's pairs (``plan.pairs(0)``), timed the same way.
+With ``4 D`` FLOP per query-key pair and head forward and ``2.5`` times that backward (the usual flash
+accounting)::
+
+    TFLOP/s = pairs * B * H * 4 D * 3.5 / (t_forward + t_backward)      fraction = rank's / single call's
+
+Masks: ``causal``, and packed rows of documents drawn uniformly from ``long`` (8K-32K tokens), ``mixed``
+(1K-8K) and ``short`` (256-2K) over ``S = P L`` (seeded; lengths divided by ``--doc-scale``, by default 1 on
+CUDA and 16 on CPU, where ``L`` is 16 times smaller). ``kernel calls`` counts the kernel's forward calls in
+rank 0's forward (masked blocks run tile by tile).
+
+Decode rows: per step, rank 0's part of Tree-Attention decoding of one query over a cache of ``S = P L``
+tokens (:func:`mesh_cp.runtime.decode.local_attention` over its ``L``-token shard, then a ``merge_`` in fp32
+standing for the combine; its all-reduces need a process group and are not timed), against the same
+attention over the whole cache in one process, with the same kernel (one that takes masks).
+
+Times are the best of ``--repeats`` runs after one warm-up, with ``torch.cuda.synchronize()`` around each on CUDA.
+
+    .venv/bin/python scripts/bench_rank.py --device cpu --lengths 256,512 --json rank.json
+    .venv/bin/python scripts/bench_rank.py --device cuda --lengths 2048,8192,32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, make_plan, most_square_tile
+from mesh_cp.core.numerics import acc_dtype, attention_delta, document_ids, merge_
+from mesh_cp.kernels import capabilities_of, get_kernel, not_supported_reasons, resolve_kernel, takes
+from mesh_cp.runtime.call import AttentionCall
+from mesh_cp.runtime.decode import local_attention
+
+MIXES = {"long": (8192, 32768), "mixed": (1024, 8192), "short": (256, 2048)}
+"""Document lengths (tokens) of the packed mixes, before ``--doc-scale``."""
+FWD_BWD = 3.5
+"""Forward + backward FLOPs in units of the forward's ``4 D`` per pair and head."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class CountingKernel:
+    """A block kernel that counts its ``forward`` calls; it declares its inner kernel's capabilities, so an
+    :class:`AttentionCall` hands it the same keywords."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name, self.capabilities, self.calls = inner, inner.name, capabilities_of(inner), 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        return self.inner.backward(*args, **kwargs)
+
+
+def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple[float, object]:
+    """Fewest seconds of ``fn()`` over ``repeats`` runs after one warm-up (robust to other load), and its result."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    result, times = fn(), []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        result = fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times), result
+
+
+def document_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
+    """Lengths drawn uniformly from ``[lo, hi]`` until they fill ``total`` tokens (the last one cut to fit)."""
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < total:
+        lengths.append(min(rng.randint(lo, hi), total - sum(lengths)))
+    return lengths
+
+
+def masks(seq_len: int, scale: int, seed: int) -> dict[str, AttentionMask | None]:
+    out: dict[str, AttentionMask | None] = {"causal": None}
+    for i, (name, (lo, hi)) in enumerate(MIXES.items()):
+        lengths = document_lengths(seq_len, max(1, lo // scale), max(1, hi // scale), seed + i)
+        out[f"packed {name}"] = AttentionMask.from_lengths([lengths])
+    return out
+
+
+def flops(pairs: int, heads: int, head_dim: int) -> float:
+    """Forward + backward FLOPs of ``pairs`` query-key pairs per head (batch 1)."""
+    return pairs * heads * 4 * head_dim * FWD_BWD
+
+
+def rank_row(args, kernel, L: int, heads: int, kv_heads: int, mask_name: str, mask) -> dict:
+    """Time rank 0's blocks forward and backward, and the single call of the same FLOPs."""
+    device, dtype, dim = args.device, args.dtype, args.head_dim
+    a, b = most_square_tile(args.world)
+    shape = AttentionShape(batch=1, seq_local=L, heads=heads, kv_heads=kv_heads, head_dim=dim, itemsize=dtype.itemsize)
+    plan = make_plan(Tiling(args.world, a, b), shape, causal=True, layout="zigzag", schedule="collective", mask=mask)
+    counting = CountingKernel(kernel)
+    doc_ids = None if mask is None else document_ids(mask, 1, plan.seq_len, device)
+    call = AttentionCall(mesh=None, plan=plan, kernel=counting, scale=dim**-0.5, doc_ids=doc_ids)
+    blocks = plan.blocks(0)
+    rows = {x: i for i, x in enumerate(plan.tiling.q_group(0))}
+    cols = {y: j for j, y in enumerate(plan.tiling.kv_group(0))}
+    acc, gen = acc_dtype(dtype), torch.Generator(device).manual_seed(args.seed)
+    q_all = torch.randn((a, 1, L, heads, dim), generator=gen, device=device, dtype=dtype)
+    do_all = torch.randn((a, 1, L, heads, dim), generator=gen, device=device, dtype=dtype)
+    kv_all = torch.randn((b, 2, 1, L, kv_heads, dim), generator=gen, device=device, dtype=dtype)
+
+    def forward():
+        o_acc = torch.zeros((a, 1, L, heads, dim), dtype=acc, device=device)
+        lse_acc = torch.full((a, 1, heads, L), float("-inf"), dtype=acc, device=device)
+        for w in blocks:
+            i, (q0, q1) = rows[w.x], w.q_rows
+            o, lse = call.forward_block(w, q_all[i], kv_all[cols[w.y]])
+            merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
+        return o_acc, lse_acc
+
+    def backward(stats):
+        dq_acc = torch.zeros((a, 1, L, heads, dim), dtype=acc, device=device)
+        dkv_acc = torch.zeros((b, 2, 1, L, kv_heads, dim), dtype=acc, device=device)
+        for w in blocks:
+            i, j, (q0, q1), (k0, k1) = rows[w.x], cols[w.y], w.q_rows, w.kv_rows
+            dq, dk, dv = call.backward_block(w, q_all[i], do_all[i], stats[i], kv_all[j])
+            dq_acc[i, :, q0:q1] += dq
+            dkv_acc[j, 0, :, k0:k1] += dk
+            dkv_acc[j, 1, :, k0:k1] += dv
+        return dq_acc, dkv_acc
+
+    with torch.no_grad():
+        counting.calls = 0
+        o_acc, lse_acc = forward()
+        calls = counting.calls
+        t_fwd, _ = timed(forward, args.repeats, device)
+        delta = torch.stack([attention_delta(do_all[i], o_acc[i]) for i in range(a)])
+        stats = torch.stack((lse_acc, delta), dim=1)  # (a, 2, B, H, L)
+        t_bwd, _ = timed(lambda: backward(stats), args.repeats, device)
+        pairs = plan.pairs(0)
+        single = single_call(args, kernel, heads, kv_heads, pairs)
+    seconds = t_fwd + t_bwd
+    rate = flops(pairs, heads, dim) / seconds / 1e12
+    return {
+        "kind": "train",
+        "L": L,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "mask": mask_name,
+        "tile": f"{a}x{b}",
+        "blocks": len(blocks),
+        "masked_blocks": sum(w.kind is MaskKind.MASKED for w in blocks),
+        "kernel_calls": calls,
+        "plan_kernel_calls": sum(len(plan.tiles(w)) if w.kind is MaskKind.MASKED else 1 for w in blocks),
+        "pairs": pairs,
+        "ms_fwd": t_fwd * 1e3,
+        "ms_bwd": t_bwd * 1e3,
+        "ms": seconds * 1e3,
+        "tflops": rate,
+        **single,
+        "fraction": rate / single["single_tflops"],
+    }
+
+
+def single_call(args, kernel, heads: int, kv_heads: int, pairs: int) -> dict:
+    """One causal call of ``kernel`` over ``n`` tokens, ``n (n + 1) / 2`` closest to ``pairs``, forward + backward."""
+    device, dtype, dim = args.device, args.dtype, args.head_dim
+    n = max(1, round((math.sqrt(8 * pairs + 1) - 1) / 2))
+    gen = torch.Generator(device).manual_seed(args.seed + 1)
+    q, do = (torch.randn((1, n, heads, dim), generator=gen, device=device, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn((1, n, kv_heads, dim), generator=gen, device=device, dtype=dtype) for _ in range(2))
+    scale = dim**-0.5
+    t_fwd, (out, lse) = timed(lambda: kernel.forward(q, k, v, causal=True, scale=scale), args.repeats, device)
+    delta = attention_delta(do, out)
+    t_bwd, _ = timed(lambda: kernel.backward(do, q, k, v, lse, delta, causal=True, scale=scale), args.repeats, device)
+    seconds = t_fwd + t_bwd
+    rate = flops(n * (n + 1) // 2, heads, dim) / seconds / 1e12
+    return {"single_tokens": n, "single_ms": seconds * 1e3, "single_tflops": rate}
+
+
+def decode_kernel(kernel, device: torch.device, dtype: torch.dtype, head_dim: int):
+    """``kernel`` if it takes masks (decoding needs them), else the first of ``cuda_sdpa``, ``reference`` that runs."""
+    if takes(kernel, "mask"):
+        return kernel
+    for name in ("cuda_sdpa", "reference"):
+        if not not_supported_reasons(name, device, dtype, head_dim):
+            return get_kernel(name)
+    raise AssertionError("the reference kernel runs anything")
+
+
+def decode_row(args, kernel, L: int, heads: int, kv_heads: int) -> dict:
+    """One decode step: rank 0's local attention over its ``L``-token shard + merge, against one process."""
+    device, dtype, dim = args.device, args.dtype, args.head_dim
+    context = args.world * L
+    gen = torch.Generator(device).manual_seed(args.seed + 2)
+    q = torch.randn((1, 1, heads, dim), generator=gen, device=device, dtype=dtype)
+    k_all, v_all = (torch.randn((1, context, kv_heads, dim), generator=gen, device=device, dtype=dtype) for _ in "kv")
+    positions = torch.arange(context, device=device)[None]
+    q_pos = torch.full((1, 1), context, device=device)
+    k_shard, v_shard, p_shard = k_all[:, :L], v_all[:, :L], positions[:, :L]
+    scale, acc = dim**-0.5, acc_dtype(dtype)
+
+    def rank_step():
+        out, lse = local_attention(kernel, q, k_shard, v_shard, q_pos, p_shard, scale)
+        o_acc = torch.zeros((1, 1, heads, dim), dtype=acc, device=device)
+        lse_acc = torch.full((1, heads, 1), float("-inf"), dtype=acc, device=device)
+        merge_(o_acc, lse_acc, out, lse)
+        return o_acc
+
+    with torch.no_grad():
+        repeats = max(args.repeats, 20)
+        t_rank, _ = timed(rank_step, repeats, device)
+        t_one, _ = timed(lambda: local_attention(kernel, q, k_all, v_all, q_pos, positions, scale), repeats, device)
+    return {
+        "kind": "decode",
+        "L": L,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "context": context,
+        "rank_ms": t_rank * 1e3,
+        "single_ms": t_one * 1e3,
+        "ratio": t_rank / t_one,
+    }
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    train = [r for r in rows if r["kind"] == "train"]
+    decode = [r for r in rows if r["kind"] == "decode"]
+    lines = [
+        f"P = {meta['world']} (tile {meta['tile']}), {meta['device']}, {meta['dtype']}, head dim {meta['head_dim']}, "
+        f"kernel {meta['kernel']}, threads {meta['threads']}, document lengths / {meta['doc_scale']}, "
+        f"best of {meta['repeats']}",
+        "",
+        "| L | heads | mask | blocks (masked) | kernel calls | fwd ms | bwd ms | TFLOP/s | single call: tokens | "
+        "ms | TFLOP/s | fraction |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in train:
+        lines.append(
+            f"| {r['L']:,} | {r['heads']}:{r['kv_heads']} | {r['mask']} | {r['blocks']} ({r['masked_blocks']}) | "
+            f"{r['kernel_calls']} | {r['ms_fwd']:.2f} | {r['ms_bwd']:.2f} | {r['tflops']:.4g} | "
+            f"{r['single_tokens']:,} | {r['single_ms']:.2f} | {r['single_tflops']:.4g} | {r['fraction']:.2f} |"
+        )
+    lines += [
+        "",
+        f"Decode, one query per step, kernel {meta['decode_kernel']} (rank: local attention + merge; all-reduces not "
+        "timed)",
+        "",
+        "| L | heads | context | rank ms/step | one process ms/step | rank / one process |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in decode:
+        lines.append(
+            f"| {r['L']:,} | {r['heads']}:{r['kv_heads']} | {r['context']:,} | {r['rank_ms']:.3f} | "
+            f"{r['single_ms']:.3f} | {r['ratio']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--lengths", help="tokens per rank L, comma-separated (CPU: 256,512; CUDA: 2048 to 32768)")
+    p.add_argument("--world", type=int, default=16, help="P, ranks of the plan")
+    p.add_argument("--heads", type=int, help="query heads (CUDA 32, CPU 8); GQA rows use heads / 4 K/V heads")
+    p.add_argument("--head-dim", type=int, help="CUDA 128, CPU 64")
+    p.add_argument("--dtype", choices=tuple(DTYPES), help="CUDA bf16, CPU fp32")
+    p.add_argument("--kernel", default="auto", help="block kernel name or auto")
+    p.add_argument("--doc-scale", type=int, help="divide the document lengths by this (CUDA 1, CPU 16)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's)")
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--quick", action="store_true", help="smoke: L = 128, 4 heads, 3 repeats")
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    if args.quick:
+        args.lengths, args.heads, args.repeats = args.lengths or "128", args.heads or 4, 3
+    args.lengths = [int(x) for x in (args.lengths or ("2048,4096,8192,16384,32768" if cuda else "256,512")).split(",")]
+    args.heads = args.heads or (32 if cuda else 8)
+    args.head_dim = args.head_dim or (128 if cuda else 64)
+    args.dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
+    args.doc_scale = args.doc_scale or (1 if cuda else 16)
+    args.device = torch.device(args.device)
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernel = resolve_kernel(args.kernel, args.device, args.dtype, args.head_dim)
+    dec_kernel = decode_kernel(kernel, args.device, args.dtype, args.head_dim)
+    heads = [(args.heads, args.heads), (args.heads, max(1, args.heads // 4))]
+    rows = []
+    for L in args.lengths:
+        for h, hkv in heads:
+            for name, mask in masks(args.world * L, args.doc_scale, args.seed).items():
+                rows.append(rank_row(args, kernel, L, h, hkv, name, mask))
+        for h, hkv in heads:
+            rows.append(decode_row(args, dec_kernel, L, h, hkv))
+    a, b = most_square_tile(args.world)
+    meta = {
+        "device": torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "dtype": str(args.dtype).removeprefix("torch."),
+        "world": args.world,
+        "tile": f"{a}x{b}",
+        "head_dim": args.head_dim,
+        "kernel": kernel.name,
+        "decode_kernel": dec_kernel.name,
+        "doc_scale": args.doc_scale,
+        "repeats": args.repeats,
+        "seed": args.seed,
+    }
+    print(markdown(meta, rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
