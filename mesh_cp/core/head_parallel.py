@@ -65,19 +65,22 @@ def head_parallel_unavailable(
     u = head_parallel
     if isinstance(u, bool) or not isinstance(u, int) or u < 1:
         return f"head_parallel (the head-parallel degree u) must be a positive int, got {u!r}; 1 is the plain mesh"
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
     if world % u:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
         return f"head_parallel={u} does not divide the CP group size P={world}; choose one of {divisors}"
-    if shape is None:
-        return None
-    choices = f"choose head_parallel among {list(valid_head_parallel(world, shape))}"
-    if shape.heads % u:
-        return f"head_parallel={u} does not divide the {shape.heads} query heads; {choices}"
+    reason = None if shape is None else _heads_unavailable(u, shape)
+    return None if reason is None else f"{reason}; choose head_parallel among {list(valid_head_parallel(world, shape))}"
+
+
+def _heads_unavailable(u: int, shape: AttentionShape | HeadCounts) -> str | None:
+    """Why ``u`` cannot split the query heads of ``shape`` and split or repeat its K/V heads (no fix named)."""
     kv = shape.kv_heads
+    if shape.heads % u:
+        return f"head_parallel={u} does not divide the {shape.heads} query heads"
     if kv % u and u % kv:
         return (
             f"head_parallel={u} and the {kv} K/V heads must divide one another (K/V heads are split when "
-            f"u | kv_heads, repeated when kv_heads | u); {choices}"
+            f"u | kv_heads, repeated when kv_heads | u)"
         )
     return None
 
@@ -91,12 +94,9 @@ def check_head_parallel(world: int, head_parallel: object, shape: AttentionShape
 
 
 def valid_head_parallel(world: int, shape: AttentionShape | HeadCounts) -> tuple[int, ...]:
-    """Every head-parallel degree ``u`` that can run ``shape`` on ``world`` ranks: ``u | P``, ``u | heads``, and
-    ``u`` and ``kv_heads`` dividing one another."""
-    kv = shape.kv_heads
-    return tuple(
-        u for u in range(1, world + 1) if world % u == 0 and shape.heads % u == 0 and (kv % u == 0 or u % kv == 0)
-    )
+    """Every head-parallel degree ``u`` that can run ``shape`` on ``world`` ranks: ``u | P``, ``u | heads``, and ``u``
+    and ``kv_heads`` dividing one another (the checks of :func:`head_parallel_unavailable`)."""
+    return tuple(u for u in range(1, world + 1) if world % u == 0 and _heads_unavailable(u, shape) is None)
 
 
 def mesh_shape(head_parallel: int, shape: AttentionShape) -> AttentionShape:
