@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from mesh_cp.core import AttentionShape, Tiling, check_head_parallel
-from mesh_cp.core.options import refuse_renamed
+from mesh_cp.core.options import refuse_keywords
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.sim import Topology, choose, link_cost
 
@@ -44,9 +44,7 @@ def auto_mesh(
     with an explicit tile, which then tiles the ``P / head_parallel`` ranks of a mesh group. Any tile gets the
     overlapped schedule's move order from the two rings' link speeds on ``topology`` (:func:`mesh_cp.sim.link_cost`).
     """
-    refuse_renamed(renamed, where="auto_mesh")
-    if renamed:
-        raise TypeError(f"auto_mesh() got an unexpected keyword argument {next(iter(renamed))!r}")
+    refuse_keywords(renamed, where="auto_mesh")
     if topology is None or (tile == "auto" and shape is None):
         raise ValueError(_NEEDS)
     if isinstance(topology, str):

@@ -12,7 +12,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mesh_cp.core import AttentionShape, Tiling
-from mesh_cp.core.options import refuse_renamed
+from mesh_cp.core.options import refuse_keywords, refuse_renamed
 from mesh_cp.integrations.megatron.attention import MeshCoreAttention, MeshProvider
 from mesh_cp.integrations.megatron.mesh import build_mesh
 from mesh_cp.runtime.mesh import CPMesh
@@ -90,11 +90,7 @@ class MeshLayout:
         group (collective over every CP group at once); arguments as for :func:`build_mesh` (``head_parallel >
         1``: the head-parallel x mesh hybrid on Megatron's own layout, Note [Head-parallel x mesh]). The former
         keyword ``heads`` is refused, naming ``head_parallel``."""
-        refuse_renamed(refused, where="MeshLayout.from_parallel_state")
-        if refused:
-            raise TypeError(
-                f"MeshLayout.from_parallel_state() got an unexpected keyword argument {next(iter(refused))!r}"
-            )
+        refuse_keywords(refused, where="MeshLayout.from_parallel_state")
         if not parallel_state.model_parallel_is_initialized():
             raise ValueError("call megatron.core.parallel_state.initialize_model_parallel(...) first")
         mesh = build_mesh(
@@ -124,22 +120,10 @@ class MeshLayout:
         return self.mesh.tiling
 
     def __str__(self) -> str:
-        mesh = self.mesh
-        a, b = mesh.tile
-        u, i = mesh.head_parallel, mesh.rank % mesh.head_parallel
         pp = f"-PP({self.pp})" if self.pp > 1 else ""
-        # Mesh rank g of this rank's mesh group (i) is CP rank g * u + i (Note [Head-parallel x mesh plan]).
-        q = [mesh.global_ranks[g * u + i] for g in mesh.tiling.q_group(mesh.mesh_rank)]
-        kv = [mesh.global_ranks[g * u + i] for g in mesh.tiling.kv_group(mesh.mesh_rank)]
         node = f", {self.ranks_per_node} ranks per node" if self.ranks_per_node else ""
-        if u == 1:
-            return f"TP({self.tp})-CP({a}x{b})-DP({self.dp}){pp} rank {self.rank}: Q-group {q}, KV-group {kv}{node}"
-        start = mesh.rank - i
-        heads = list(mesh.global_ranks[start : start + u])
-        return (
-            f"TP({self.tp})-CP(head_parallel {u} x {a}x{b})-DP({self.dp}){pp} rank {self.rank}: head group "
-            f"{heads}, Q-group {q}, KV-group {kv}{node}"
-        )
+        layout = f"TP({self.tp})-CP({self.mesh.layout_name})-DP({self.dp}){pp}"
+        return f"{layout} rank {self.rank}: {self.mesh.describe_groups()}{node}"
 
 
 def _default_spec(**options) -> ModuleSpec:

@@ -72,3 +72,11 @@ def refuse_renamed(options: dict, *, where: str) -> None:
             f"{where}: {name!r} was renamed {RENAMED[name]!r} (the head-parallel degree u; 'heads' counts query "
             f"heads only); pass {RENAMED[name]}={options[name]!r}"
         )
+
+
+def refuse_keywords(keywords: dict, *, where: str) -> None:
+    """Refuse the keywords a function with a ``**keywords`` catch-all did not take: a former spelling by name
+    (:func:`refuse_renamed`), any other as Python does (``TypeError``, ``where`` naming the function)."""
+    refuse_renamed(keywords, where=where)
+    if keywords:
+        raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(keywords))!r}")

@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 
 from mesh_cp.core.head_parallel import check_head_parallel, head_group_ranks, mesh_group_ranks
 from mesh_cp.core.layout import check_layout, chunk_ranges
-from mesh_cp.core.options import Layout, refuse_renamed
+from mesh_cp.core.options import Layout, refuse_keywords, refuse_renamed
 from mesh_cp.core.tiling import Tiling
 from mesh_cp.runtime.check import check_same
 from mesh_cp.runtime.groups import group_timeout, new_subgroups
@@ -229,19 +229,26 @@ class CPMesh:
     def __deepcopy__(self, memo: dict) -> CPMesh:
         return self
 
-    def __str__(self) -> str:
-        a, b = self.tile
+    @property
+    def layout_name(self) -> str:
+        """``"2x2"``, or ``"head_parallel 2 x 2x2"`` with head groups."""
+        tile = f"{self.tiling.a}x{self.tiling.b}"
+        return tile if self.head_parallel == 1 else f"head_parallel {self.head_parallel} x {tile}"
+
+    def describe_groups(self) -> str:
+        """This rank's groups in global ranks: ``"head group [..], Q-group [..], KV-group [..]"`` (no head group for
+        ``head_parallel = 1``)."""
         mesh = [self.global_ranks[r] for r in mesh_group_ranks(self.size, self.head_parallel, self.rank)]
         q = [mesh[g] for g in self.tiling.q_group(self.mesh_rank)]
         kv = [mesh[g] for g in self.tiling.kv_group(self.mesh_rank)]
-        text = f"CP({a}x{b}) rank {self.rank}: Q-group {q}, KV-group {kv}"
+        text = f"Q-group {q}, KV-group {kv}"
         if self.head_parallel == 1:
             return text
         heads = [self.global_ranks[r] for r in head_group_ranks(self.size, self.head_parallel, self.rank)]
-        return (
-            f"CP(head_parallel {self.head_parallel} x {a}x{b}) rank {self.rank}: head group {heads}, "
-            + text[text.index("Q-group") :]
-        )
+        return f"head group {heads}, {text}"
+
+    def __str__(self) -> str:
+        return f"CP({self.layout_name}) rank {self.rank}: {self.describe_groups()}"
 
 
 def _refuse(refused: dict, where: str) -> None:
@@ -250,8 +257,7 @@ def _refuse(refused: dict, where: str) -> None:
     auto = [name for name in ("topology", "shape", "memory_budget") if name in refused]
     if auto:
         raise ValueError(f"{where} got {auto[0]}=: {_AUTO}")
-    if refused:
-        raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(refused))!r}")
+    refuse_keywords(refused, where=where)
 
 
 def _check_cp_group(group: ProcessGroup) -> None:

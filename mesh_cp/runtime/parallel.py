@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mesh_cp.core.options import refuse_renamed
+from mesh_cp.core.options import refuse_keywords
 from mesh_cp.runtime.gradients import BUCKET_BYTES, all_reduce_gradients
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
@@ -57,9 +57,7 @@ class DataContextParallel:
         replica's mesh: ``CPMesh.create(cp_group, tile=tile, head_parallel=head_parallel, timeout=timeout,
         debug=debug)``, or ``mesh(cp_group)`` when given (for example ``lambda g: mesh_cp.auto_mesh(g,
         topology="h100", shape=shape)``, the layout the cost model chooses)."""
-        refuse_renamed(refused, where="DataContextParallel.create")
-        if refused:
-            raise TypeError(f"DataContextParallel.create() got an unexpected keyword argument {next(iter(refused))!r}")
+        refuse_keywords(refused, where="DataContextParallel.create")
         if group is None:
             if not dist.is_initialized():  # dist.group.WORLD is None until then
                 raise ValueError(
