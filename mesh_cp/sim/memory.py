@@ -25,10 +25,10 @@ def peak_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Bac
     gradients, transfer buffers — plus one block's kernel outputs and temporaries. The overlapped schedule frees
     a chunk after its last use, so its peak follows its path; the collective schedule holds every gathered chunk
     and the reduce buffers together, and on ``backend="gloo"`` a flat copy of each all-gather's output while it
-    runs. With ``head_parallel > 1``, plus the head-layout copy of every tensor the head exchange moves *in*
-    (forward q, k, v; backward dO and, when the call returns the lse, its gradient): they are held while the mesh
-    computes. What it moves *out* (out and lse; dq, dk, dv) is exchanged after the mesh has freed its buffers and
-    stays below the mesh's peak (measured within the tolerance of tests/runtime/test_memory.py).
+    runs. With ``head_parallel > 1``, plus the head-layout copies the head exchange holds at its peak: forward
+    all it moves (q, k, v, held while the mesh computes, and out and lse, exchanged while they are still held);
+    backward what it moves *in* (dO and the lse's gradient): dq, dk, dv are exchanged after the mesh has freed its
+    buffers and stay below the mesh's peak (measured within the tolerance of tests/runtime/test_memory.py).
     """
     check_option("phase", phase)
     if backend not in BACKENDS:
@@ -37,11 +37,11 @@ def peak_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Bac
         mesh = _collective_peak(plan, phase, rank, staged=backend == "gloo")
     else:
         mesh = _overlap_peak(plan, phase, rank)
-    return mesh + sum(t.piece_bytes * t.group_size for t in plan.all_to_alls(phase) if t.what in EXCHANGED_IN)
+    return mesh + sum(t.piece_bytes * t.group_size for t in plan.all_to_alls(phase) if t.what in HELD)
 
 
-EXCHANGED_IN = ("q", "k", "v", "dout", "dlse")
-"""The head exchange's tensors that are held while the mesh computes (:func:`peak_bytes`)."""
+HELD = ("q", "k", "v", "out", "lse", "dout", "dlse")
+"""The head exchange's tensors whose head-layout copies count in the peak (:func:`peak_bytes`)."""
 
 
 def _kernel_bytes(plan: AttentionPlan, w: BlockWork | None, phase: Phase) -> int:

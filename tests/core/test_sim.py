@@ -266,8 +266,7 @@ def test_memory_budget_excludes_tiles() -> None:
 @pytest.mark.parametrize("schedule", ["overlap", "collective"])
 def test_memory_of_every_candidate_is_the_peak_of_its_plan(schedule: str) -> None:
     """The prediction's memory is :func:`peak_bytes` of the plan, for every ``(u, a x b)``: with ``u > 1`` the mesh's
-    peak on the mesh shape plus the head-layout copy of each tensor the exchange moves in (held while the mesh
-    computes)."""
+    peak on the mesh shape plus the head-layout copies the exchange holds (forward all it moves, backward dO)."""
     topology, s = topo(rpn=4), shape(heads=8, kv_heads=2)
     results = simulate_candidates(16, s, topology, schedule=schedule)
     assert {u for u, _ in results} == {1, 2, 4, 8}
@@ -275,7 +274,7 @@ def test_memory_of_every_candidate_is_the_peak_of_its_plan(schedule: str) -> Non
         plan = plan_for_topology(u, tiling, s, topology, schedule=schedule)
         assert result.memory == max(peak_bytes(plan, phase) for phase in PHASES)
         copies = {
-            phase: sum(t.piece_bytes * u for t in plan.all_to_alls(phase) if t.what in ("q", "k", "v", "dout"))
+            phase: sum(t.piece_bytes * u for t in plan.all_to_alls(phase) if t.what in ("q", "k", "v", "out", "dout"))
             for phase in PHASES
         }
         mesh_only = dataclasses.replace(plan, shape=plan.mesh_shape, head_parallel=1)
@@ -384,7 +383,7 @@ def test_the_mesh_of_a_head_parallel_plan_is_a_plain_mesh_on_its_shape(schedule:
             assert got.a2a.inter == 0 and got.a2a.total == plan.bytes_sent(phase, group="heads") > 0
             assert (got.mesh, got.compute) == (want.traffic, want.compute)
             assert got.time == pytest.approx(got.a2a_time + want.time)
-            held = ("q", "k", "v") if phase == "forward" else ("dout",)  # the exchange's inputs (Note in memory.py)
+            held = ("q", "k", "v", "out") if phase == "forward" else ("dout",)  # sim/memory.py: peak_bytes
             copies = sum(t.piece_bytes * 2 for t in plan.all_to_alls(phase) if t.what in held)
             assert got.memory == want.memory + copies
 
