@@ -2,10 +2,11 @@
 
 Training rows. For a ``P``-rank plan (tile :func:`mesh_cp.core.most_square_tile`, zig-zag layout, causal) of
 batch 1, ``L`` tokens per rank and ``H:Hkv`` heads, random Q chunks (``a``) and stacked K, V chunks (``b``) stand
-on the device for the chunks rank 0 gathers (no communication). Forward runs rank 0's blocks as
-:class:`~mesh_cp.runtime.executors.CollectiveExecutor` does: :meth:`AttentionCall.forward_block` and ``merge_``
-into the row accumulators per block; backward runs :meth:`AttentionCall.backward_block` per block with the rows'
-lse and delta from that forward, summing ``dq, dk, dv`` in fp32. The baseline is one call of the same kernel,
+on the device for the chunks rank 0 gathers (no communication). Forward and backward run rank 0's kernel calls
+with the code :class:`~mesh_cp.runtime.executors.CollectiveExecutor` runs between its collectives
+(:func:`~mesh_cp.runtime.executors.forward_blocks`, :func:`~mesh_cp.runtime.executors.backward_blocks`: the unmasked
+blocks of a Q chunk as one call, Note [One call per Q chunk]), backward with the rows' lse and delta from that
+forward. The baseline is one call of the same kernel,
 causal over ``n`` tokens with ``n (n + 1) / 2`` closest to rank 0's pairs (``plan.pairs(0)``), timed the same way.
 With ``4 D`` FLOP per query-key pair and head forward and ``2.5`` times that backward (the usual flash
 accounting)::
@@ -15,12 +16,13 @@ accounting)::
 Masks: ``causal``, and packed rows of documents drawn uniformly from ``long`` (8K-32K tokens), ``mixed``
 (1K-8K) and ``short`` (256-2K) over ``S = P L`` (seeded; lengths divided by ``--doc-scale``, by default 1 on
 CUDA and 16 on CPU, where ``L`` is 16 times smaller). ``kernel calls`` counts the kernel's forward calls in
-rank 0's forward (masked blocks run tile by tile).
+rank 0's forward (masked blocks run tile by tile, or run by run on kernels that take ``segments``).
 
 Decode rows: per step, rank 0's part of Tree-Attention decoding of one query over a cache of ``S = P L``
 tokens (:func:`mesh_cp.runtime.decode.local_attention` over its ``L``-token shard, then a ``merge_`` in fp32
-standing for the combine; its all-reduces need a process group and are not timed), against the same
-attention over the whole cache in one process, with the same kernel (one that takes masks).
+standing for the combine; its all-gather needs a process group and is not timed), against the same
+attention over the whole cache in one process, both the decode step of Note [Decode local step] (in the cache's
+dtype, no fp32 copy of it).
 
 Times are the best of ``--repeats`` runs after one warm-up, with ``torch.cuda.synchronize()`` around each on CUDA.
 
@@ -41,9 +43,10 @@ import torch
 
 from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, make_plan, most_square_tile
 from mesh_cp.core.numerics import acc_dtype, attention_delta, document_ids, merge_
-from mesh_cp.kernels import capabilities_of, get_kernel, not_supported_reasons, resolve_kernel, takes
+from mesh_cp.kernels import capabilities_of, resolve_kernel
 from mesh_cp.runtime.call import AttentionCall
 from mesh_cp.runtime.decode import local_attention
+from mesh_cp.runtime.executors import backward_blocks, forward_blocks
 
 MIXES = {"long": (8192, 32768), "mixed": (1024, 8192), "short": (256, 2048)}
 """Document lengths (tokens) of the packed mixes, before ``--doc-scale``."""
@@ -111,32 +114,16 @@ def rank_row(args, kernel, L: int, heads: int, kv_heads: int, mask_name: str, ma
     doc_ids = None if mask is None else document_ids(mask, 1, plan.seq_len, device)
     call = AttentionCall(mesh=None, plan=plan, kernel=counting, scale=dim**-0.5, doc_ids=doc_ids)
     blocks = plan.blocks(0)
-    rows = {x: i for i, x in enumerate(plan.tiling.q_group(0))}
-    cols = {y: j for j, y in enumerate(plan.tiling.kv_group(0))}
-    acc, gen = acc_dtype(dtype), torch.Generator(device).manual_seed(args.seed)
+    gen = torch.Generator(device).manual_seed(args.seed)
     q_all = torch.randn((a, 1, L, heads, dim), generator=gen, device=device, dtype=dtype)
     do_all = torch.randn((a, 1, L, heads, dim), generator=gen, device=device, dtype=dtype)
     kv_all = torch.randn((b, 2, 1, L, kv_heads, dim), generator=gen, device=device, dtype=dtype)
 
     def forward():
-        o_acc = torch.zeros((a, 1, L, heads, dim), dtype=acc, device=device)
-        lse_acc = torch.full((a, 1, heads, L), float("-inf"), dtype=acc, device=device)
-        for w in blocks:
-            i, (q0, q1) = rows[w.x], w.q_rows
-            o, lse = call.forward_block(w, q_all[i], kv_all[cols[w.y]])
-            merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
-        return o_acc, lse_acc
+        return forward_blocks(call, 0, q_all, kv_all)
 
     def backward(stats):
-        dq_acc = torch.zeros((a, 1, L, heads, dim), dtype=acc, device=device)
-        dkv_acc = torch.zeros((b, 2, 1, L, kv_heads, dim), dtype=acc, device=device)
-        for w in blocks:
-            i, j, (q0, q1), (k0, k1) = rows[w.x], cols[w.y], w.q_rows, w.kv_rows
-            dq, dk, dv = call.backward_block(w, q_all[i], do_all[i], stats[i], kv_all[j])
-            dq_acc[i, :, q0:q1] += dq
-            dkv_acc[j, 0, :, k0:k1] += dk
-            dkv_acc[j, 1, :, k0:k1] += dv
-        return dq_acc, dkv_acc
+        return backward_blocks(call, 0, q_all, do_all, stats, kv_all)
 
     with torch.no_grad():
         counting.calls = 0
@@ -161,6 +148,7 @@ def rank_row(args, kernel, L: int, heads: int, kv_heads: int, mask_name: str, ma
         "masked_blocks": sum(w.kind is MaskKind.MASKED for w in blocks),
         "kernel_calls": calls,
         "plan_kernel_calls": sum(len(plan.tiles(w)) if w.kind is MaskKind.MASKED else 1 for w in blocks),
+        "units": len(call.units(0)),
         "pairs": pairs,
         "ms_fwd": t_fwd * 1e3,
         "ms_bwd": t_bwd * 1e3,
@@ -187,17 +175,7 @@ def single_call(args, kernel, heads: int, kv_heads: int, pairs: int) -> dict:
     return {"single_tokens": n, "single_ms": seconds * 1e3, "single_tflops": rate}
 
 
-def decode_kernel(kernel, device: torch.device, dtype: torch.dtype, head_dim: int):
-    """``kernel`` if it takes masks (decoding needs them), else the first of ``cuda_sdpa``, ``reference`` that runs."""
-    if takes(kernel, "mask"):
-        return kernel
-    for name in ("cuda_sdpa", "reference"):
-        if not not_supported_reasons(name, device, dtype, head_dim):
-            return get_kernel(name)
-    raise AssertionError("the reference kernel runs anything")
-
-
-def decode_row(args, kernel, L: int, heads: int, kv_heads: int) -> dict:
+def decode_row(args, L: int, heads: int, kv_heads: int) -> dict:
     """One decode step: rank 0's local attention over its ``L``-token shard + merge, against one process."""
     device, dtype, dim = args.device, args.dtype, args.head_dim
     context = args.world * L
@@ -210,7 +188,7 @@ def decode_row(args, kernel, L: int, heads: int, kv_heads: int) -> dict:
     scale, acc = dim**-0.5, acc_dtype(dtype)
 
     def rank_step():
-        out, lse = local_attention(kernel, q, k_shard, v_shard, q_pos, p_shard, scale)
+        out, lse = local_attention(None, q, k_shard, v_shard, q_pos, p_shard, scale)
         o_acc = torch.zeros((1, 1, heads, dim), dtype=acc, device=device)
         lse_acc = torch.full((1, heads, 1), float("-inf"), dtype=acc, device=device)
         merge_(o_acc, lse_acc, out, lse)
@@ -219,7 +197,7 @@ def decode_row(args, kernel, L: int, heads: int, kv_heads: int) -> dict:
     with torch.no_grad():
         repeats = max(args.repeats, 20)
         t_rank, _ = timed(rank_step, repeats, device)
-        t_one, _ = timed(lambda: local_attention(kernel, q, k_all, v_all, q_pos, positions, scale), repeats, device)
+        t_one, _ = timed(lambda: local_attention(None, q, k_all, v_all, q_pos, positions, scale), repeats, device)
     return {
         "kind": "decode",
         "L": L,
@@ -252,7 +230,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         )
     lines += [
         "",
-        f"Decode, one query per step, kernel {meta['decode_kernel']} (rank: local attention + merge; all-reduces not "
+        f"Decode, one query per step, {meta['decode_kernel']} (rank: local attention + merge; all-gather not "
         "timed)",
         "",
         "| L | heads | context | rank ms/step | one process ms/step | rank / one process |",
@@ -299,7 +277,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     kernel = resolve_kernel(args.kernel, args.device, args.dtype, args.head_dim)
-    dec_kernel = decode_kernel(kernel, args.device, args.dtype, args.head_dim)
     heads = [(args.heads, args.heads), (args.heads, max(1, args.heads // 4))]
     rows = []
     for L in args.lengths:
@@ -307,7 +284,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for name, mask in masks(args.world * L, args.doc_scale, args.seed).items():
                 rows.append(rank_row(args, kernel, L, h, hkv, name, mask))
         for h, hkv in heads:
-            rows.append(decode_row(args, dec_kernel, L, h, hkv))
+            rows.append(decode_row(args, L, h, hkv))
     a, b = most_square_tile(args.world)
     meta = {
         "device": torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu",
@@ -317,7 +294,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "tile": f"{a}x{b}",
         "head_dim": args.head_dim,
         "kernel": kernel.name,
-        "decode_kernel": dec_kernel.name,
+        "decode_kernel": "decode_step",
         "doc_scale": args.doc_scale,
         "repeats": args.repeats,
         "seed": args.seed,

@@ -90,3 +90,92 @@ def block_work(x: int, y: int, *, causal: bool, layout: Layout, seq_local: int) 
         return None
     q_rows, kv_rows = rows[kind]
     return BlockWork(x=x, y=y, kind=kind, q_rows=q_rows, kv_rows=kv_rows)
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows ``q_rows`` of a Q chunk that see the same keys: the pieces ``keys`` (``(y, kv_rows)`` of KV chunks),
+    laid end to end in that order. With ``causal_tail`` the last piece is the chunk's own diagonal, ending at
+    ``q_rows[1]``: causal anchored at the bottom-right corner (query ``i`` of the group sees every key of the
+    other pieces and the tail's keys up to its own position)."""
+
+    q_rows: tuple[int, int]
+    keys: tuple[tuple[int, tuple[int, int]], ...]
+    causal_tail: bool
+
+    @property
+    def key_count(self) -> int:
+        return sum(k1 - k0 for _, (k0, k1) in self.keys)
+
+
+@dataclass(frozen=True)
+class ChunkCall:
+    """The unmasked blocks of one Q chunk run as one kernel call over their keys laid end to end (Note [One call
+    per Q chunk])."""
+
+    x: int
+    groups: tuple[RowGroup, ...]
+    """Disjoint, sorted row ranges of the Q chunk with their keys."""
+    blocks: tuple[BlockWork, ...]
+    """The blocks the call computes."""
+
+    @property
+    def q_rows(self) -> tuple[int, int]:
+        """The rows from the first group's start to the last one's end (rows in no group attend nothing)."""
+        return self.groups[0].q_rows[0], self.groups[-1].q_rows[1]
+
+    @property
+    def key_count(self) -> int:
+        """Rows of the keys laid end to end (a piece seen by two groups counts twice)."""
+        return sum(g.key_count for g in self.groups)
+
+
+def chunk_calls(blocks: tuple[BlockWork, ...]) -> tuple[BlockWork | ChunkCall, ...]:
+    """``blocks`` (one rank's) with the unmasked blocks of every Q chunk that has two or more as one
+    :class:`ChunkCall`, in the order of the chunk's first block; ``MASKED`` blocks stay single.
+
+    Note [One call per Q chunk]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    The blocks of a Q chunk that the collective schedule holds together are one call over their keys laid end
+    to end, so the kernel merges them in its own loop and the outputs need no LSE merge and the backward's
+    ``rowsum(dO * O)`` construction runs once per chunk. The rows are cut where a block's row range starts or
+    stops (a zig-zag chunk: its two halves); each cut is a :class:`RowGroup` with the keys of every block that
+    covers it. A causal diagonal restricted to rows ``[s0, s1)`` is the keys ``[k0, s1)`` causal from the
+    bottom-right corner (flash-attn's alignment when ``Sq < Sk``), so it goes last: in a zig-zag chunk the first
+    half sees the earlier chunks' first halves then its own first half causally, the second half sees those,
+    the later chunks and then its own chunk, causally at the end. A kernel that takes ``segments`` runs the
+    groups as varlen sequences of one call (a segment with window ``(-1, 0)`` is that bottom-right causal);
+    another runs each group as one call, its diagonal as a second call merged in.
+    """
+    by_x: dict[int, list[BlockWork]] = {}
+    for w in blocks:
+        if w.kind is not MaskKind.MASKED:
+            by_x.setdefault(w.x, []).append(w)
+    out: list[BlockWork | ChunkCall] = []
+    done: set[int] = set()
+    for w in blocks:
+        group = by_x.get(w.x, [])
+        if w.kind is MaskKind.MASKED or len(group) < 2:
+            out.append(w)
+        elif w.x not in done:
+            done.add(w.x)
+            out.append(ChunkCall(x=w.x, groups=_row_groups(group), blocks=tuple(group)))
+    return tuple(out)
+
+
+def _row_groups(blocks: list[BlockWork]) -> tuple[RowGroup, ...]:
+    cuts = sorted({r for w in blocks for r in w.q_rows})
+    groups = []
+    for s0, s1 in zip(cuts, cuts[1:], strict=False):
+        pieces, tail = [], None
+        for w in sorted(blocks, key=lambda b: b.y):
+            if w.q_rows[0] <= s0 and s1 <= w.q_rows[1]:
+                if w.causal:
+                    tail = (w.y, (w.kv_rows[0], s1))
+                else:
+                    pieces.append((w.y, w.kv_rows))
+        if tail is not None:
+            pieces.append(tail)
+        if pieces:
+            groups.append(RowGroup(q_rows=(s0, s1), keys=tuple(pieces), causal_tail=tail is not None))
+    return tuple(groups)

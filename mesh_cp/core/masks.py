@@ -212,12 +212,15 @@ def block_tiles(
     world: int,
     layout: Layout,
     causal: bool,
+    size: int | None = None,
 ) -> tuple[Tile, ...]:
     """The kernel calls of a ``MASKED`` block of Q chunk ``q[0]`` (local rows ``q[1]``) against KV chunk ``k[0]``
-    (rows ``k[1]``): rows and columns cut into tiles of :data:`TILE`, the tiles the mask empties (in every batch
-    row) left out, the others ``"full"`` (no mask), ``"causal"`` (the usual top-left causal square) or
+    (rows ``k[1]``): rows and columns cut into tiles of ``size`` rows (default :data:`TILE`; ``0``: no cut but the
+    runs of consecutive global positions, for kernels that take ``segments``), the tiles the mask empties (in every
+    batch row) left out, the others ``"full"`` (no mask), ``"causal"`` (the usual top-left causal square) or
     ``"masked"`` (an explicit mask). Ranges are local rows of the chunks (Note [Masked blocks])."""
-    return _block_tiles(mask, q, k, seq_len, world, layout, causal, TILE)
+    size = TILE if size is None else size or seq_len
+    return _block_tiles(mask, q, k, seq_len, world, layout, causal, size)
 
 
 def _runs(seq_len: int, world: int, chunk: int, layout: Layout, local: Range, size: int) -> list[Range]:

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from mesh_cp.core.blocks import BlockWork, MaskKind, block_work
+from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, block_work, chunk_calls
 from mesh_cp.core.head_parallel import check_head_parallel, mesh_shape
 from mesh_cp.core.masks import NO_MASK, AttentionMask, Tile, block_tiles, rectangle_pairs, tile_segments
 from mesh_cp.core.options import Backward, Layout, Phase, Schedule, check_option, positive_or_none
@@ -116,6 +116,17 @@ class AttentionPlan:
         todo = [w for w in work if w is not None]
         return tuple(sorted(todo, key=lambda w: (w.x, w.y) != (rank, rank)))
 
+    def calls(self, rank: int) -> tuple[BlockWork | ChunkCall, ...]:
+        """``rank``'s blocks as the collective schedule runs them: the unmasked blocks of a Q chunk as one call
+        (Note [One call per Q chunk] in :mod:`mesh_cp.core.blocks`). Built once per plan and rank."""
+        if rank not in self._calls:
+            self._calls[rank] = chunk_calls(self.blocks(rank))
+        return self._calls[rank]
+
+    @functools.cached_property
+    def _calls(self) -> dict[int, tuple[BlockWork | ChunkCall, ...]]:
+        return {}
+
     def pairs(self, rank: int) -> int:
         """Query-key pairs ``rank`` computes (its share of the compute)."""
         return sum(w.pairs for w in self.blocks(rank))
@@ -200,10 +211,12 @@ class AttentionPlan:
         y = kv_members[(kv_members.index(rank) - kv_offset) % t.b]
         return self._block(x, y)
 
-    def tiles(self, w: BlockWork) -> tuple[Tile, ...]:
+    def tiles(self, w: BlockWork, *, runs: bool = False) -> tuple[Tile, ...]:
         """The kernel calls of block ``w`` cut into tiles (:func:`mesh_cp.core.masks.block_tiles`): a ``MASKED``
-        block's, or any block's where the kernel cannot run it whole (softcapped logits)."""
-        return block_tiles(self.mask or NO_MASK, (w.x, w.q_rows), (w.y, w.kv_rows), **self._mask_options())
+        block's, or any block's where the kernel cannot run it whole (softcapped logits). With ``runs`` the tiles
+        are the block's runs of consecutive global positions, uncut (a kernel that takes ``segments``)."""
+        size = 0 if runs else None
+        return block_tiles(self.mask or NO_MASK, (w.x, w.q_rows), (w.y, w.kv_rows), **self._mask_options(), size=size)
 
     def tile_segments(self, w: BlockWork, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> tuple:
         """The ``"masked"`` tile ``(q_rows, kv_rows)`` of block ``w`` as flash-attn varlen sequences per batch row

@@ -89,6 +89,9 @@ class VarlenPlan:
     """``(B * Sk)`` int64: the same for the keys' gradients."""
     q_covered: Tensor
     """``(B, 1, Sq)`` boolean: the query is in a segment."""
+    whole: tuple[bool, bool] = (False, False)
+    """One call takes every query (every key) in order: its rows are the flattened tensor itself, nothing is
+    gathered or scattered back on that side."""
 
 
 def _check_segments(segments: Segments, batch: int, sq: int, sk: int) -> None:
@@ -161,7 +164,13 @@ def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int
         calls.append(VarlenCall(window, q_rows[q_at : q_at + nq], k_rows[k_at : k_at + nk], cu_q, cu_k, max_q, max_k))
         q_at, k_at = q_at + nq, k_at + nk
     covered = (q_back < len(q_rows)).reshape(batch, 1, sq)
-    return VarlenPlan(tuple(calls), q_back, k_back, covered)
+    whole = tuple(len(calls) == 1 and _in_order(p, n) for p, n in ((q_parts, batch * sq), (k_parts, batch * sk)))
+    return VarlenPlan(tuple(calls), q_back, k_back, covered, whole)
+
+
+def _in_order(parts: list[Tensor], size: int) -> bool:
+    """``parts`` (host tensors) laid end to end are ``0, 1, ..., size - 1``."""
+    return sum(len(p) for p in parts) == size and torch.equal(torch.cat(parts), torch.arange(size))
 
 
 def _with_zero(cumsum: Tensor) -> Tensor:
@@ -219,6 +228,11 @@ def _rows(t: Tensor, index: Tensor) -> Tensor:
     return t.reshape(-1, *t.shape[2:]).index_select(0, index)
 
 
+def _flat(t: Tensor) -> Tensor:
+    """``t (B, S, H, D)`` as its ``(B * S, H, D)`` rows, contiguous (a view when ``t`` is contiguous)."""
+    return t.reshape(-1, *t.shape[2:]).contiguous()
+
+
 def _back(parts: list[Tensor], fill: Tensor, back: Tensor, dim: int) -> Tensor:
     """The calls' outputs laid end to end along ``dim`` with ``fill`` after them, gathered by ``back``."""
     return torch.cat([*parts, fill], dim).index_select(dim, back)
@@ -228,11 +242,15 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: VarlenPlan, run: Callable) ->
     """``(out (B, Sq, H, D), lse (B, H, Sq) fp32)`` of a tile from ``run(call, q, k, v) -> (out, lse)`` per call
     (``(total_q, H, D)`` rows and ``(H, total_q)`` fp32 statistics); queries in no segment get ``0`` and ``-inf``."""
     batch, sq, heads, dim = q.shape
-    outs, lses = [], []
+    (whole_q, whole_k), outs, lses = plan.whole, [], []
     for call in plan.calls:
-        out, lse = run(call, _rows(q, call.q_rows), _rows(k, call.k_rows), _rows(v, call.k_rows))
+        qs = _flat(q) if whole_q else _rows(q, call.q_rows)
+        ks, vs = (_flat(t) if whole_k else _rows(t, call.k_rows) for t in (k, v))
+        out, lse = run(call, qs, ks, vs)
         outs.append(out)
         lses.append(lse)
+    if whole_q:
+        return outs[0].reshape(batch, sq, heads, dim), lses[0].reshape(heads, batch, sq).transpose(0, 1).contiguous()
     out = _back(outs, q.new_zeros(1, heads, dim), plan.q_back, 0).reshape(batch, sq, heads, dim)
     none = torch.full((heads, 1), float("-inf"), dtype=torch.float32, device=q.device)
     lse = _back(lses, none, plan.q_back, 1).reshape(heads, batch, sq).transpose(0, 1).contiguous()
@@ -248,12 +266,23 @@ def backward(
     batch, sq, heads, dim = q.shape
     lse_rows = lse.float().transpose(0, 1).reshape(heads, batch * sq)
     parts: tuple[list[Tensor], ...] = ([], [], [])
+    (whole_q, whole_k) = plan.whole
     for call in plan.calls:
-        inputs = [_rows(t, call.q_rows) for t in (do, q)] + [_rows(t, call.k_rows) for t in (k, v)]
-        grads = run(call, *inputs, _rows(out, call.q_rows), lse_rows.index_select(1, call.q_rows))
+        inputs = [_flat(t) if whole_q else _rows(t, call.q_rows) for t in (do, q)]
+        inputs += [_flat(t) if whole_k else _rows(t, call.k_rows) for t in (k, v)]
+        if whole_q:
+            inputs += [_flat(out), lse_rows.contiguous()]
+        else:
+            inputs += [_rows(out, call.q_rows), lse_rows.index_select(1, call.q_rows)]
+        grads = run(call, *inputs)
         for part, grad in zip(parts, grads, strict=True):
             part.append(grad)
-    dq = _back(parts[0], q.new_zeros(1, heads, dim), plan.q_back, 0).reshape(q.shape)
+    if whole_q:
+        dq = parts[0][0].reshape(q.shape)
+    else:
+        dq = _back(parts[0], q.new_zeros(1, heads, dim), plan.q_back, 0).reshape(q.shape)
+    if whole_k:
+        return dq, parts[1][0].reshape(k.shape), parts[2][0].reshape(k.shape)
     zero_kv = k.new_zeros(1, *k.shape[2:])
     dk, dv = (_back(p, zero_kv, plan.k_back, 0).reshape(k.shape) for p in parts[1:])
     return dq, dk, dv

@@ -3,12 +3,13 @@ the plan becomes kernel calls (masked blocks cut into tiles; Note [Masked blocks
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from mesh_cp.core.blocks import BlockWork, MaskKind
+from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, RowGroup
 from mesh_cp.core.layout import local_positions
 from mesh_cp.core.numerics import acc_dtype, merge_, visibility
 from mesh_cp.core.plan import AttentionPlan
@@ -49,7 +50,7 @@ class AttentionCall:
         batch, _, heads, dim = q.shape
         o_acc = torch.zeros((batch, qb - qa, heads, dim), dtype=acc, device=q.device)
         lse_acc = torch.full((batch, heads, qb - qa), float("-inf"), dtype=acc, device=q.device)
-        for (q0, q1), kv_rows, kind in self.plan.tiles(w):
+        for (q0, q1), kv_rows, kind in self.plan.tiles(w, runs=self._runs(w)):
             o, lse = self._forward_call(w, (q0, q1), kv_rows, kind, q, kv)
             merge_(o_acc[:, q0 - qa : q1 - qa], lse_acc[:, :, q0 - qa : q1 - qa], o, lse)
         return o_acc, lse_acc
@@ -64,12 +65,88 @@ class AttentionCall:
         (qa, qb), (ka, kb), acc = w.q_rows, w.kv_rows, acc_dtype(q.dtype)
         dq = torch.zeros((q.shape[0], qb - qa, *q.shape[2:]), dtype=acc, device=q.device)
         dkv = torch.zeros((2, kv.shape[1], kb - ka, *kv.shape[3:]), dtype=acc, device=q.device)
-        for (q0, q1), (k0, k1), kind in self.plan.tiles(w):
+        for (q0, q1), (k0, k1), kind in self.plan.tiles(w, runs=self._runs(w)):
             dq_t, dk_t, dv_t = self._backward_call(w, (q0, q1), (k0, k1), kind, q, do, stats, kv)
             dq[:, q0 - qa : q1 - qa] += dq_t
             dkv[0, :, k0 - ka : k1 - ka] += dk_t
             dkv[1, :, k0 - ka : k1 - ka] += dv_t
         return dq, dkv[0], dkv[1]
+
+    def units(self, rank: int) -> tuple[BlockWork | ChunkCall, ...]:
+        """``rank``'s kernel calls in the collective schedule: the plan's :meth:`~AttentionPlan.calls` (the unmasked
+        blocks of a Q chunk as one call, Note [One call per Q chunk]), or its single blocks when softcapped logits
+        go tile by tile to the reference kernel."""
+        if self.softcap is not None and not takes(self.kernel, "softcap"):
+            return self.plan.blocks(rank)
+        return self.plan.calls(rank)
+
+    def forward_chunk(self, c: ChunkCall, q: Tensor, kv_of: Callable[[int], Tensor]) -> tuple[Tensor, Tensor]:
+        """``(o, lse)`` of rows ``c.q_rows`` of the Q chunk ``q (B, L, H, D)``, ``kv_of(y)`` the stacked K, V chunk
+        ``y`` ``(2, B, L, Hkv, D)``: one call when the kernel takes ``segments``, else one per row group (its
+        diagonal a second call, merged in)."""
+        (r0, r1), kernel, extra = c.q_rows, *self._kernel_for_chunks()
+        if takes(kernel, "segments"):
+            kv = _keys([p for g in c.groups for p in g.keys], kv_of)
+            segments = _chunk_segments(c)
+            return kernel.forward(q[:, r0:r1], kv[0], kv[1], causal=False, scale=self.scale, segments=segments, **extra)
+        batch, _, heads, dim = q.shape
+        acc = acc_dtype(q.dtype)
+        o_acc = torch.zeros((batch, r1 - r0, heads, dim), dtype=acc, device=q.device)
+        lse_acc = torch.full((batch, heads, r1 - r0), float("-inf"), dtype=acc, device=q.device)
+        for g in c.groups:
+            s0, s1 = g.q_rows
+            for pieces, causal in _group_calls(g):
+                kv = _keys(pieces, kv_of)
+                o, lse = kernel.forward(q[:, s0:s1], kv[0], kv[1], causal=causal, scale=self.scale, **extra)
+                merge_(o_acc[:, s0 - r0 : s1 - r0], lse_acc[:, :, s0 - r0 : s1 - r0], o, lse)
+        return o_acc, lse_acc
+
+    def backward_chunk(
+        self, c: ChunkCall, q: Tensor, do: Tensor, stats: Tensor, kv_of: Callable[[int], Tensor]
+    ) -> tuple[Tensor, list[tuple[int, tuple[int, int], Tensor, Tensor]]]:
+        """``dq`` of rows ``c.q_rows`` and ``(y, kv_rows, dk, dv)`` per key piece (a piece two row groups see comes
+        twice: sum them) of :meth:`forward_chunk`'s call; ``stats (2, B, H, L)`` the rows' lse and delta."""
+        (r0, r1), kernel, extra = c.q_rows, *self._kernel_for_chunks()
+        grads: list[tuple[int, tuple[int, int], Tensor, Tensor]] = []
+        common = {"scale": self.scale, "lse_grad": self.lse_grad, **extra}
+        if takes(kernel, "segments"):
+            pieces = [p for g in c.groups for p in g.keys]
+            kv = _keys(pieces, kv_of)
+            st = stats[:, :, :, r0:r1]
+            dq, dk, dv = kernel.backward(
+                do[:, r0:r1],
+                q[:, r0:r1],
+                kv[0],
+                kv[1],
+                st[0],
+                st[1],
+                causal=False,
+                segments=_chunk_segments(c),
+                **common,
+            )
+            return dq, _split_keys(pieces, dk, dv, grads)
+        dq = torch.zeros((q.shape[0], r1 - r0, *q.shape[2:]), dtype=acc_dtype(q.dtype), device=q.device)
+        for g in c.groups:
+            s0, s1 = g.q_rows
+            for pieces, causal in _group_calls(g):
+                kv = _keys(pieces, kv_of)
+                st = stats[:, :, :, s0:s1]
+                dq_g, dk, dv = kernel.backward(
+                    do[:, s0:s1], q[:, s0:s1], kv[0], kv[1], st[0], st[1], causal=causal, **common
+                )
+                dq[:, s0 - r0 : s1 - r0] += dq_g
+                _split_keys(pieces, dk, dv, grads)
+        return dq, grads
+
+    def _kernel_for_chunks(self) -> tuple[BlockKernel, dict]:
+        """The kernel of a :class:`ChunkCall` and its extra arguments (the softcap when it takes one; chunk calls
+        are not used otherwise, :meth:`units`)."""
+        return self.kernel, ({} if self.softcap is None else {"softcap": self.softcap})
+
+    def _runs(self, w: BlockWork) -> bool:
+        """A ``MASKED`` block goes to a kernel that takes ``segments`` as its runs of consecutive global positions,
+        uncut: the segments skip what the mask removes (Note [Masked blocks] in :mod:`mesh_cp.core.masks`)."""
+        return w.kind is MaskKind.MASKED and self.softcap is None and takes(self.kernel, "segments")
 
     def _tiled(self, w: BlockWork) -> bool:
         """Block ``w`` runs as tiles: the mask cuts it, or its logits are softcapped and the kernel cannot do that
@@ -127,6 +204,47 @@ class AttentionCall:
             positions = local_positions(plan.seq_len, plan.tiling.world, chunk, plan.layout)
             self._positions[chunk] = torch.tensor(positions, dtype=torch.int64, device=self.doc_ids.device)
         return self._positions[chunk][rows[0] : rows[1]]
+
+
+Piece = tuple[int, tuple[int, int]]
+
+
+def _keys(pieces: list[Piece] | tuple[Piece, ...], kv_of: Callable[[int], Tensor]) -> Tensor:
+    """The key pieces ``(y, (k0, k1))`` laid end to end: ``(2, B, sum of k1 - k0, Hkv, D)`` (a view for one piece)."""
+    parts = [kv_of(y)[:, :, k0:k1] for y, (k0, k1) in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _split_keys(pieces, dk: Tensor, dv: Tensor, out: list) -> list:
+    """Append ``(y, kv_rows, dk, dv)`` of every piece of keys laid end to end (:func:`_keys`) to ``out``."""
+    at = 0
+    for y, (k0, k1) in pieces:
+        out.append((y, (k0, k1), dk[:, at : at + k1 - k0], dv[:, at : at + k1 - k0]))
+        at += k1 - k0
+    return out
+
+
+def _group_calls(g: RowGroup) -> list[tuple[list[Piece], bool]]:
+    """A row group as calls of a kernel without ``segments``: its keys with no causal bound in one call (the
+    diagonal's columns before the group's first row included), then the diagonal's square causally."""
+    if not g.causal_tail:
+        return [(list(g.keys), False)]
+    *before, (x, (k0, _)) = g.keys
+    s0, s1 = g.q_rows
+    full = before + ([(x, (k0, s0))] if s0 > k0 else [])
+    return ([(full, False)] if full else []) + [([(x, (s0, s1))], True)]
+
+
+def _chunk_segments(c: ChunkCall) -> tuple[tuple[tuple[int, int, int, int, int, int], ...]]:
+    """The row groups of ``c`` as varlen sequences over its keys laid end to end, the same for every batch row: a
+    causal tail is the band ``(-1, 0)`` anchored at the bottom-right corner (Note [Tile segments] in
+    :mod:`mesh_cp.core.masks`)."""
+    (r0, _), at, segments = c.q_rows, 0, []
+    for g in c.groups:
+        n = g.key_count
+        segments.append((g.q_rows[0] - r0, g.q_rows[1] - r0, at, at + n, -1, 0 if g.causal_tail else -1))
+        at += n
+    return (tuple(segments),)
 
 
 @dataclass(frozen=True)

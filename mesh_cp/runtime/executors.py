@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from mesh_cp.core.blocks import ChunkCall
 from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
 from mesh_cp.core.plan import AttentionPlan
 from mesh_cp.runtime.call import AttentionCall, Saved
@@ -56,18 +57,9 @@ class CollectiveExecutor:
         self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
         mesh, plan = call.mesh, call.plan
-        rows, cols = _row_col_index(plan, mesh.mesh_rank)
-        batch, seq, heads, dim = q.shape
-        acc = acc_dtype(q.dtype)
         q_all = all_gather(q, mesh.q_group)  # (a, B, L, Hq, D)
         kv_all = all_gather(torch.stack((k, v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
-        a = plan.tiling.a
-        o_acc = torch.zeros((a, batch, seq, heads, dim), dtype=acc, device=q.device)
-        lse_acc = torch.full((a, batch, heads, seq), float("-inf"), dtype=acc, device=q.device)
-        for w in plan.blocks(mesh.mesh_rank):
-            i, (q0, q1) = rows[w.x], w.q_rows
-            o, lse = call.forward_block(w, q_all[i], kv_all[cols[w.y]])
-            merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
+        o_acc, lse_acc = forward_blocks(call, mesh.mesh_rank, q_all, kv_all)
         out, lse = _reduce_rows_to_owners(o_acc, lse_acc, mesh)
         return out, lse, (q_all, kv_all) if plan.backward == "reuse" else ()
 
@@ -75,7 +67,6 @@ class CollectiveExecutor:
         self, call: AttentionCall, do: Tensor, dlse: Tensor | None, saved: Saved
     ) -> tuple[Tensor, Tensor, Tensor]:
         mesh, plan, q, k = call.mesh, call.plan, saved.q, saved.k
-        rows, cols = _row_col_index(plan, mesh.mesh_rank)
         acc = acc_dtype(q.dtype)
         delta = attention_delta(do, saved.out, dlse)
         if plan.backward == "regather":
@@ -87,18 +78,59 @@ class CollectiveExecutor:
         stats = all_gather(torch.stack((saved.lse.to(acc), delta)), mesh.q_group)  # (a, 2, B, Hq, L)
         if plan.backward == "regather":
             kv_all = all_gather(torch.stack((k, saved.v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
-        dq_acc = torch.zeros((plan.tiling.a, *q.shape), dtype=acc, device=q.device)
-        dkv_acc = torch.zeros((plan.tiling.b, 2, *k.shape), dtype=acc, device=q.device)
-        for w in plan.blocks(mesh.mesh_rank):
-            i, j = rows[w.x], cols[w.y]
-            (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-            dq, dk, dv = call.backward_block(w, q_all[i], do_all[i], stats[i], kv_all[j])
-            dq_acc[i, :, q0:q1] += dq
-            dkv_acc[j, 0, :, k0:k1] += dk
-            dkv_acc[j, 1, :, k0:k1] += dv
+        dq_acc, dkv_acc = backward_blocks(call, mesh.mesh_rank, q_all, do_all, stats, kv_all)
         dq = all_to_all(dq_acc, mesh.q_group).sum(0)
         dkv = all_to_all(dkv_acc, mesh.kv_group).sum(0)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(saved.v.dtype)
+
+
+def forward_blocks(call: AttentionCall, rank: int, q_all: Tensor, kv_all: Tensor) -> tuple[Tensor, Tensor]:
+    """Mesh rank ``rank``'s kernel calls on the gathered Q chunks ``q_all (a, B, L, H, D)`` and stacked K, V chunks
+    ``kv_all (b, 2, B, L, Hkv, D)``: the row partials ``o (a, B, L, H, D)`` and ``lse (a, B, H, L)`` in the
+    accumulator dtype. A row's first result is copied in, later ones merged (Note [LSE merge])."""
+    rows, cols = _row_col_index(call.plan, rank)
+    a, batch, seq, heads, dim = q_all.shape
+    acc = acc_dtype(q_all.dtype)
+    o_acc = torch.zeros((a, batch, seq, heads, dim), dtype=acc, device=q_all.device)
+    lse_acc = torch.full((a, batch, heads, seq), float("-inf"), dtype=acc, device=q_all.device)
+    fresh = set(range(a))
+    for u in call.units(rank):
+        i, (q0, q1) = rows[u.x], u.q_rows
+        if isinstance(u, ChunkCall):
+            o, lse = call.forward_chunk(u, q_all[i], lambda y: kv_all[cols[y]])
+        else:
+            o, lse = call.forward_block(u, q_all[i], kv_all[cols[u.y]])
+        if i in fresh:
+            fresh.discard(i)
+            o_acc[i, :, q0:q1].copy_(o)
+            lse_acc[i, :, :, q0:q1].copy_(lse)
+        else:
+            merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
+    return o_acc, lse_acc
+
+
+def backward_blocks(
+    call: AttentionCall, rank: int, q_all: Tensor, do_all: Tensor, stats: Tensor, kv_all: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The backward of :func:`forward_blocks` given ``do_all`` like ``q_all`` and the rows' ``stats (a, 2, B, H,
+    L)`` (lse, delta): partial ``dq (a, B, L, H, D)`` and ``dk, dv (b, 2, B, L, Hkv, D)`` in the accumulator
+    dtype."""
+    rows, cols = _row_col_index(call.plan, rank)
+    acc = acc_dtype(q_all.dtype)
+    dq_acc = torch.zeros(q_all.shape, dtype=acc, device=q_all.device)
+    dkv_acc = torch.zeros(kv_all.shape, dtype=acc, device=q_all.device)
+    for u in call.units(rank):
+        i, (q0, q1) = rows[u.x], u.q_rows
+        if isinstance(u, ChunkCall):
+            dq, pieces = call.backward_chunk(u, q_all[i], do_all[i], stats[i], lambda y: kv_all[cols[y]])
+        else:
+            dq, dk, dv = call.backward_block(u, q_all[i], do_all[i], stats[i], kv_all[cols[u.y]])
+            pieces = [(u.y, u.kv_rows, dk, dv)]
+        dq_acc[i, :, q0:q1] += dq
+        for y, (k0, k1), dk, dv in pieces:
+            dkv_acc[cols[y], 0, :, k0:k1] += dk
+            dkv_acc[cols[y], 1, :, k0:k1] += dv
+    return dq_acc, dkv_acc
 
 
 def _row_col_index(plan: AttentionPlan, rank: int) -> tuple[dict[int, int], dict[int, int]]:

@@ -1,0 +1,180 @@
+"""Kernel calls per rank and layer of the collective schedule (Note [One call per Q chunk]): the counts at P = 16 and
+L = 8192 tokens per rank, and the chunk calls' results against the per-block calls and single-process attention.
+
+The counts run every rank's kernel calls in one process (:func:`~mesh_cp.runtime.executors.forward_blocks` and
+:func:`~mesh_cp.runtime.executors.backward_blocks` are what the executor runs between its collectives) with a kernel
+that records its calls and computes nothing, so they cost no attention FLOPs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, make_plan
+from mesh_cp.core.blocks import ChunkCall
+from mesh_cp.core.layout import local_positions
+from mesh_cp.core.numerics import document_ids, reference_attention
+from mesh_cp.kernels import Capabilities, get_kernel
+from mesh_cp.runtime.call import AttentionCall
+from mesh_cp.runtime.executors import backward_blocks, forward_blocks
+
+P, L = 16, 8192
+MIXES = {"long": (8192, 32768), "mixed": (1024, 8192), "short": (256, 2048)}
+
+
+class RecordingKernel:
+    """Records every call (its rows, keys and keywords) and returns zeros: counts without FLOPs."""
+
+    name = "recording"
+
+    def __init__(self, keywords: set[str]) -> None:
+        self.capabilities = Capabilities(keywords=keywords)
+        self.calls: list[tuple[str, int, int, bool]] = []
+
+    def forward(self, q, k, v, *, causal, scale, **extra):
+        self.calls.append(("forward", q.shape[1], k.shape[1], "segments" in extra))
+        lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+        return torch.zeros_like(q), lse
+
+    def backward(self, do, q, k, v, lse, delta, *, causal, scale, lse_grad=False, **extra):
+        self.calls.append(("backward", q.shape[1], k.shape[1], "segments" in extra))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def packed(lo: int, hi: int, seed: int) -> AttentionMask:
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < P * L:
+        lengths.append(min(rng.randint(lo, hi), P * L - sum(lengths)))
+    return AttentionMask.from_lengths([lengths])
+
+
+def calls_per_rank(tile: tuple[int, int], keywords: set[str], mask: AttentionMask | None = None) -> list[dict]:
+    """Per rank: forward and backward kernel calls and Q chunks held, at P = 16, L = 8192, batch 1, one head."""
+    shape = AttentionShape(batch=1, seq_local=L, heads=1, kv_heads=1, head_dim=8, itemsize=4)
+    plan = make_plan(Tiling(P, *tile), shape, causal=True, layout="zigzag", schedule="collective", mask=mask)
+    ids = None if mask is None else document_ids(mask, 1, P * L)
+    out = []
+    for rank in range(P):
+        kernel = RecordingKernel(keywords)
+        call = AttentionCall(mesh=None, plan=plan, kernel=kernel, scale=1.0, doc_ids=ids)
+        q_all = torch.zeros(tile[0], 1, L, 1, 8)
+        kv_all = torch.zeros(tile[1], 2, 1, L, 1, 8)
+        forward_blocks(call, rank, q_all, kv_all)
+        backward_blocks(call, rank, q_all, q_all, torch.zeros(tile[0], 2, 1, 1, L), kv_all)
+        blocks = plan.blocks(rank)
+        out.append(
+            {
+                "forward": [c for c in kernel.calls if c[0] == "forward"],
+                "backward": [c for c in kernel.calls if c[0] == "backward"],
+                "q_chunks": len({w.x for w in blocks}),
+                "blocks": len(blocks),
+                "masked": sum(w.kind is MaskKind.MASKED for w in blocks),
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("tile", [(4, 4), (2, 8), (8, 2), (1, 16)])
+def test_causal_one_call_per_q_chunk_and_phase(tile) -> None:
+    """A kernel that takes segments: exactly one call per Q chunk held, in each phase, on every rank."""
+    for rank, r in enumerate(calls_per_rank(tile, {"segments"})):
+        assert len(r["forward"]) == r["q_chunks"] == tile[0], (rank, r["forward"])
+        assert len(r["backward"]) == r["q_chunks"], (rank, r["backward"])
+
+
+def test_causal_calls_of_a_kernel_without_segments() -> None:
+    """Without segments a zig-zag chunk is its two halves, and the diagonal a call of its own: at most 2 calls per Q
+    chunk and 2 more for the chunk holding the diagonal, against 4 blocks per chunk at tile 4x4."""
+    for r in calls_per_rank((4, 4), set()):
+        assert len(r["forward"]) <= 2 * r["q_chunks"] + 2 < r["blocks"], r["forward"]
+        assert len(r["backward"]) == len(r["forward"])
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_packed_masked_blocks_run_as_runs_on_segment_kernels(mix) -> None:
+    """Packed documents on a kernel that takes segments: no 512 tiles; a masked block is at most its three runs of
+    consecutive positions (two halves of a zig-zag chunk against two; one pair is always empty under causal)."""
+    mask = packed(*MIXES[mix], seed=len(mix))
+    for r in calls_per_rank((4, 4), {"segments"}, mask):
+        fwd = r["forward"]
+        assert len(fwd) <= r["q_chunks"] + 3 * r["masked"], (len(fwd), r)
+        assert all(sq > 512 or sq == L // 2 for _, sq, _, _ in fwd), fwd
+    tiled = calls_per_rank((4, 4), {"mask"}, mask)
+    assert sum(len(r["forward"]) for r in tiled) > sum(len(r["forward"]) for r in calls_per_rank((4, 4), {"segments"}, mask))
+
+
+def test_chunk_call_groups_cover_the_blocks() -> None:
+    """The row groups of every chunk call hold exactly its blocks' query-key pairs (causal tails counted as the
+    bottom-right triangle), for zig-zag causal, contiguous causal and full attention."""
+    shape = AttentionShape(batch=1, seq_local=12, heads=1, kv_heads=1, head_dim=8, itemsize=4)
+    for causal, layout in ((True, "zigzag"), (True, "contiguous"), (False, "contiguous")):
+        plan = make_plan(Tiling(8, 2, 4), shape, causal=causal, layout=layout, schedule="collective")
+        for rank in range(8):
+            for c in plan.calls(rank):
+                if not isinstance(c, ChunkCall):
+                    continue
+                counted = 0
+                for g in c.groups:
+                    n = g.q_rows[1] - g.q_rows[0]
+                    counted += n * g.key_count - (n * (n - 1) // 2 if g.causal_tail else 0)
+                assert counted == sum(w.pairs for w in c.blocks), (causal, layout, rank, c)
+
+
+@pytest.mark.parametrize("kernel_name", ["reference", "cpu_flash"])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_chunk_calls_match_single_process_attention(kernel_name, kv_heads) -> None:
+    """Every rank's forward and backward through chunk calls (the segments path of ``reference``, the per-group
+    path of ``cpu_flash``), assembled over all ranks as the collectives would, against single-process attention of
+    the whole sequence: out, lse and dq, dk, dv (fp64)."""
+    world, tile, seq_local, heads, dim = 8, (2, 4), 10, 4, 16
+    shape = AttentionShape(batch=2, seq_local=seq_local, heads=heads, kv_heads=kv_heads, head_dim=dim, itemsize=8)
+    plan = make_plan(Tiling(world, *tile), shape, causal=True, layout="zigzag", schedule="collective")
+    gen = torch.Generator().manual_seed(kv_heads)
+    S = world * seq_local
+    q = torch.randn(2, S, heads, dim, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, S, kv_heads, dim, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "kv")
+    do = torch.randn(2, S, heads, dim, dtype=torch.float64, generator=gen)
+    out_ref, lse_ref = reference_attention(q, k, v, causal=True, softmax_scale=0.25)
+    out_ref.backward(do)
+    pos = [torch.tensor(local_positions(S, world, r, "zigzag")) for r in range(world)]
+    chunk = lambda t, r: t.detach()[:, pos[r]]  # noqa: E731
+    call = AttentionCall(mesh=None, plan=plan, kernel=get_kernel(kernel_name), scale=0.25)
+    t = plan.tiling
+    assert any(isinstance(u, ChunkCall) for u in call.units(0))
+    rows = {}
+    for rank in range(world):
+        q_all = torch.stack([chunk(q, x) for x in t.q_group(rank)])
+        kv_all = torch.stack([torch.stack((chunk(k, y), chunk(v, y))) for y in t.kv_group(rank)])
+        rows[rank] = (q_all, kv_all, *forward_blocks(call, rank, q_all, kv_all))
+    # merge each row's partials over its Q-group (the forward's all-to-all), then check against the reference
+    from mesh_cp.core.numerics import attention_delta, merge_
+
+    final = {}
+    for x in range(world):
+        o = torch.zeros(2, seq_local, heads, dim, dtype=torch.float64)
+        lse = torch.full((2, heads, seq_local), float("-inf"), dtype=torch.float64)
+        for rank in t.q_group(x):
+            i = t.q_group(rank).index(x)
+            merge_(o, lse, rows[rank][2][i], rows[rank][3][i])
+        final[x] = (o, lse)
+        torch.testing.assert_close(o, chunk(out_ref, x), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse, lse_ref.detach()[:, :, pos[x]], rtol=1e-10, atol=1e-10)
+    dq = {x: 0 for x in range(world)}
+    dkv = {y: 0 for y in range(world)}
+    for rank in range(world):
+        q_all, kv_all = rows[rank][:2]
+        xs = t.q_group(rank)
+        do_all = torch.stack([chunk(do, x) for x in xs])
+        stats = torch.stack([torch.stack((final[x][1], attention_delta(chunk(do, x), final[x][0]))) for x in xs])
+        dq_acc, dkv_acc = backward_blocks(call, rank, q_all, do_all, stats, kv_all)
+        for i, x in enumerate(xs):
+            dq[x] = dq[x] + dq_acc[i]
+        for j, y in enumerate(t.kv_group(rank)):
+            dkv[y] = dkv[y] + dkv_acc[j]
+    for x in range(world):
+        torch.testing.assert_close(dq[x], chunk(q.grad, x), rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(dkv[x][0], chunk(k.grad, x), rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(dkv[x][1], chunk(v.grad, x), rtol=1e-9, atol=1e-9)
