@@ -28,6 +28,7 @@ _PUBLIC = {
         "causal_lm_loss",
         "decode_attn_func",
         "mesh_attn_func",
+        "overlap_gradients",
         "position_ids",
         "reduce_gradients",
         "shard_batch",

@@ -14,8 +14,9 @@ accelerate needs no adapter of its own: ``accelerate launch`` starts the process
 and ``Accelerator.autocast`` does mixed precision; mesh_cp's public API and its Hugging Face adapter do the
 rest: the DP x CP layout (:class:`mesh_cp.DataContextParallel`), the sharded batches
 (:func:`mesh_cp.shard_batch`), the loss (:func:`mesh_cp.causal_lm_loss`) and the model's ``mesh_cp``
-attention (:func:`mesh_cp.integrations.hf.attach`). The CP sizes may instead come from the accelerate config
-file's ``parallelism_config`` block (``hf.parallel_from_accelerate``, docs/accelerate.md).
+attention (:func:`mesh_cp.integrations.hf.attach`), and the gradient all-reduce over DP x CP, overlapped with
+backward (:meth:`mesh_cp.DataContextParallel.overlap_gradients`). The CP sizes may instead come from the
+accelerate config file's ``parallelism_config`` block (``hf.parallel_from_accelerate``, docs/accelerate.md).
 
 Each process binds GPU ``LOCAL_RANK`` before accelerate makes the NCCL group; the model, the reference
 and each step's batch shard live on ``accelerator.device``, the token sequences on the host.
@@ -153,6 +154,7 @@ def train(args: argparse.Namespace, accelerator) -> dict | None:
     reference = copy.deepcopy(model) if args.reference and main_rank else None
     hf.attach(model, layout.mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gradients = layout.overlap_gradients(model)  # each bucket's all-reduce starts during backward
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if reference is not None else None
 
     start, ckpt = 0, None
@@ -186,7 +188,7 @@ def train(args: argparse.Namespace, accelerator) -> dict | None:
             loss.backward()
         if sent is None:
             sent = counter.bytes_by_role(layout.mesh)
-        layout.reduce_gradients(model)
+        gradients.finish()  # wait for them: summed over CP, averaged over DP
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach().clone()

@@ -9,6 +9,11 @@ packed, in parameter order, into buckets of at most ``bucket_bytes`` (25 MiB by 
 ``bucket_cap_mb``) of one dtype and device, and each bucket is one all-reduce of a flat buffer whose result is
 copied back. A gradient larger than a bucket is a bucket of its own (reduced in place, no copy). The sums are the
 per-parameter sums: an all-reduce adds elementwise, whatever the packing.
+
+That is the blocking form (:func:`all_reduce_gradients`, after backward). The overlapped form
+(:class:`~mesh_cp.runtime.grad_overlap.OverlappedReduction`, Note [Overlapped gradient reduction]) cuts the same
+buckets from the parameters in *reverse* order, the order backward produces their gradients, keeps one flat buffer
+per bucket, and launches each bucket's all-reduce from the gradient hooks while backward still runs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Data parallel x context parallel: the DP x CP groups, and the gradient reduction over them (in buckets)."""
+"""Data parallel x context parallel: the DP x CP groups, and the gradient reduction over them (in buckets), after
+backward or overlapped with it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mesh_cp.core.options import refuse_keywords
+from mesh_cp.runtime.grad_overlap import OverlappedReduction, Unused
 from mesh_cp.runtime.gradients import BUCKET_BYTES, all_reduce_gradients
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
@@ -20,6 +22,16 @@ def reduce_gradients(model: torch.nn.Module, mesh: CPMesh, *, bucket_bytes: int 
     all-reduce per bucket of ``bucket_bytes`` (Note [Gradient buckets] in :mod:`mesh_cp.runtime.gradients`);
     returns the number of all-reduces."""
     return all_reduce_gradients(model.parameters(), mesh.group, bucket_bytes=bucket_bytes)
+
+
+def overlap_gradients(
+    model: torch.nn.Module, mesh: CPMesh, *, bucket_bytes: int = BUCKET_BYTES, unused: Unused = "zeros"
+) -> OverlappedReduction:
+    """:func:`reduce_gradients` overlapped with backward: made once, before training, it hooks every parameter so
+    that each bucket's all-reduce over the CP group starts as soon as backward has produced its gradients; call
+    ``.finish()`` after each step's backward (Note [Overlapped gradient reduction] in
+    :mod:`mesh_cp.runtime.grad_overlap`)."""
+    return OverlappedReduction(model, mesh.group, bucket_bytes=bucket_bytes, unused=unused)
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +102,16 @@ class DataContextParallel:
         """Sum gradients over CP and average them over DP: one all-reduce over all DP x CP ranks per bucket of
         ``bucket_bytes`` (Note [Gradient buckets] in :mod:`mesh_cp.runtime.gradients`); returns their number."""
         return all_reduce_gradients(model.parameters(), self.group, divide_by=self.dp_size, bucket_bytes=bucket_bytes)
+
+    def overlap_gradients(
+        self, model: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES, unused: Unused = "zeros"
+    ) -> OverlappedReduction:
+        """:meth:`reduce_gradients` overlapped with backward, the way DDP and Megatron's ``overlap_grad_reduce``
+        do it: made once, before training; each bucket's all-reduce over all DP x CP ranks starts from the gradient
+        hooks as soon as its gradients are in. Per step: ``loss.backward()`` (micro-batches but the last under
+        ``.no_sync()``), ``.finish()``, ``optimizer.step()`` (Note [Overlapped gradient reduction] in
+        :mod:`mesh_cp.runtime.grad_overlap`)."""
+        return OverlappedReduction(model, self.group, divide_by=self.dp_size, bucket_bytes=bucket_bytes, unused=unused)
 
     def __str__(self) -> str:
         return f"DP({self.dp_size}) x {self.mesh}, replica {self.dp_rank}"
