@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mesh_cp.core.blocks import BlockWork
+from mesh_cp.core.blocks import BlockWork, ChunkCall
 from mesh_cp.core.options import Phase, check_option
 from mesh_cp.core.plan import AttentionPlan
 
@@ -44,20 +44,27 @@ HELD = ("q", "k", "v", "out", "lse", "dout", "dlse")
 """The head exchange's tensors whose head-layout copies count in the peak (:func:`peak_bytes`)."""
 
 
-def _kernel_bytes(plan: AttentionPlan, w: BlockWork | None, phase: Phase) -> int:
-    """Outputs and temporaries of one block's kernel call (calibrated on the CPU flash kernel):
-    forward its output and the merge's weighted copy; backward dq, dk, dv and the kernel's own
-    out; GQA adds the K, V repeated to every head."""
+def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: Phase) -> int:
+    """Outputs and temporaries of one kernel call (calibrated on the CPU flash kernel): forward its output and the
+    merge's weighted copy; backward dq, dk, dv and the kernel's own out; GQA adds the K, V repeated to every head.
+    A :class:`ChunkCall` adds its keys laid end to end (Note [One call per Q chunk]): those of its largest row group,
+    as a kernel without ``segments`` holds them (with ``segments`` all groups' keys are held together, at most
+    about 1.5 times more for a zig-zag chunk)."""
     if w is None:
         return 0
     s = plan.mesh_shape
     q_bytes = s.chunk_elems * s.itemsize
     rq = (w.q_rows[1] - w.q_rows[0]) / s.seq_local
-    rk = (w.kv_rows[1] - w.kv_rows[0]) / s.seq_local
+    if isinstance(w, ChunkCall):
+        # the per-group calls hold one group's keys at a time; one call with segments holds all of them
+        rk = max(g.key_count for g in w.groups) / s.seq_local
+        keys = int(rk * plan.chunk_bytes()[1])
+    else:
+        rk, keys = (w.kv_rows[1] - w.kv_rows[0]) / s.seq_local, 0
     gqa = rk if s.kv_heads != s.heads else 0.0
     if phase == "forward":
-        return int(rq * (q_bytes + s.chunk_elems * s.acc_itemsize) + gqa * q_bytes // 2)
-    return int((2 * rq + 2 * rk + 1.5 * gqa) * q_bytes)
+        return keys + int(rq * (q_bytes + s.chunk_elems * s.acc_itemsize) + gqa * q_bytes // 2)
+    return keys + int((2 * rq + 2 * rk + 1.5 * gqa) * q_bytes)
 
 
 def _units(plan: AttentionPlan) -> dict[str, int]:
@@ -75,7 +82,7 @@ def _units(plan: AttentionPlan) -> dict[str, int]:
 
 def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool) -> int:
     u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
-    kernel = max(_kernel_bytes(plan, w, phase) for w in plan.blocks(rank))
+    kernel = max(_kernel_bytes(plan, w, phase) for w in plan.calls(rank))
     if phase == "forward":
         rows = a * (u["acc"] + u["stats"])
         gathered = a * u["q"] + b * u["kv"]
