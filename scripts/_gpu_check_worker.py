@@ -265,8 +265,8 @@ class AttentionInputs:
 # ----------------------------------------------------------------------------------------------------
 
 # Kernels that take fp16/bf16 only, and the library each optional kernel imports.
-HALF_ONLY = {"flash_attn", "cuda_flash"}
-LIBRARIES = {"flash_attn": "flash_attn"}
+HALF_ONLY = {"flash_attn", "cuda_flash", "cuda_cudnn", "flash_attn3"}
+LIBRARIES = {"flash_attn": "flash_attn", "flash_attn3": "flash_attn_interface"}
 
 
 def needs_cuda(name: str) -> bool:
@@ -319,6 +319,17 @@ def resolve_auto(device: torch.device, dtype: torch.dtype, head_dim: int):
     return resolve_kernel("auto", device, dtype)
 
 
+def kernel_reasons(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the registered kernel ``name`` cannot run such inputs here, as it states it
+    (``mesh_cp.kernels.not_supported_reasons``; older mesh_cp versions without it: ``None``)."""
+    from mesh_cp import kernels
+
+    reasons = getattr(kernels, "not_supported_reasons", None)
+    if reasons is None or name not in kernels.KERNEL_NAMES:
+        return None
+    return "; ".join(reasons(name, device, dtype, head_dim)) or None
+
+
 def lookup_kernel(
     name: str, device: torch.device, dtype: torch.dtype, head_dim: int, faults: dict[str, tuple[str, str | None]]
 ):
@@ -338,6 +349,9 @@ def lookup_kernel(
         raise Skip(f"{library} is not installed")
     if name in HALF_ONLY and dtype not in (torch.float16, torch.bfloat16):
         raise Skip(f"takes fp16/bf16 only, not {DTYPE_NAMES[dtype]}")
+    why = kernel_reasons(name, device, dtype, head_dim)
+    if why:
+        raise Skip(why)
     try:
         kernel = kernels.get_kernel(name)
     except ImportError as err:

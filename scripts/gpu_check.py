@@ -10,15 +10,16 @@ Every case is isolated: an exception is that case's FAIL and the rest still run.
 run in spawned process groups; a process that dies or hangs in a case makes that case a FAIL (with the
 signal, or the timeout) and the group is started again for the cases after it.
 
-kernels   every block kernel of mesh_cp.kernels that runs on this device (flash_attn, cuda_flash,
-          cuda_sdpa, reference; cpu_flash on CPU) and ``"auto"`` with the kernel it chose, forward and
+kernels   every block kernel of mesh_cp.kernels that runs on this device (flash_attn3, cuda_cudnn, flash_attn,
+          cuda_flash, cuda_sdpa, reference; cpu_flash on CPU) and ``"auto"`` with the kernel it chose, forward and
           backward against fp64 (out, lse, dq, dk, dv): causal and full, MHA 4:4 and GQA 8:2, head dims
           64, 128 and 72, 250 tokens (50 on CPU: lengths no block size divides), a case whose loss also depends
           on the lse with rows of dO zero or tiny (1e-7). Rule, per quantity: the error is at most 2x the
           error of plain PyTorch attention in that dtype (``scaled_dot_product_attention``; written out
           where the lse gets a gradient) plus a floor relative to max(1, largest reference value): eps/8
           for fp16/bf16 (flash-attn's rule), 1e-5 for fp32 (TF32 off). A kernel that is not registered,
-          whose library is missing, or that does not take the dtype is SKIP with the reason.
+          whose library is missing, or that states it cannot run the dtype or a case's head dim here
+          (``mesh_cp.kernels.not_supported_reasons``) is SKIP with the reason.
 mesh-nccl the mesh at P = number of GPUs over NCCL, one process per GPU (``torch.cuda.set_device`` first),
           with a lazily initialised default group and with one bound to the device (``device_id=``):
           every tile of P, both schedules, bf16/fp16/fp32, causal (zig-zag) and full (contiguous), MHA
@@ -85,6 +86,7 @@ from _gpu_check_worker import (  # noqa: E402
     Verdict,
     describe_error,
     judge,
+    kernel_reasons,
     lookup_kernel,
     merge_verdicts,
     rank_entry,
@@ -94,7 +96,7 @@ from _gpu_check_worker import (  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("kernels", "mesh-nccl", "mesh-gloo", "hf", "examples")
 # The kernels the check expects on CUDA, whether or not they are registered yet (unregistered: SKIP).
-CUDA_KERNELS = ("flash_attn", "cuda_flash", "cuda_sdpa")
+CUDA_KERNELS = ("flash_attn3", "cuda_cudnn", "flash_attn", "cuda_flash", "cuda_sdpa")
 CPU_KERNELS = ("cpu_flash",)
 # (label, heads, kv_heads, head_dim) of the kernel cases.
 KERNEL_SHAPES = (("4:4 d64", 4, 4, 64), ("8:2 d64", 8, 2, 64), ("4:4 d128", 4, 4, 128), ("8:2 d72", 8, 2, 72))
@@ -260,6 +262,11 @@ def kernel_dtype_rows(name, kernel, dtype, device, batch, seq, opts) -> list[Row
     if device.type == "cuda":  # the delta column past the kernels' head-dim limits: backward by parts
         cases += [("8:2 d192 lse grad", 8, 2, 192, True), ("8:2 d256 lse grad", 8, 2, 256, True)]
     for label, heads, kv_heads, dim, lse_grad in cases:
+        why = None if name == "auto" else kernel_reasons(name, device, dtype, dim)
+        if why and selected(opts, f"{name} {dname} {label}"):
+            rows.append(Row("kernels", f"{name} {dname} {label}", SKIP, why))
+        if why:
+            continue
 
         def case(heads=heads, kv_heads=kv_heads, dim=dim, lse_grad=lse_grad) -> Verdict:
             # "auto" may choose by head dim: resolve it for this case's inputs.

@@ -26,7 +26,7 @@ from mesh_cp.kernels.base import (
 
 logger = logging.getLogger("mesh_cp")
 
-KernelName = Literal["reference", "cpu_flash", "cuda_sdpa", "cuda_flash", "flash_attn"]
+KernelName = Literal["reference", "cpu_flash", "cuda_sdpa", "cuda_flash", "flash_attn", "cuda_cudnn", "flash_attn3"]
 
 # name -> (module, class); imported lazily so a missing optional library only matters when chosen.
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -35,11 +35,17 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "cuda_sdpa": ("mesh_cp.kernels.cuda_sdpa", "CudaSdpaKernel"),
     "cuda_flash": ("mesh_cp.kernels.cuda_flash", "CudaFlashKernel"),
     "flash_attn": ("mesh_cp.kernels.flash_attn", "FlashAttnKernel"),
+    "cuda_cudnn": ("mesh_cp.kernels.cudnn", "CudnnKernel"),
+    "flash_attn3": ("mesh_cp.kernels.flash_attn3", "FlashAttn3Kernel"),
 }
+# Compute capabilities where "auto" puts FlashAttention 3 and cuDNN first (cuDNN where PyTorch itself prefers it:
+# sdp_utils.cpp, check_prefer_cudnn_attention; flash-attn 3 is built for Hopper).
+_FA3_MAJOR = 9
+_CUDNN_FIRST = ((9, 0), (10, 0), (10, 3))
 KERNEL_NAMES: tuple[str, ...] = get_args(KernelName)
 _CACHE: dict[str, BlockKernel] = {}
 # (device, dtype, head_dim) -> (kernel name, reason), decided and logged once.
-_AUTO: dict[tuple[torch.device, torch.dtype, int | None], tuple[str, str]] = {}
+_AUTO: dict[tuple[torch.device, torch.dtype, int | None, tuple[str, ...]], tuple[str, str]] = {}
 # (name, device, dtype, head_dim) -> every reason that kernel cannot run such inputs (empty: it can).
 _WHY: dict[tuple[str, torch.device, torch.dtype, int | None], tuple[str, ...]] = {}
 
@@ -90,14 +96,15 @@ def forget_choices() -> None:
 def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """The kernels ``"auto"`` tries, best first.
 
-    CUDA fp16/bf16: ``flash_attn`` (flash-attn 2), ``cuda_flash`` (PyTorch's FlashAttention 2),
-    ``cuda_sdpa`` (memory-efficient), ``reference``; CUDA fp32: ``cuda_sdpa``, ``reference``; CUDA
-    fp64: ``reference``. CPU: ``cpu_flash``, ``reference``; other devices: ``reference``.
-    flash-attn 3 is not offered (Note [flash-attn private API] in :mod:`mesh_cp.kernels.flash_attn`).
+    CUDA fp16/bf16: on compute capability 9.x ``flash_attn3`` (FlashAttention 3) and, on 9.0, 10.0 and 10.3,
+    ``cuda_cudnn`` (PyTorch's cuDNN attention) first; then ``flash_attn`` (flash-attn 2), ``cuda_flash``
+    (PyTorch's FlashAttention 2), ``cuda_sdpa`` (memory-efficient), ``reference``. CUDA fp32: ``cuda_sdpa``,
+    ``reference``; CUDA fp64: ``reference``. CPU: ``cpu_flash``, ``reference``; other devices: ``reference``.
+    :func:`choose` takes the first whose ``not_supported_reasons`` are empty.
     """
     if device.type == "cuda":
         if dtype in (torch.float16, torch.bfloat16):
-            return ("flash_attn", "cuda_flash", "cuda_sdpa", "reference")
+            return (*_hopper_first(device), "flash_attn", "cuda_flash", "cuda_sdpa", "reference")
         if dtype == torch.float32:
             return ("cuda_sdpa", "reference")
         return ("reference",)
@@ -106,26 +113,43 @@ def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     return ("reference",)
 
 
+def _hopper_first(device: torch.device) -> tuple[str, ...]:
+    """The kernels ``"auto"`` puts before flash-attn 2 on this CUDA device (none on ROCm)."""
+    if torch.version.hip:
+        return ()
+    capability = tuple(torch.cuda.get_device_capability(device))
+    fa3 = ("flash_attn3",) if capability[0] == _FA3_MAJOR else ()
+    return fa3 + (("cuda_cudnn",) if capability in _CUDNN_FIRST else ())
+
+
 def _usable(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> list[str]:
     return [name for name in KERNEL_NAMES if not not_supported_reasons(name, device, dtype, head_dim)]
 
 
-def choose(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> tuple[str, str]:
-    """``(name, reason)`` of the kernel ``"auto"`` uses for such inputs: the first of
-    :func:`candidates` that can run them. Decided once per ``(device, dtype, head_dim)`` and logged
-    then (logger ``mesh_cp``, with every reason each better candidate was passed over: ``name: reason; reason``,
-    candidates apart by `` | ``); never raises because a preferred kernel is unusable."""
-    key = (device, dtype, head_dim)
+def choose(
+    device: torch.device, dtype: torch.dtype, head_dim: int | None = None, *, needs: tuple[str, ...] = ()
+) -> tuple[str, str]:
+    """``(name, reason)`` of the kernel ``"auto"`` uses for such inputs: the first of :func:`candidates` that can run
+    them and takes one of the optional keywords of every entry of ``needs`` (``"mask|segments"``: a masked call,
+    whose tiles go to a kernel taking neither only through the reference kernel; ``"softcap"``); when no candidate
+    but the reference kernel takes them, the first that can run the inputs. Decided once per ``(device, dtype,
+    head_dim, needs)`` and logged then (logger ``mesh_cp``, with every reason each better candidate was passed over:
+    ``name: reason; reason``, candidates apart by `` | ``); never raises because a preferred kernel is unusable."""
+    key = (device, dtype, head_dim, tuple(needs))
     if key not in _AUTO:
-        passed = []
+        runnable, passed = [], []
         for name in candidates(device, dtype):
             why = not_supported_reasons(name, device, dtype, head_dim)
-            if not why:
+            lacks = [need for need in needs if not any(takes(name, k) for k in need.split("|"))]
+            if not why and not lacks:
                 break
+            if not why:
+                runnable.append(name)
+                why = tuple(f"takes no {' or '.join(need.split('|'))}" for need in lacks)
             passed.append(f"{name}: {'; '.join(why)}")
-        else:  # unreachable: the reference kernel runs anything
-            raise AssertionError(f"no kernel for {key}")
-        what = f"{dtype} head_dim {head_dim} on {device}"
+        if name == "reference" and runnable:  # only the reference kernel takes the keywords: run the rest fast
+            name = runnable[0]
+        what = f"{dtype} head_dim {head_dim} on {device}" + (f" taking {', '.join(needs)}" if needs else "")
         reason = f"kernel 'auto' chose {name!r} for {what}" + (f" ({' | '.join(passed)})" if passed else "")
         slow = device.type == "cuda" and name == "reference" and dtype != torch.float64
         (logger.warning if slow else logger.info)("mesh_cp: %s", reason)
@@ -134,17 +158,22 @@ def choose(device: torch.device, dtype: torch.dtype, head_dim: int | None = None
 
 
 def resolve_kernel(
-    kernel: str | BlockKernel, device: torch.device, dtype: torch.dtype, head_dim: int | None = None
+    kernel: str | BlockKernel,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int | None = None,
+    *,
+    needs: tuple[str, ...] = (),
 ) -> BlockKernel:
     """A kernel object from a name, ``"auto"`` or an object implementing :class:`BlockKernel`.
 
-    ``"auto"``: :func:`choose` for ``(device, dtype, head_dim)``. A named kernel that cannot run such
+    ``"auto"``: :func:`choose` for ``(device, dtype, head_dim, needs)``. A named kernel that cannot run such
     inputs raises ``NotImplementedError`` with every reason and the kernels that can. ``head_dim=None``
     leaves head-dim limits unchecked (pass ``q.shape[-1]``).
     """
     if isinstance(kernel, str):
         if kernel == "auto":
-            return get_kernel(choose(device, dtype, head_dim)[0])
+            return get_kernel(choose(device, dtype, head_dim, needs=needs)[0])
         why = not_supported_reasons(kernel, device, dtype, head_dim)
         if why:
             raise NotImplementedError(

@@ -247,7 +247,8 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, options: CallOp
     """
     try:
         head_dim = q.shape[-1] if q.dim() else None
-        block_kernel = resolve_kernel(options.kernel, q.device, q.dtype, head_dim=head_dim)
+        needs = (("mask|segments",) if options.mask is not None else ()) + (("softcap",) if options.softcap else ())
+        block_kernel = resolve_kernel(options.kernel, q.device, q.dtype, head_dim=head_dim, needs=needs)
         kernel_error = None
     except (ValueError, NotImplementedError, RuntimeError) as err:
         block_kernel, kernel_error = None, err
