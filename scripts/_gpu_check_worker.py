@@ -389,6 +389,8 @@ class Job:
     """Tokens per zig-zag half-chunk of the mesh checks (global length ``2 P chunk``)."""
     head_dim: int = 32
     faults: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    mesh_kernels: list[str] = field(default_factory=lambda: ["auto"])
+    """Block kernels of the mesh checks (``"auto"`` and names): each mesh case runs with every one of them."""
     hf_schedule: str = "overlap"
     """Schedule of the Hugging Face cases (``hf.attach(..., schedule=)``)."""
     timeout_s: float = 60.0
@@ -570,30 +572,32 @@ def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dt
             def shard(t: Tensor, dim: int = 1) -> Tensor:
                 return mesh_cp.shard_sequence(t, mesh=mesh, dim=dim, layout=layout)
 
-            kernel = "auto"
-            if job.faults:
-                kernel = with_fault(resolve_auto(device, dtype, job.head_dim), job.faults)
-            leaves = [shard(t).detach().requires_grad_() for t in (x.q, x.k, x.v)]
-            out, lse = mesh_cp.mesh_attn_func(
-                *leaves,
-                mesh=mesh,
-                causal=causal,
-                layout=layout,
-                return_lse=True,
-                kernel=kernel,
-                schedule=schedule,
-                mask=mask,
-            )
-            if out.dtype != dtype:
-                return Verdict(False, f"out is {out.dtype}, not the inputs' {dtype}", math.inf)
-            x.loss(out, lse, shard(x.do), shard(x.dlse, 2)).backward()
-            got = {"out": out, "lse": lse, **grads_of(leaves)}
-
             def shards(d: dict[str, Tensor]) -> dict[str, Tensor]:
                 return {n: shard(t, 2 if n == "lse" else 1) for n, t in d.items()}
 
-            label = f"{mode} {heads}:{kv_heads}"
-            verdicts.append((label, judge(got, shards(gold), shards(plain), dtype)))
+            for name in job.mesh_kernels:
+                if name != "auto" and kernel_reasons(name, device, dtype, job.head_dim):
+                    continue  # a named kernel that does not take this dtype (cuda_flash in fp32)
+                kernel = name
+                if job.faults:
+                    kernel = with_fault(resolve_auto(device, dtype, job.head_dim), job.faults)
+                leaves = [shard(t).detach().requires_grad_() for t in (x.q, x.k, x.v)]
+                out, lse = mesh_cp.mesh_attn_func(
+                    *leaves,
+                    mesh=mesh,
+                    causal=causal,
+                    layout=layout,
+                    return_lse=True,
+                    kernel=kernel,
+                    schedule=schedule,
+                    mask=mask,
+                )
+                if out.dtype != dtype:
+                    return Verdict(False, f"out is {out.dtype}, not the inputs' {dtype}", math.inf)
+                x.loss(out, lse, shard(x.do), shard(x.dlse, 2)).backward()
+                got = {"out": out, "lse": lse, **grads_of(leaves)}
+                label = f"{mode} {heads}:{kv_heads}" + ("" if name == "auto" else f" {name}")
+                verdicts.append((label, judge(got, shards(gold), shards(plain), dtype)))
     return merge_verdicts(verdicts)
 
 

@@ -321,7 +321,11 @@ def spawned_jobs(opts: Options) -> list[Job]:
                     dtypes=["bf16", "fp16", "fp32"], **gpu)
             )  # fmt: skip
     if "mesh-gloo" in want:
-        jobs.append(Job("gloo 4 on cuda:0", "mesh-gloo", "gloo", 4, "cuda:0", ["mesh:mesh-gloo"], **gpu))
+        # auto (cuDNN or flash-attn 3 on Hopper: a chunk's row groups as calls) and cuda_flash (one varlen call)
+        jobs.append(
+            Job("gloo 4 on cuda:0", "mesh-gloo", "gloo", 4, "cuda:0", ["mesh:mesh-gloo"],
+                mesh_kernels=["auto", "cuda_flash"], **gpu)
+        )  # fmt: skip
     if "hf" in want:
         if opts.gpus >= 4:
             jobs.append(Job("nccl 4 GPUs", "hf", "nccl", 4, "cuda", ["hf:hf"], **gpu))
