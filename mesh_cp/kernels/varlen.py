@@ -188,12 +188,13 @@ def _inverse(rows: Tensor, size: int) -> Tensor:
 def segments_mask(segments: Segments, sq: int, sk: int, device: torch.device | str | None = None) -> Tensor:
     """``(len(segments), 1, sq, sk)`` boolean: query ``i`` of the tile attends key ``j`` (the dense equivalent of
     ``segments``, for the reference kernel and for tests). Raises ``ValueError`` for segments that break the
-    contract."""
-    return _segments_mask(segments, sq, sk).to(device)
+    contract. Built once per arguments on ``device`` (every layer calls with the same segments: no copy per call);
+    do not write to it."""
+    return _segments_mask(segments, sq, sk, None if device is None else torch.device(device))
 
 
 @functools.lru_cache(maxsize=64)
-def _segments_mask(segments: Segments, sq: int, sk: int) -> Tensor:
+def _segments_mask(segments: Segments, sq: int, sk: int, device: torch.device | None) -> Tensor:
     _check_segments(segments, len(segments), sq, sk)
     mask = torch.zeros(len(segments), 1, sq, sk, dtype=torch.bool)
     for b, segs in enumerate(segments):
@@ -206,7 +207,7 @@ def _segments_mask(segments: Segments, sq: int, sk: int) -> Tensor:
             if right >= 0:
                 seen &= j <= offset + right
             mask[b, 0, q0:q1, k0:k1] = seen
-    return mask
+    return mask if device is None else mask.to(device)
 
 
 def plan_for(q: Tensor, k: Tensor, segments: Segments, causal: bool) -> VarlenPlan:

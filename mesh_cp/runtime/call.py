@@ -3,8 +3,9 @@ the plan becomes kernel calls (masked blocks cut into tiles; Note [Masked blocks
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -39,7 +40,6 @@ class AttentionCall:
     to the reference kernel."""
     doc_ids: Tensor | None = None
     """``(B, S)`` document of every global position (``-1``: padding) when the plan has a mask."""
-    _positions: dict = field(default_factory=dict, repr=False)
 
     def forward_block(self, w: BlockWork, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
         """The ``(o, lse)`` of block ``w`` (rows ``w.q_rows``) from the whole Q chunk ``q (B, L, H, D)`` and the
@@ -199,11 +199,17 @@ class AttentionCall:
 
     def _global_positions(self, chunk: int, rows: tuple[int, int]) -> Tensor:
         """Global positions of the local rows ``rows`` of ``chunk``, on the device of :attr:`doc_ids`."""
-        if chunk not in self._positions:
-            plan = self.plan
-            positions = local_positions(plan.seq_len, plan.tiling.world, chunk, plan.layout)
-            self._positions[chunk] = torch.tensor(positions, dtype=torch.int64, device=self.doc_ids.device)
-        return self._positions[chunk][rows[0] : rows[1]]
+        plan = self.plan
+        positions = _chunk_positions(plan.seq_len, plan.tiling.world, chunk, plan.layout, self.doc_ids.device)
+        return positions[rows[0] : rows[1]]
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_positions(seq_len: int, world: int, chunk: int, layout: str, device: torch.device) -> Tensor:
+    """The global positions of ``chunk``'s rows on ``device``, built once: they depend on the call shape, not on the
+    mask, so a new packing on every step (a new :class:`AttentionCall` in every layer) copies none to the device. Do
+    not write to it."""
+    return torch.tensor(local_positions(seq_len, world, chunk, layout), dtype=torch.int64, device=device)
 
 
 Piece = tuple[int, tuple[int, int]]
