@@ -6,7 +6,8 @@ The demo model (``examples/common.build_model``: a Llama with random seeded weig
 
 * ``tree``: on ``--world`` gloo ranks (:func:`mesh_cp.testing.spawn_gloo`, mesh tile ``1 x P``),
   ``mesh_cp.integrations.hf.generation.prefill`` then ``model.generate(past_key_values=cache)``: every
-  layer's decode attention is :func:`mesh_cp.decode_attn_func` (local attention, then two fp32 all-reduces);
+  layer's decode attention is :func:`mesh_cp.decode_attn_func` (local attention over the preallocated shard,
+  then one all-gather of the packed fp32 ``[out, lse]`` and a local merge);
 * ``ring``: the same, with :func:`ring_decode_attn_func` (below) swapped in for the decode attention: the K/V
   shards travel around the ring of all ``P`` ranks (``P - 1`` steps, each overlapping the next transfer
   with the attention to the shard in hand), every rank merging every shard's ``(out, lse)`` itself;
@@ -17,15 +18,17 @@ Decode time is the ``generate`` call alone (after prefill; its first step feeds 
 it runs ``N`` forwards of one token per row, the same in the three ways), the slowest rank's; tokens/s is ``N /
 seconds``. The bytes a rank sends are counted by :class:`mesh_cp.CommCounter` in a second, untimed ``generate``
 from the same prefilled cache (a dispatch mode costs time on every op), the most of any rank, per generated
-token. ``KV bytes/rank`` is the K/V cache a rank holds after decoding (the most of any rank; its share of the
-prefill's padding included). ``RSS MiB`` is the growth of the process's peak resident memory over prefill and
+token, and the collectives of that decode per layer and token. ``KV bytes/rank`` is the K/V cache a rank holds
+after decoding (the most of any rank; its share of the prefill's padding and the slots preallocated for the new
+tokens included). ``RSS MiB`` is the growth of the process's peak resident memory over prefill and
 decode (``ru_maxrss`` after, less the resident set before, the peak first reset through
 ``/proc/self/clear_refs`` where Linux allows it; the most of any rank): noisy and an upper bound, since the
 allocator keeps and reuses freed memory. Every process gets ``--threads`` torch threads, and on a machine with
 fewer cores than ranks the ranks share them, so the tree and ring tokens/s are those of an oversubscribed CPU.
 
 Checks (exit status 1 if one fails): ring and tree pick the same greedy tokens with logits within 1e-4; the
-tree sends exactly ``layers x DecodeReduction.for_tile(1, P).bytes_sent(shape)`` bytes per token and rank.
+tree sends exactly ``layers x DecodeReduction.for_tile(1, P).bytes_sent(shape)`` bytes per token and rank, in
+one all-gather per layer and token.
 The cost model's bytes per token and rank (:func:`mesh_cp.sim.simulate_decode`, tile ``1 x P``) are printed
 beside the measured ones; ring's measured bytes also carry the positions of the entries (8 bytes each) and
 the exchange of shard lengths.
@@ -55,7 +58,6 @@ sys.path.append(str(ROOT))  # for examples.common
 from examples.common import build_model  # noqa: E402
 from mesh_cp.core.decode import DecodeReduction, DecodeShape  # noqa: E402
 from mesh_cp.integrations.hf.compat import cache_keyword, output_cache  # noqa: E402
-from mesh_cp.kernels import get_kernel  # noqa: E402
 from mesh_cp.runtime.decode import local_attention  # noqa: E402
 from mesh_cp.sim import Topology, simulate_decode  # noqa: E402
 from mesh_cp.testing import spawn_gloo  # noqa: E402
@@ -73,7 +75,7 @@ TIMEOUT = datetime.timedelta(minutes=30)  # P ranks share few cores: a collectiv
 def _attend(q, k, v, q_positions, k_positions, scale: float):
     """This shard's ``(out, lse)`` in fp32, computed as the tree computes its local part: entry ``j`` seen by
     query ``i`` iff ``0 <= p_j <= p_i``."""
-    out, lse = local_attention(get_kernel("reference"), q, k, v, q_positions, k_positions, scale)
+    out, lse = local_attention(None, q, k, v, q_positions, k_positions, scale)
     return out.float(), lse.float()
 
 
@@ -179,17 +181,19 @@ def run_sharded(model, mesh, ids, mask, new_tokens: int) -> dict:
 
     before = _rss_mib()
     start = time.perf_counter()
-    cache = prefill(model, ids, mask, mesh=mesh)
+    cache = prefill(model, ids, mask, mesh=mesh, max_new_tokens=new_tokens)
     prefill_s = time.perf_counter() - start
-    # generate appends new tensors to the layers (torch.cat): keep the prefilled ones to decode again.
-    prefilled = [(layer.keys, layer.values, layer.columns, layer.seen) for layer in cache.layers]
+    # generate writes the new columns into the preallocated slots: keep the prefilled state to decode again (the
+    # slots it filled are hidden again by their column, -1).
+    prefilled = [(layer.columns.clone(), layer.seen, layer.length) for layer in cache.layers]
     dist.barrier()
     start = time.perf_counter()
     out = _generate(model, ids, mask, cache, new_tokens)
     decode_s = time.perf_counter() - start
     kv_bytes = _kv_bytes(cache)
-    for layer, (keys, values, columns, seen) in zip(cache.layers, prefilled, strict=True):
-        layer.keys, layer.values, layer.columns, layer.seen = keys, values, columns, seen
+    for layer, (columns, seen, length) in zip(cache.layers, prefilled, strict=True):
+        layer.columns.copy_(columns)
+        layer.seen, layer.length = seen, length
     dist.barrier()
     with CommCounter() as counter:
         counted = _generate(model, ids, mask, cache, new_tokens)
@@ -199,6 +203,7 @@ def run_sharded(model, mesh, ids, mask, new_tokens: int) -> dict:
         "prefill_s": _max(prefill_s),
         "decode_s": _max(decode_s),
         "bytes_sent": int(_max(counter.bytes_sent(), torch.int64)),
+        "collectives": int(_max(len(counter.records), torch.int64)),
         "kv_bytes_per_rank": int(_max(kv_bytes, torch.int64)),
         "peak_rss_growth_mib": _max(_peak_growth_mib(before)),
         "sequences": out.sequences,
@@ -255,6 +260,7 @@ def _one_process(model, cfg: SimpleNamespace, context: int) -> dict:
         decode_s = time.perf_counter() - start
     return {
         "context": context, "method": "one process", "prefill_s": prefill_s, "decode_s": decode_s, "bytes_sent": 0,
+        "collectives": 0,
         "kv_bytes_per_rank": _kv_bytes(output_cache(out)), "peak_rss_growth_mib": _peak_growth_mib(before),
         "sequences": out.sequences, "logits": torch.stack(out.logits),
     }  # fmt: skip
@@ -276,6 +282,7 @@ def finish_rows(rows: list[dict], cfg: SimpleNamespace, topology: Topology) -> l
         row["tokens_per_s"] = cfg.new_tokens / row["decode_s"]
         row["speedup_vs_ring"] = row["tokens_per_s"] / ring_rate[context]
         row["bytes_per_token_per_rank"] = row["bytes_sent"] / cfg.new_tokens
+        row["collectives_per_layer_token"] = row.pop("collectives") / (cfg.layers * cfg.new_tokens)
         row["predicted_bytes_per_token_per_rank"] = cfg.layers * cost.bytes_total if cost else None
         row["predicted_us_per_token"] = cfg.layers * cost.time_s * 1e6 if cost else None
         row["max_logit_diff_vs_tree"] = (row.pop("logits") - tree[context][0]).abs().max().item()
@@ -289,18 +296,23 @@ def finish_rows(rows: list[dict], cfg: SimpleNamespace, topology: Topology) -> l
             row["tree_bytes_check"] = "OK" if row["bytes_per_token_per_rank"] == want else "MISMATCH"
             if row["tree_bytes_check"] != "OK":
                 failures.append(f"context {context}: tree sent {row['bytes_per_token_per_rank']} B/token, want {want}")
+            if row["collectives_per_layer_token"] != 1:
+                failures.append(
+                    f"context {context}: tree ran {row['collectives_per_layer_token']} collectives per layer"
+                )
     return failures
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ["context", "method", "tokens/s", "B/token/rank", "model B/token", "KV B/rank", "RSS MiB", "vs ring"]
+    head = ["context", "method", "tokens/s", "B/token/rank", "model B/token", "coll/layer", "KV B/rank", "RSS MiB"]
+    head += ["vs ring"]
     head += ["dlogit vs tree", "same tokens"]
     lines = [head]
     for r in rows:
         lines.append([
             str(r["context"]), r["method"], f"{r['tokens_per_s']:.1f}", f"{r['bytes_per_token_per_rank']:,.0f}",
             "-" if r["predicted_bytes_per_token_per_rank"] is None else f"{r['predicted_bytes_per_token_per_rank']:,}",
-            f"{r['kv_bytes_per_rank']:,}", f"{r['peak_rss_growth_mib']:.0f}", f"{r['speedup_vs_ring']:.2f}x",
+            f"{r['collectives_per_layer_token']:g}", f"{r['kv_bytes_per_rank']:,}", f"{r['peak_rss_growth_mib']:.0f}", f"{r['speedup_vs_ring']:.2f}x",
             f"{r['max_logit_diff_vs_tree']:.1e}", "yes" if r["same_tokens_as_tree"] else "NO",
         ])  # fmt: skip
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

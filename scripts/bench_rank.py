@@ -16,13 +16,15 @@ accounting)::
 Masks: ``causal``, and packed rows of documents drawn uniformly from ``long`` (8K-32K tokens), ``mixed``
 (1K-8K) and ``short`` (256-2K) over ``S = P L`` (seeded; lengths divided by ``--doc-scale``, by default 1 on
 CUDA and 16 on CPU, where ``L`` is 16 times smaller). ``kernel calls`` counts the kernel's forward calls in
-rank 0's forward (masked blocks run tile by tile, or run by run on kernels that take ``segments``).
+rank 0's forward (masked blocks run tile by tile, or run by run on kernels that take ``segments``). ``--balance``
+adds each packed row in the order that balances the ranks (``packed long balanced``, ...; Note [Balanced packing]
+in ``mesh_cp/core/balance.py``) and a table of every packed row's busiest rank's pairs over the mean.
 
 Decode rows: per step, rank 0's part of Tree-Attention decoding of one query over a cache of ``S = P L``
 tokens (:func:`mesh_cp.runtime.decode.local_attention` over its ``L``-token shard, then a ``merge_`` in fp32
 standing for the combine; its all-gather needs a process group and is not timed), against the same
-attention over the whole cache in one process, both the decode step of Note [Decode local step] (in the cache's
-dtype, no fp32 copy of it).
+attention over the whole cache in one process, both with what ``decode_attn_func`` runs by default
+(:func:`mesh_cp.runtime.decode.decode_kernel`: ``cuda_sdpa`` on CUDA, else the step of Note [Decode local step]).
 
 Times are the best of ``--repeats`` runs after one warm-up, with ``torch.cuda.synchronize()`` around each on CUDA.
 
@@ -42,11 +44,13 @@ from collections.abc import Callable
 import torch
 
 from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, make_plan, most_square_tile
+from mesh_cp.core.balance import balance_documents, rank_pairs
 from mesh_cp.core.numerics import acc_dtype, attention_delta, document_ids, merge_
 from mesh_cp.kernels import capabilities_of, resolve_kernel
 from mesh_cp.runtime.call import AttentionCall
-from mesh_cp.runtime.decode import local_attention
+from mesh_cp.runtime.decode import decode_kernel, local_attention
 from mesh_cp.runtime.executors import backward_blocks, forward_blocks
+from mesh_cp.sim.memory import compute_bytes
 
 MIXES = {"long": (8192, 32768), "mixed": (1024, 8192), "short": (256, 2048)}
 """Document lengths (tokens) of the packed mixes, before ``--doc-scale``."""
@@ -70,6 +74,19 @@ class CountingKernel:
         return self.inner.backward(*args, **kwargs)
 
 
+def peak_allocated(fn: Callable[[], object], device: torch.device) -> tuple[object, int | None]:
+    """``fn()`` and the most bytes it allocated beyond what was allocated before it (CUDA; ``None`` elsewhere): what
+    :func:`mesh_cp.sim.memory.compute_bytes` models."""
+    if device.type != "cuda":
+        return fn(), None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    return out, torch.cuda.max_memory_allocated(device) - base
+
+
 def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple[float, object]:
     """Fewest seconds of ``fn()`` over ``repeats`` runs after one warm-up (robust to other load), and its result."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -91,12 +108,30 @@ def document_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
     return lengths
 
 
-def masks(seq_len: int, scale: int, seed: int) -> dict[str, AttentionMask | None]:
+def masks(seq_len: int, scale: int, seed: int, balance_world: int | None = None) -> dict[str, AttentionMask | None]:
+    """``causal`` and the packed mixes; with ``balance_world``, each mix also in the order that balances it over
+    that many ranks (most square tile, zig-zag; :func:`mesh_cp.core.balance.balance_documents`)."""
     out: dict[str, AttentionMask | None] = {"causal": None}
     for i, (name, (lo, hi)) in enumerate(MIXES.items()):
         lengths = document_lengths(seq_len, max(1, lo // scale), max(1, hi // scale), seed + i)
         out[f"packed {name}"] = AttentionMask.from_lengths([lengths])
+        if balance_world is not None:
+            (order,) = balance_documents(lengths, seq_len=seq_len, world=balance_world)
+            out[f"packed {name} balanced"] = AttentionMask.from_lengths([[lengths[j] for j in order]])
     return out
+
+
+def imbalance_table(args) -> str:
+    """The busiest rank's pairs over the mean of every packed row (``--balance``), as the plan counts them."""
+    lines = ["", "", "Busiest rank's pairs / mean (zig-zag, most square tile)", "", "| L | mask | busiest / mean |"]
+    lines.append("|---|---|---|")
+    for L in args.lengths:
+        seq = args.world * L
+        for name, mask in masks(seq, args.doc_scale, args.seed, args.world).items():
+            if mask is not None:
+                pairs = rank_pairs([[b - a for a, b in mask.documents[0]]], seq_len=seq, world=args.world)
+                lines.append(f"| {L:,} | {name} | {max(pairs) * len(pairs) / sum(pairs):.3f} |")
+    return "\n".join(lines)
 
 
 def flops(pairs: int, heads: int, head_dim: int) -> float:
@@ -127,11 +162,13 @@ def rank_row(args, kernel, L: int, heads: int, kv_heads: int, mask_name: str, ma
 
     with torch.no_grad():
         counting.calls = 0
-        o_acc, lse_acc = forward()
+        (o_acc, lse_acc), peak_fwd = peak_allocated(forward, device)
         calls = counting.calls
         t_fwd, _ = timed(forward, args.repeats, device)
         delta = torch.stack([attention_delta(do_all[i], o_acc[i]) for i in range(a)])
         stats = torch.stack((lse_acc, delta), dim=1)  # (a, 2, B, H, L)
+        del o_acc, lse_acc
+        _, peak_bwd = peak_allocated(lambda: backward(stats), device)
         t_bwd, _ = timed(lambda: backward(stats), args.repeats, device)
         pairs = plan.pairs(0)
         single = single_call(args, kernel, heads, kv_heads, pairs)
@@ -147,9 +184,11 @@ def rank_row(args, kernel, L: int, heads: int, kv_heads: int, mask_name: str, ma
         "blocks": len(blocks),
         "masked_blocks": sum(w.kind is MaskKind.MASKED for w in blocks),
         "kernel_calls": calls,
-        "plan_kernel_calls": sum(len(plan.tiles(w)) if w.kind is MaskKind.MASKED else 1 for w in blocks),
+        "plan_kernel_calls": call.kernel_calls(0),
         "units": len(call.units(0)),
         "pairs": pairs,
+        "peak_mib": [None if p is None else p / 2**20 for p in (peak_fwd, peak_bwd)],
+        "model_mib": [compute_bytes(plan, phase) / 2**20 for phase in ("forward", "backward")],
         "ms_fwd": t_fwd * 1e3,
         "ms_bwd": t_bwd * 1e3,
         "ms": seconds * 1e3,
@@ -186,9 +225,10 @@ def decode_row(args, L: int, heads: int, kv_heads: int) -> dict:
     q_pos = torch.full((1, 1), context, device=device)
     k_shard, v_shard, p_shard = k_all[:, :L], v_all[:, :L], positions[:, :L]
     scale, acc = dim**-0.5, acc_dtype(dtype)
+    block = decode_kernel("auto", device, dtype, dim)
 
     def rank_step():
-        out, lse = local_attention(None, q, k_shard, v_shard, q_pos, p_shard, scale)
+        out, lse = local_attention(block, q, k_shard, v_shard, q_pos, p_shard, scale)
         o_acc = torch.zeros((1, 1, heads, dim), dtype=acc, device=device)
         lse_acc = torch.full((1, heads, 1), float("-inf"), dtype=acc, device=device)
         merge_(o_acc, lse_acc, out, lse)
@@ -197,7 +237,7 @@ def decode_row(args, L: int, heads: int, kv_heads: int) -> dict:
     with torch.no_grad():
         repeats = max(args.repeats, 20)
         t_rank, _ = timed(rank_step, repeats, device)
-        t_one, _ = timed(lambda: local_attention(None, q, k_all, v_all, q_pos, positions, scale), repeats, device)
+        t_one, _ = timed(lambda: local_attention(block, q, k_all, v_all, q_pos, positions, scale), repeats, device)
     return {
         "kind": "decode",
         "L": L,
@@ -228,10 +268,21 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{r['kernel_calls']} | {r['ms_fwd']:.2f} | {r['ms_bwd']:.2f} | {r['tflops']:.4g} | "
             f"{r['single_tokens']:,} | {r['single_ms']:.2f} | {r['single_tflops']:.4g} | {r['fraction']:.2f} |"
         )
+    measured = [r for r in train if r["peak_mib"][0] is not None]
+    if measured:
+        lines += ["", "Memory beyond the chunks (MiB): measured peak, and `mesh_cp.sim.memory.compute_bytes`", ""]
+        lines += [
+            "| L | heads | mask | fwd measured | fwd model | bwd measured | bwd model |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in measured:
+            (pf, pb), (mf, mb) = r["peak_mib"], r["model_mib"]
+            lines.append(
+                f"| {r['L']:,} | {r['heads']}:{r['kv_heads']} | {r['mask']} | {pf:.0f} | {mf:.0f} | {pb:.0f} | {mb:.0f} |"
+            )
     lines += [
         "",
-        f"Decode, one query per step, {meta['decode_kernel']} (rank: local attention + merge; all-gather not "
-        "timed)",
+        f"Decode, one query per step, {meta['decode_kernel']} (rank: local attention + merge; all-gather not timed)",
         "",
         "| L | heads | context | rank ms/step | one process ms/step | rank / one process |",
         "|---|---|---|---|---|---|",
@@ -259,6 +310,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--quick", action="store_true", help="smoke: L = 128, 4 heads, 3 repeats")
+    p.add_argument(
+        "--balance",
+        action="store_true",
+        help="also time each packed row in balanced order (mesh_cp.core.balance) and print every packed row's "
+        "busiest rank's pairs over the mean",
+    )
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if args.quick:
@@ -281,7 +338,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for L in args.lengths:
         for h, hkv in heads:
-            for name, mask in masks(args.world * L, args.doc_scale, args.seed).items():
+            balance_world = args.world if args.balance else None
+            for name, mask in masks(args.world * L, args.doc_scale, args.seed, balance_world).items():
                 rows.append(rank_row(args, kernel, L, h, hkv, name, mask))
         for h, hkv in heads:
             rows.append(decode_row(args, L, h, hkv))
@@ -294,12 +352,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "tile": f"{a}x{b}",
         "head_dim": args.head_dim,
         "kernel": kernel.name,
-        "decode_kernel": "decode_step",
+        "decode_kernel": getattr(decode_kernel("auto", args.device, args.dtype, args.head_dim), "name", "decode_step"),
         "doc_scale": args.doc_scale,
         "repeats": args.repeats,
         "seed": args.seed,
     }
-    print(markdown(meta, rows))
+    print(markdown(meta, rows) + (imbalance_table(args) if args.balance else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
     ids = ids.to(device)
     torch.manual_seed(args.seed)  # the same on every rank: sampling draws the same tokens everywhere
     t0 = time.perf_counter()
-    cache = hf.prefill(model, ids, mesh=mesh)
+    cache = hf.prefill(model, ids, mesh=mesh, max_new_tokens=args.new_tokens)
     prefill_s = time.perf_counter() - t0
     streamer = ProgressStreamer(args.new_tokens) if rank == 0 else None
     t0 = time.perf_counter()

@@ -13,10 +13,21 @@ every column before it is run through the model once, sharded along the sequence
 last column and every new token to all ranks alike: each layer's new K/V go to one rank (columns dealt round-robin,
 so the shards stay balanced), and attention over the cache is :func:`mesh_cp.decode_attn_func` (Note [Tree
 decoding]): the queries see the entries whose column is at most theirs and that the batch's attention mask
-keeps (padding), each rank over its shard, combined by all-reduces. Every rank ends each step with the same logits,
-so greedy search and sampling (the same seed on every rank) pick the same tokens everywhere.
+keeps (padding), each rank over its shard, combined by one all-gather per mesh level. Every rank ends each step
+with the same logits, so greedy search and sampling (the same seed on every rank) pick the same tokens everywhere.
 :func:`generate` also makes every stopping decision the same on all ranks (any rank's stop stops all: a rank that
-stopped alone would leave the others waiting in the all-reduce) and hands a streamer to rank 0 only.
+stopped alone would leave the others waiting in the all-gather) and hands a streamer to rank 0 only.
+
+Note [Static shard cache]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Each layer's shard is allocated once, at the prefill, with a fixed capacity: the prompt's slots, then
+``ceil(max_new_tokens / P)`` slots for new columns (the rank that takes the first new column takes the most).
+Decoding writes the columns a rank owns into its next slots in place (slice assignment at a position held on the
+host, which the host knows without reading the device), and the attention reads the whole capacity, its empty
+slots at column ``-1`` hidden by the mask: no shape grows from token to token, no tensor is reallocated and no
+value is read back from the device, so the step's shapes are static (what CUDA graphs need). A column beyond the
+capacity raises on every rank at the same step, naming the capacity and the fix. The cost: the empty slots are
+read too, at most ``ceil(max_new_tokens / P)`` per rank.
 """
 
 from __future__ import annotations
@@ -40,11 +51,13 @@ from mesh_cp.runtime.sharding import position_ids
 
 
 class ShardedLayer(CacheLayerMixin):
-    """This rank's shard of one layer's K/V cache: ``keys, values (B, Hkv, L, D)`` and the batch column of each
-    entry, ``columns (L,)`` (``-1``: an entry nobody sees, such as the padding added to fit the mesh)."""
+    """This rank's shard of one layer's K/V cache, preallocated (Note [Static shard cache]): ``keys, values (B, Hkv,
+    C, D)`` of a fixed capacity ``C`` and the batch column of each slot, ``columns (C,)`` (``-1``: a slot nobody sees,
+    such as an empty one or the padding added to fit the mesh); the first :attr:`length` slots are filled."""
 
     is_sliding = False
     is_croppable = False
+    supports_early_init = False
 
     def __init__(self, rank: int, world: int) -> None:
         super().__init__()
@@ -52,43 +65,74 @@ class ShardedLayer(CacheLayerMixin):
         self.columns: Tensor | None = None
         self.seen = 0
         """Columns of the batch processed so far, by all ranks together."""
+        self.length = 0
+        """Slots of this rank filled so far (host-side: no read of the device)."""
         self.prefill_columns: Tensor | None = None
         """Set by :func:`prefill` for its forward: the columns of this rank's shard."""
         self.prefill_length = 0
+        self.max_new_tokens = 0
+        """Set by :func:`prefill`: the columns decoding may feed, which sizes the slots left after the prompt's."""
+
+    @property
+    def capacity(self) -> int:
+        """Slots of the shard: the prompt's, then ``ceil(max_new_tokens / world)`` for new columns (0 before the
+        prefill)."""
+        return 0 if self.columns is None else self.columns.numel()
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        if self.prefill_columns is None:
+            raise ValueError("the prefill of a ShardedKVCache must be its first update, with the shard's columns")
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states[:, :, :0]
-        self.values = value_states[:, :, :0]
-        self.columns = torch.zeros(0, dtype=torch.long, device=key_states.device)
+        batch, heads, _, _ = key_states.shape
+        slots = self.prefill_columns.numel() + -(-self.max_new_tokens // self.world)
+        # Zeros, not empty: an unfilled slot's value is multiplied by its probability 0, which must not make a nan.
+        self.keys = key_states.new_zeros(batch, heads, slots, key_states.shape[-1])
+        self.values = value_states.new_zeros(batch, value_states.shape[1], slots, value_states.shape[-1])
+        self.columns = torch.full((slots,), -1, dtype=torch.long, device=key_states.device)
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Prefill: keep this rank's shard and return it (the mesh attends the shards). Decode: keep the new
-        columns this rank owns, and return this rank's whole shard."""
+        """Prefill: keep this rank's shard and return it (the mesh attends the shards). Decode: write the new
+        columns this rank owns into the next slots, and return the whole preallocated shard."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.prefill_columns is not None:
             columns, self.prefill_columns = self.prefill_columns, None
             if self.seen or columns.numel() != key_states.shape[2]:
                 raise ValueError("the prefill of a ShardedKVCache must be its first update, with the shard's columns")
-            self._append(key_states, value_states, columns)
+            self._write(key_states, value_states, columns)
             self.seen = self.prefill_length
             return key_states, value_states
         new = key_states.shape[2]
-        # Column c goes to rank (c - prefill_length) % world: the owned new columns are a range made on the device
-        # (whether it is empty is known on the host), so nothing is copied from the host or read back.
+        self._check_room(new)
+        # Column c goes to rank (c - prefill_length) % world: the owned new columns are a strided slice and a range
+        # made on the device (how many is known on the host), so nothing is copied from the host or read back.
         first = (self.rank - (self.seen - self.prefill_length)) % self.world
         if first < new:
-            index = torch.arange(first, new, self.world, device=key_states.device)
-            self._append(key_states.index_select(2, index), value_states.index_select(2, index), index + self.seen)
+            index = torch.arange(self.seen + first, self.seen + new, self.world, device=self.columns.device)
+            self._write(key_states[:, :, first :: self.world], value_states[:, :, first :: self.world], index)
         self.seen += new
         return self.keys, self.values
 
-    def _append(self, keys: Tensor, values: Tensor, columns: Tensor) -> None:
-        self.keys = torch.cat([self.keys, keys], dim=2)
-        self.values = torch.cat([self.values, values], dim=2)
-        self.columns = torch.cat([self.columns, columns.to(self.columns.device)])
+    def _write(self, keys: Tensor, values: Tensor, columns: Tensor) -> None:
+        """Copy entries into the next free slots, in place."""
+        end = self.length + keys.shape[2]
+        self.keys[:, :, self.length : end] = keys
+        self.values[:, :, self.length : end] = values
+        self.columns[self.length : end] = columns
+        self.length = end
+
+    def _check_room(self, new: int) -> None:
+        """Refuse ``new`` columns that would overflow the slots of any rank (the first rank takes the most: every
+        rank checks the same arithmetic, so all raise at the same step, none left waiting in a collective)."""
+        fed = self.seen + new - self.prefill_length
+        if -(-fed // self.world) > -(-self.max_new_tokens // self.world):
+            raise ValueError(
+                f"the ShardedKVCache is full: its capacity is {self.capacity} slots per rank (the prompt's "
+                f"{self.capacity - -(-self.max_new_tokens // self.world)} and max_new_tokens={self.max_new_tokens} "
+                f"over {self.world} ranks), and decoding has fed {fed} columns; prefill with a larger max_new_tokens "
+                "(mesh_cp.integrations.hf.prefill(..., max_new_tokens=N), or pass max_new_tokens to hf.generate)"
+            )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
@@ -135,12 +179,19 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def prefill(
-    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None = None, *, mesh: CPMesh
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    mesh: CPMesh,
+    max_new_tokens: int | None = None,
 ) -> ShardedKVCache:
     """Run every column of the left-padded prompts ``input_ids (B, T)`` but the last through ``model`` sharded over
     ``mesh`` (Mesh-Attention, as in training) and return the :class:`ShardedKVCache` of this rank, ready for
-    ``model.generate(input_ids, attention_mask=..., cache=cache)`` (``past_key_values=cache`` before transformers 5.24). Collective over the mesh; every rank
-    passes the same prompts. ``attention_mask`` (``B, T``, default all ones) must pad on the left only."""
+    ``model.generate(input_ids, attention_mask=..., cache=cache)`` (``past_key_values=cache`` before transformers
+    5.24). Collective over the mesh; every rank passes the same prompts. ``attention_mask`` (``B, T``, default all
+    ones) must pad on the left only. ``max_new_tokens`` sizes the cache (Note [Static shard cache]): the most tokens
+    the ``generate`` that follows may make (default: as ``model.generation_config`` sets it)."""
     modules = _attention_modules(model)
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(
@@ -160,8 +211,9 @@ def prefill(
     columns = position_ids(length + extra, mesh=mesh, layout="zigzag", device=sharded.input_ids.device) - extra
     columns = torch.where(columns >= 0, columns, -1)
     cache = ShardedKVCache(mesh, len(modules))
+    budget = new_token_budget(model, width, {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens})
     for layer in cache.layers:
-        layer.prefill_columns, layer.prefill_length = columns, length
+        layer.prefill_columns, layer.prefill_length, layer.max_new_tokens = columns, length, budget
     for module in modules:
         module.mesh_cp_cache = cache
     # The prefill's logits are not used (generate runs the last column): keep one per row, not (B, S / P, vocab).
@@ -176,6 +228,22 @@ def prefill(
             f"the model updated {sum(layer.seen == length for layer in cache.layers)} of {len(cache.layers)} cache layers"
         )
     return cache
+
+
+def new_token_budget(model: torch.nn.Module, width: int, options: dict[str, Any]) -> int:
+    """The most tokens ``model.generate(**options)`` makes after prompts of ``width`` columns, as transformers reads
+    it: ``max_new_tokens``, else ``max_length - width``, from ``options`` or the generation config they name."""
+    config = options.get("generation_config") or model.generation_config
+    budget = options.get("max_new_tokens", config.max_new_tokens)
+    if budget is None:
+        budget = options.get("max_length", config.max_length) - width
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ValueError(
+            f"the ShardedKVCache is sized by the tokens generate will make: got {budget!r} for prompts of {width} "
+            "columns (max_new_tokens, else max_length - width, of the call or the model's generation_config); pass "
+            "max_new_tokens=N >= 1 to mesh_cp.integrations.hf.prefill or hf.generate"
+        )
+    return budget
 
 
 def _check_left_padding(mask: Tensor) -> None:
@@ -227,9 +295,9 @@ def generate(
     streamer: Any = None,
     **generate_kwargs: Any,
 ) -> Tensor:
-    """:func:`prefill`, then ``model.generate`` with the sharded cache (Note [Sharded generation]). Every rank
-    calls it with the same prompts and options (and seeds its RNG alike to sample); returns the same sequences on
-    every rank. ``stopping_criteria`` may differ between ranks (rank 0's alone, say): their decisions are combined,
+    """:func:`prefill` (its cache sized by ``max_new_tokens`` or ``max_length``, as ``model.generate`` reads them),
+    then ``model.generate`` with the sharded cache (Note [Sharded generation]). Every rank calls it with the same
+    prompts and options (and seeds its RNG alike to sample); returns the same sequences on every rank. ``stopping_criteria`` may differ between ranks (rank 0's alone, say): their decisions are combined,
     so all ranks stop together. ``streamer`` is used on the mesh's rank 0 only."""
     refused = {k: v for k, v in generate_kwargs.items() if k in _ONE_SEQUENCE and v not in (None, 1)}
     for name in CACHE_KEYWORDS:
@@ -242,7 +310,8 @@ def generate(
         )
     if generate_kwargs.get("do_sample"):
         _check_same_rng(model, mesh)
-    cache = prefill(model, input_ids, attention_mask, mesh=mesh)
+    budget = new_token_budget(model, input_ids.shape[1], generate_kwargs)
+    cache = prefill(model, input_ids, attention_mask, mesh=mesh, max_new_tokens=budget)
     stops = _SyncedStop(stopping_criteria or StoppingCriteriaList(), mesh.group)
     return model.generate(
         input_ids=input_ids,
@@ -271,7 +340,8 @@ def decode_attention(
 ) -> tuple[Tensor, None]:
     """The attention of new tokens over this rank's :class:`ShardedKVCache` shard, combined over the mesh (Note
     [Sharded generation]): ``query (B, Hq, k, D)`` of the new tokens (the same on every rank), ``key, value (B,
-    Hkv, L, D)`` this rank's shard as the cache's update returned it. Returns ``((B, k, Hq, D), None)``."""
+    Hkv, C, D)`` this rank's preallocated shard as the cache's update returned it, its empty slots hidden (Note
+    [Static shard cache]). Returns ``((B, k, Hq, D), None)``."""
     if mask.refusal is not None:
         raise NotImplementedError(mask.refusal)
     cache, index = getattr(module, "mesh_cp_cache", None), getattr(module, "layer_idx", None)

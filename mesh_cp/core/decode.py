@@ -1,4 +1,4 @@
-"""Tree-Attention decoding as data: the all-reduces that combine the ranks' partial results, and their bytes.
+"""Tree-Attention decoding as data: the all-gathers that combine the ranks' partial results, and their bytes.
 
 Note [Tree decoding]
 ~~~~~~~~~~~~~~~~~~~~
@@ -8,16 +8,21 @@ row and head (``o_g = 0``, ``lse_g = -inf`` where it holds none). The exact resu
 
     m = max_g lse_g,   w_g = exp(lse_g - m),   o = sum_g w_g o_g / sum_g w_g,   lse = m + log(sum_g w_g)
 
-two all-reduces per call: MAX of the lse, then SUM of ``[w_g o_g, w_g]`` packed into one fp32 tensor. Both are
-done in levels: over the mesh's Q-group, then over its KV-group. The two partition the CP group (Q-group of rank
-``g``: ``g // a * a + i``; KV-group: ``g % a + j * a``, Note [Mesh tiling]), so summing over the Q-group and then
-over the KV-group sums over every rank, and every rank ends with the result (no broadcast). With a node-local tile
-(``a`` = ranks per node) the first level stays inside a node and the second crosses nodes once per rank: the
-topology-aware reduction. ``1 x P`` is one flat all-reduce over the CP group.
+(Note [LSE merge] for many pieces at once; a row with ``lse_g = -inf`` on every rank gets ``o = 0``, ``lse =
+-inf``). One collective per level: each rank packs ``[o_g, lse_g]`` into one ``(B, k, Hq, D + 1)`` fp32 tensor,
+the level's all-gather hands every member all ``n`` pieces, and each merges them itself; the merged result is its
+piece at the next level. The levels are the mesh's Q-group, then its KV-group (a hybrid mesh's head group first).
+They partition the CP group (Q-group of rank ``g``: ``g // a * a + i``; KV-group: ``g % a + j * a``, Note [Mesh
+tiling]), so merging over the Q-group and then over the KV-group merges every rank's piece, and every rank ends
+with the result. With a node-local tile (``a`` = ranks per node) the first level stays inside a node and the
+second crosses nodes once per rank: the topology-aware reduction. ``1 x P`` (or a plain process group) is one
+all-gather per layer and call.
 
-Bytes a rank sends per call (the all-reduce of ``n`` members moves ``2 (n - 1) / n`` of its payload, as
-:mod:`mesh_cp.debug` counts it): per level, ``lse`` is ``B * Hq * k`` fp32 and the packed sum ``B * k * Hq * (D + 1)``
-fp32. Nothing depends on the context length; passing the cache around a ring moves ``(P - 1)`` shards per call.
+Bytes a rank sends per call (the all-gather of ``n`` members moves ``(n - 1)`` pieces, as :mod:`mesh_cp.debug`
+counts it): per level ``(n - 1) * B * k * Hq * (D + 1)`` fp32. Against the MAX and SUM all-reduces the same merge
+could use, the all-gather pays one collective's latency instead of two and sends ``(n - 1) / 2`` times the sum's
+bytes: decode payloads are a few KiB, where latency and launches, not bytes, set the time. Nothing depends on the
+context length; passing the cache around a ring moves ``(P - 1)`` shards per call.
 """
 
 from __future__ import annotations
@@ -53,13 +58,9 @@ class DecodeShape:
             raise ValueError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads} (GQA groups)")
 
     @property
-    def lse_bytes(self) -> int:
-        """The MAX all-reduce's payload: ``lse`` of every query row and head, fp32."""
-        return self.batch * self.heads * self.new_tokens * FP32
-
-    @property
-    def sum_bytes(self) -> int:
-        """The SUM all-reduce's payload: ``[w o, w]`` of every query row and head, fp32."""
+    def piece_bytes(self) -> int:
+        """One rank's piece of a level's all-gather: its ``[out, lse]`` of every query row and head, ``(B, k, Hq,
+        D + 1)`` fp32."""
         return self.batch * self.new_tokens * self.heads * (self.head_dim + 1) * FP32
 
     def shard_bytes(self, world: int) -> int:
@@ -76,7 +77,7 @@ class DecodeShape:
 
 @dataclass(frozen=True)
 class DecodeReduction:
-    """The all-reduce levels of tree decoding over a CP group: their sizes, in the order they run."""
+    """The levels of tree decoding over a CP group: their sizes, in the order they run (one all-gather each)."""
 
     levels: tuple[int, ...]
     """Members of each level's groups (levels of one member are left out; ``()`` for one rank)."""
@@ -100,14 +101,13 @@ class DecodeReduction:
         return size
 
     def collectives(self, shape: DecodeShape) -> tuple[tuple[str, int, int], ...]:
-        """``(op, members, payload bytes)`` of every all-reduce of one call, in the order they run."""
-        maxes = tuple(("max", n, shape.lse_bytes) for n in self.levels)
-        sums = tuple(("sum", n, shape.sum_bytes) for n in self.levels)
-        return maxes + sums
+        """``(op, members, bytes of one member's piece)`` of every collective of one call, in the order they run:
+        one ``"all_gather"`` per level."""
+        return tuple(("all_gather", n, shape.piece_bytes) for n in self.levels)
 
     def bytes_by_level(self, shape: DecodeShape) -> tuple[int, ...]:
-        """Bytes one rank sends per call at each level (both all-reduces of that level)."""
-        return tuple(sum(2 * (n - 1) * p // n for p in (shape.lse_bytes, shape.sum_bytes)) for n in self.levels)
+        """Bytes one rank sends per call at each level: ``n - 1`` pieces."""
+        return tuple((n - 1) * shape.piece_bytes for n in self.levels)
 
     def bytes_sent(self, shape: DecodeShape) -> int:
         """Bytes one rank sends per call, all levels."""

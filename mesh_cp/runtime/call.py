@@ -80,6 +80,18 @@ class AttentionCall:
             return self.plan.blocks(rank)
         return self.plan.calls(rank)
 
+    def kernel_calls(self, rank: int) -> int:
+        """Kernel ``forward`` calls of ``rank``'s forward in the collective schedule (each phase makes as many): one
+        per chunk call on a kernel that takes ``segments`` (else one per row group, its diagonal one more), and a
+        single block's tiles or runs."""
+        count = 0
+        for u in self.units(rank):
+            if isinstance(u, ChunkCall):
+                count += 1 if takes(self.kernel, "segments") else sum(len(_group_calls(g)) for g in u.groups)
+            else:
+                count += len(self.plan.tiles(u, runs=self._runs(u))) if self._tiled(u) else 1
+        return count
+
     def forward_chunk(self, c: ChunkCall, q: Tensor, kv_of: Callable[[int], Tensor]) -> tuple[Tensor, Tensor]:
         """``(o, lse)`` of rows ``c.q_rows`` of the Q chunk ``q (B, L, H, D)``, ``kv_of(y)`` the stacked K, V chunk
         ``y`` ``(2, B, L, Hkv, D)``: one call when the kernel takes ``segments``, else one per row group (its

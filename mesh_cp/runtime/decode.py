@@ -11,6 +11,25 @@ part of the cache (any ``L``, 0 included, different on every rank); ``q_position
 nothing (padding, a slot not filled yet). A query attends the entries at positions ``0 <= p <= its own``: causal
 over the cache and among the ``k`` new tokens, each row with its own length. Every rank returns the whole ``(B, k,
 Hq, D)`` result in ``q``'s dtype (combined in fp32).
+
+Note [Decode local step]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Each rank's part reads its shard once, in the shard's own dtype, as a flash-decode kernel does: the ``G = Hq /
+Hkv`` query heads sharing a K/V head become ``k G`` query rows of it, ``scores = rows @ K^T`` (fp32 results:
+cuBLAS's fp32 output for fp16/bf16 on CUDA, else the input dtype's product cast) is the only fp32 tensor of the
+step, ``(B, Hq, k, L)``, ``D / (k G)`` times smaller than ``K``; masked, its ``lse`` and probabilities ``exp(s - lse)``
+are taken in place, and ``probabilities.to(V's dtype) @ V`` is the output (fp32 results again). No copy of ``K`` or
+``V`` is made when the shard is a ``.transpose(1, 2)`` view of a ``(B, Hkv, L, D)`` tensor (the layout of
+transformers' caches and of :class:`~mesh_cp.integrations.hf.generation.ShardedKVCache`) or ``B = 1``; a
+contiguous ``(B, L, Hkv, D)`` shard of ``B > 1`` is copied once in its dtype (the batched product needs one
+stride per batch). Rows that see no entry give ``out = 0, lse = -inf``.
+
+The step is a score product, a few passes over the fp32 scores and a product with ``V``: about twenty kernel
+launches, which a CUDA graph of the decoding step replays at once (the shapes are static, nothing is read back).
+It is also the default on CUDA: the fused block kernels parallelise over blocks of query rows, and a decode call
+has ``k G`` rows per K/V head, one block, so ``cuda_sdpa`` (memory-efficient attention with a bias) ran 1.7 to 14
+times slower than this step on an H200 at 8K to 128K cached tokens, where cuBLAS spreads the products over the
+shard.
 """
 
 from __future__ import annotations
@@ -18,7 +37,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -26,12 +44,13 @@ from mesh_cp.core.decode import DecodeReduction
 from mesh_cp.core.numerics import acc_dtype
 from mesh_cp.kernels import KernelName, resolve_kernel, takes
 from mesh_cp.kernels.base import BlockKernel
+from mesh_cp.runtime.comm import all_gather
 from mesh_cp.runtime.mesh import CPMesh
 
 
 def reduction_groups(mesh: CPMesh | ProcessGroup) -> tuple[tuple[ProcessGroup, ...], DecodeReduction]:
-    """The all-reduce levels of tree decoding over ``mesh``: its head group (hybrid), Q-group, then KV-group (Note
-    [Tree decoding]); over a plain process group, one level. Levels of one member are left out."""
+    """The levels of tree decoding over ``mesh``: its head group (hybrid), Q-group, then KV-group (Note [Tree
+    decoding]); over a plain process group, one level. Levels of one member are left out."""
     if isinstance(mesh, CPMesh):
         groups = (mesh.head_group, mesh.q_group, mesh.kv_group)
     elif isinstance(mesh, ProcessGroup):
@@ -54,66 +73,135 @@ def decode_attn_func(
     k_positions: Tensor,
     softmax_scale: float | None = None,
     return_lse: bool = False,
-    kernel: KernelName | Literal["auto"] | BlockKernel = "reference",
+    kernel: KernelName | Literal["auto"] | BlockKernel | None = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of the replicated queries ``q`` over the cache whose shards the ranks of ``mesh`` hold (module
     docstring); ``return_lse`` also gives the ``(B, Hq, k)`` fp32 log-sum-exp over the whole cache. Inference only
-    (run it under ``torch.no_grad()``). ``kernel`` computes the local part with a mask (``"reference"``, or a kernel
-    that takes masks)."""
+    (run it under ``torch.no_grad()``). ``kernel`` computes the local part (:func:`decode_kernel`). One all-gather
+    per level of ``mesh`` combines the parts: one per call over a process group or a ``1 x P`` mesh."""
     _check_inputs(q, k, v, q_positions, k_positions)
-    block = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
-    if not takes(block, "mask"):
-        raise ValueError(f"kernel {block.name!r} takes no mask; decoding needs one: use kernel='reference'")
+    block = decode_kernel(kernel, q.device, q.dtype, q.shape[-1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = local_attention(block, q, k, v, q_positions, k_positions, scale)
-    out, lse = combine(out, lse.to(acc_dtype(q.dtype)), mesh)
+    out, lse = combine(out, lse, mesh)
     return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
 
 
+def decode_kernel(
+    kernel: KernelName | Literal["auto"] | BlockKernel | None, device: torch.device, dtype: torch.dtype, head_dim: int
+) -> BlockKernel | None:
+    """The block kernel of the local step: ``None`` (Note [Decode local step]) for ``"auto"`` or ``None``; for a
+    name or a kernel, that kernel, which must take masks (``"reference"``, ``"cuda_sdpa"``: slower, for checks)."""
+    if kernel is None or kernel == "auto":
+        return None
+    block = resolve_kernel(kernel, device, dtype, head_dim)
+    if not takes(block, "mask"):
+        raise ValueError(f"kernel {block.name!r} takes no mask; decoding needs one: use kernel='auto' or None")
+    return block
+
+
+def visibility(q_positions: Tensor, k_positions: Tensor) -> Tensor:
+    """``(B, k, L)``: entry ``j`` of row ``b`` is seen by query ``i`` iff ``0 <= p_j <= p_i``."""
+    keys = k_positions[:, None, :]
+    return (keys >= 0) & (keys <= q_positions[:, :, None])
+
+
 def local_attention(
-    block: BlockKernel, q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, k_positions: Tensor, scale: float
+    block: BlockKernel | None, q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, k_positions: Tensor, scale: float
 ) -> tuple[Tensor, Tensor]:
     """The attention of queries ``q (B, k, Hq, D)`` over one shard ``k, v (B, L, Hkv, D)`` with the positions'
-    visibility (module docstring): ``(out (B, k, Hq, D), lse (B, Hq, k))``, before any combining (the part each rank
-    computes; a ring decoder can merge these itself). ``block`` must take masks. The ``G = Hq / Hkv`` query heads that
-    share a K/V head become ``G`` query rows of that head (query head ``h`` reads K/V head ``h // G``), so the
-    kernel reads the shard as it is instead of a copy repeated ``G`` times."""
+    visibility (module docstring): ``(out (B, k, Hq, D), lse (B, Hq, k))`` in fp32 (fp64 for fp64 inputs), before
+    any combining (the part each rank computes; a ring decoder can merge these itself). ``block=None`` is Note
+    [Decode local step]; a block kernel (one that takes masks) computes it over the query rows of each K/V head
+    instead (query head ``h`` reads K/V head ``h // G``)."""
+    if block is None:
+        return decode_step(q, k, v, q_positions, k_positions, scale)
     batch, new, heads, dim = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
     rows = q.reshape(batch, new, kv_heads, group, dim).transpose(2, 3).reshape(batch, new * group, kv_heads, dim)
-    # Entry j of row b is seen by query i iff 0 <= p_j <= p_i: (B, 1, k * G, L), broadcast over the K/V heads.
-    seen = (k_positions[:, None, :] >= 0) & (k_positions[:, None, :] <= q_positions[:, :, None])
-    seen = seen.repeat_interleave(group, dim=1)[:, None]
+    seen = visibility(q_positions, k_positions).repeat_interleave(group, dim=1)[:, None]
     out, lse = block.forward(rows, k, v, causal=False, scale=scale, mask=seen)
     out = out.reshape(batch, new, group, kv_heads, dim).transpose(2, 3).reshape(batch, new, heads, dim)
     lse = lse.reshape(batch, kv_heads, new, group).transpose(2, 3).reshape(batch, heads, new)
+    acc = acc_dtype(q.dtype)
+    return out.to(acc), lse.to(acc)
+
+
+def decode_step(
+    q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, k_positions: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Note [Decode local step]: :func:`local_attention` without a block kernel, reading ``k`` and ``v`` in their
+    dtype (no fp32 copy of the shard); ``(out (B, k, Hq, D), lse (B, Hq, k))`` in fp32 (fp64 for fp64 inputs)."""
+    batch, new, heads, dim = q.shape
+    length, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    acc = acc_dtype(q.dtype)
+    # Query head h = j * G + g reads K/V head j: row i * G + g of head j.
+    rows = q.reshape(batch, new, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(batch * kv_heads, -1, dim)
+    keys = k.transpose(1, 2).reshape(batch * kv_heads, length, dim)  # a view for (B, Hkv, L, D) storage
+    values = v.transpose(1, 2).reshape(batch * kv_heads, length, dim)
+    scores = _bmm_acc(rows.to(k.dtype), keys.transpose(1, 2), acc).mul_(scale)  # (B Hkv, k G, L)
+    keys_at = k_positions[:, None, None, None, :]
+    hidden = (keys_at < 0) | (keys_at > q_positions[:, None, :, None, None])  # (B, 1, k, 1, L)
+    scores.view(batch, kv_heads, new, group, length).masked_fill_(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (B Hkv, k G); -inf where a row sees nothing
+    # exp(-inf - finite) = 0 for a row that sees nothing (its lse stays -inf).
+    probs = scores.sub_(lse.clamp_min(torch.finfo(lse.dtype).min)[..., None]).exp_()  # in place: 0 where hidden
+    out = _bmm_acc(probs.to(v.dtype), values, acc)  # (B Hkv, k G, D)
+    out = out.view(batch, kv_heads, new, group, dim).permute(0, 2, 1, 3, 4).reshape(batch, new, heads, dim)
+    lse = lse.view(batch, kv_heads, new, group).transpose(2, 3).reshape(batch, heads, new)
     return out, lse
+
+
+_CUDA_OUT_DTYPE = [True]
+"""Whether ``torch.bmm(..., out_dtype=)`` is tried for fp16/bf16 on CUDA (set off the first time torch refuses)."""
+
+
+def _bmm_acc(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """``a @ b`` of 3-D tensors as ``acc``: the products accumulate in fp32 in every backend; for fp16/bf16 on CUDA
+    cuBLAS writes them as fp32 (no rounding to the input dtype), elsewhere the result is cast."""
+    if a.dtype != acc and a.is_cuda and _CUDA_OUT_DTYPE[0]:
+        try:
+            return torch.bmm(a, b, out_dtype=acc)
+        except (TypeError, RuntimeError):
+            _CUDA_OUT_DTYPE[0] = False
+    return torch.bmm(a, b).to(acc)
 
 
 def combine(out: Tensor, lse: Tensor, mesh: CPMesh | ProcessGroup) -> tuple[Tensor, Tensor]:
     """The ranks' partial results ``out (B, k, H, D)`` and ``lse (B, H, k)`` (``-inf``: nothing seen) combined over
-    ``mesh`` into the result and lse over every rank's keys, on every rank (Note [Tree decoding]), in ``lse``'s dtype
-    (fp32; fp64 for fp64 inputs)."""
+    ``mesh`` into the result and lse over every rank's keys, on every rank (Note [Tree decoding]): per level, one
+    all-gather of every member's ``[out, lse]`` packed as one ``(B, k, H, D + 1)`` tensor, then a local merge, in
+    fp32 (fp64 for fp64 inputs)."""
     levels, _ = reduction_groups(mesh)
-    top = lse.clone()
+    acc = acc_dtype(out.dtype)
+    out, lse = out.to(acc), lse.to(acc)
     for group in levels:
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    # A row no rank saw (top = -inf) gets weight 0 everywhere, output 0 and lse -inf.
-    finite = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    weight = torch.exp(lse - finite)  # (B, H, k); 0 where this rank saw nothing
-    packed = torch.cat([out.to(lse.dtype) * weight.transpose(1, 2)[..., None], weight.transpose(1, 2)[..., None]], -1)
-    for group in levels:
-        dist.all_reduce(packed, group=group)
-    total = packed[..., -1:]
-    result = torch.where(total > 0, packed[..., :-1] / total.clamp_min(torch.finfo(total.dtype).tiny), 0.0)
-    return result, finite + torch.log(total[..., 0].transpose(1, 2))
+        piece = torch.cat([out, lse.transpose(1, 2)[..., None]], dim=-1)
+        pieces = all_gather(piece, group)  # (n, B, k, H, D + 1)
+        out, rows_lse = merge_pieces(pieces[..., :-1], pieces[..., -1])
+        lse = rows_lse.transpose(1, 2)
+    return out, lse
+
+
+def merge_pieces(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """The LSE merge of ``n`` partial results ``outs (n, ..., D)``, ``lses (n, ...)`` over disjoint key sets (Note
+    [LSE merge]): ``(out (..., D), lse (...))``; a row whose ``lse`` is ``-inf`` in every piece gets ``out = 0`` and
+    ``lse = -inf``."""
+    low = torch.finfo(lses.dtype)
+    top = lses.amax(dim=0).clamp_min(low.min)  # finite: a row no piece saw gets weight exp(-inf) = 0 everywhere
+    weights = torch.exp(lses - top)
+    total = weights.sum(dim=0)
+    # An empty piece's out is 0 (the local step's and the block kernels'), so a row no piece saw gets 0 / tiny = 0.
+    out = (weights[..., None] * outs).sum(dim=0) / total.clamp_min(low.tiny)[..., None]
+    return out, top + torch.log(total)
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, k_positions: Tensor) -> None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(
-            "decode_attn_func is for inference: call it under torch.no_grad() (its all-reduces have no gradient)"
+            "decode_attn_func is for inference: call it under torch.no_grad() (its all-gathers have no gradient)"
         )
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(

@@ -14,14 +14,14 @@ of ``S`` tokens sharded over ``P`` CP ranks (the largest shard has ``ceil(S / P)
 replicated. Compute of ``T`` cache tokens is ``B * Hq * k * T`` query-key pairs at ``topology.pairs_per_second``.
 
 ``"tree"`` (Note [Tree decoding], what :mod:`mesh_cp.runtime.decode` runs): every rank attends to its own shard,
-``compute = B Hq k ceil(S / P) / pairs_per_second``, then the all-reduces of
-``DecodeReduction.for_tile(a, b).collectives(shape)`` one after another: MAX of the lse over the Q-group (``a``
-consecutive ranks) and the KV-group (ranks ``g % a + j a``), then SUM of the packed ``[w o, w]`` over the same two
-levels. Each is a ring all-reduce of ``n`` members on its level's link: ``2 (n - 1)`` messages of ``payload / n``
-bytes, ``2 (n - 1) latency + 2 (n - 1) / n payload / bandwidth``. A level's link is ``"inter"`` if any of its
-groups crosses nodes (:meth:`Topology.ring_link`). Default tile: ``a = gcd(P, ranks_per_node)`` (node-local
-Q-groups), ``b = P / a``. ``"tree flat"`` is the tile ``1 x P``: one level over the whole group. Bytes per rank are
-``DecodeReduction.bytes_by_level``: independent of ``S``.
+``compute = B Hq k ceil(S / P) / pairs_per_second``, then the collectives of
+``DecodeReduction.for_tile(a, b).collectives(shape)`` one after another, one all-gather per level: over the
+Q-group (``a`` consecutive ranks), then the KV-group (ranks ``g % a + j a``), each member's piece the packed ``[o,
+lse]`` (``shape.piece_bytes``; the local merge after each is not charged). Each is a ring all-gather of ``n``
+members on its level's link: ``n - 1`` messages of one piece, ``(n - 1) (latency + piece / bandwidth)``. A level's
+link is ``"inter"`` if any of its groups crosses nodes (:meth:`Topology.ring_link`). Default tile: ``a = gcd(P,
+ranks_per_node)`` (node-local Q-groups), ``b = P / a``. ``"tree flat"`` is the tile ``1 x P``: one all-gather
+over the whole group. Bytes per rank are ``DecodeReduction.bytes_by_level``: independent of ``S``.
 
 ``"ring"`` (Ring-Attention decoding): the K/V shards go around a ring of all ``P`` ranks, ``P - 1`` steps of one
 shard (``shape.shard_bytes(P)``) on the ring's slowest link; the compute of a shard overlaps the next transfer::
@@ -41,7 +41,7 @@ ring and gather send on the link of the rank's next hop, ``"inter"`` as soon as 
 
 Ignored: decode kernels are bound by memory bandwidth (reading the cache), not by the prefill kernel's pair rate,
 so compute is underestimated for every method alike; kernel launch and merge arithmetic (the ``exp`` and divide of
-the tree combine); NCCL's tree and low-latency algorithms for small all-reduces (a ring all-reduce of 128 bytes is
+the tree's local merges); NCCL's low-latency protocols for small collectives (a ring all-gather of a few KiB is
 latency-bound, which this model charges in full); the K/V append of the new tokens, the q projection and sampling;
 contention between the concurrent groups of one level (each rank has its own NIC, as :class:`Topology` assumes).
 """
@@ -68,7 +68,7 @@ class DecodeLevel:
     members: int
     link: LinkClass
     bytes_sent: int
-    """Bytes one rank sends per call at this level (the MAX and the SUM all-reduce together)."""
+    """Bytes one rank sends per call at this level (its all-gather)."""
 
 
 @dataclass(frozen=True)
@@ -173,9 +173,9 @@ def tree_cost(shape: DecodeShape, world: int, topology: Topology, tile: tuple[in
         for n, link, nbytes in zip(reduction.levels, links, reduction.bytes_by_level(shape), strict=True)
     )
     comm, messages = 0.0, 0
-    for (_, n, payload), link in zip(reduction.collectives(shape), links + links, strict=True):
-        comm += topology.transfer_time(link, 2 * (n - 1) * payload / n, messages=2 * (n - 1))
-        messages += 2 * (n - 1)
+    for (_, n, piece), link in zip(reduction.collectives(shape), links, strict=True):
+        comm += topology.transfer_time(link, (n - 1) * piece, messages=n - 1)
+        messages += n - 1
     compute = _compute_seconds(shape, -(-shape.context // world), topology)
     return DecodeCost(
         method=method,

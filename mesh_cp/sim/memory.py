@@ -1,15 +1,16 @@
 """The peak-memory model of an attention plan: bytes one rank holds at the peak of a phase.
 
 Pure Python (no torch), over the same :class:`~mesh_cp.core.AttentionPlan` the executors run. The
-kernel's share is calibrated on the CPU flash kernel; ``backend`` says how the process group stages
-collectives (gloo copies an all-gather through a flat buffer of its output, NCCL gathers in place).
+kernel's share is calibrated on the CPU flash kernel for ``backend="gloo"`` and on PyTorch's CUDA flash kernel in bf16
+for ``backend="nccl"`` (NCCL runs on GPUs); ``backend`` also says how the process group stages collectives (gloo
+copies an all-gather through a flat buffer of its output, NCCL gathers in place).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from mesh_cp.core.blocks import BlockWork, ChunkCall
+from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind
 from mesh_cp.core.options import Phase, check_option
 from mesh_cp.core.plan import AttentionPlan
 
@@ -36,7 +37,7 @@ def peak_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Bac
     if plan.schedule == "collective":
         mesh = _collective_peak(plan, phase, rank, staged=backend == "gloo")
     else:
-        mesh = _overlap_peak(plan, phase, rank)
+        mesh = _overlap_peak(plan, phase, rank, gpu=backend == "nccl")
     return mesh + sum(t.piece_bytes * t.group_size for t in plan.all_to_alls(phase) if t.what in HELD)
 
 
@@ -44,12 +45,15 @@ HELD = ("q", "k", "v", "out", "lse", "dout", "dlse")
 """The head exchange's tensors whose head-layout copies count in the peak (:func:`peak_bytes`)."""
 
 
-def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: Phase) -> int:
-    """Outputs and temporaries of one kernel call (calibrated on the CPU flash kernel): forward its output and the
+def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: Phase, gpu: bool = False) -> int:
+    """Outputs and temporaries of one kernel call. CPU flash kernel (``gpu=False``): forward its output and the
     merge's weighted copy; backward dq, dk, dv and the kernel's own out; GQA adds the K, V repeated to every head.
-    A :class:`ChunkCall` adds its keys laid end to end (Note [One call per Q chunk]): those of its largest row group,
-    as a kernel without ``segments`` holds them (with ``segments`` all groups' keys are held together, at most
-    about 1.5 times more for a zig-zag chunk)."""
+    CUDA fused kernels in bf16 (``gpu=True``, measured with scripts/bench_rank.py on an H100, docs/performance.md):
+    no repeated K, V (native GQA), a masked block's varlen call adds its gathered rows, and the backward adds six
+    chunks of its rows (the fp32 temporaries of
+    ``rowsum(dO * O)``'s construction and of the dq accumulation). A :class:`ChunkCall` adds its keys laid end to end
+    (Note [One call per Q chunk]): those of its largest row group, as a kernel without ``segments`` holds them (with
+    ``segments`` all groups' keys are held together, at most about 1.5 times more for a zig-zag chunk)."""
     if w is None:
         return 0
     s = plan.mesh_shape
@@ -61,10 +65,12 @@ def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: P
         keys = int(rk * plan.chunk_bytes()[1])
     else:
         rk, keys = (w.kv_rows[1] - w.kv_rows[0]) / s.seq_local, 0
-    gqa = rk if s.kv_heads != s.heads else 0.0
+    gqa = rk if s.kv_heads != s.heads and not gpu else 0.0
+    if gpu and isinstance(w, BlockWork) and w.kind is MaskKind.MASKED:
+        keys = int(rk * plan.chunk_bytes()[1] + 2 * rq * q_bytes)  # a varlen call's gathered rows and its output's
     if phase == "forward":
         return keys + int(rq * (q_bytes + s.chunk_elems * s.acc_itemsize) + gqa * q_bytes // 2)
-    return keys + int((2 * rq + 2 * rk + 1.5 * gqa) * q_bytes)
+    return keys + int((2 * rq + 2 * rk + 1.5 * gqa + (6 * rq if gpu else 0)) * q_bytes)
 
 
 def _units(plan: AttentionPlan) -> dict[str, int]:
@@ -82,7 +88,7 @@ def _units(plan: AttentionPlan) -> dict[str, int]:
 
 def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool) -> int:
     u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
-    kernel = max(_kernel_bytes(plan, w, phase) for w in plan.calls(rank))
+    kernel = max(_kernel_bytes(plan, w, phase, gpu=not staged) for w in plan.calls(rank))
     if phase == "forward":
         rows = a * (u["acc"] + u["stats"])
         gathered = a * u["q"] + b * u["kv"]
@@ -101,7 +107,18 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool)
     return gathered + stats + max(grads, a * u["acc"] + b * u["kv_acc"] + kernel)
 
 
-def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int) -> int:
+def compute_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Backend = "gloo") -> int:
+    """What the collective schedule allocates around its kernel calls on mesh rank ``rank``, beyond the gathered
+    chunks and the rows' statistics: the fp32 row (forward) or gradient (backward) accumulators and the largest
+    call's share (the block-compute stage of :func:`peak_bytes`, which a one-device benchmark measures alone)."""
+    u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
+    kernel = max(_kernel_bytes(plan, w, phase, gpu=backend == "nccl") for w in plan.calls(rank))
+    if phase == "forward":
+        return a * (u["acc"] + u["stats"]) + kernel
+    return a * u["acc"] + b * u["kv_acc"] + kernel
+
+
+def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, gpu: bool) -> int:
     u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
     sched = plan.overlap(phase)
     keep = plan.backward == "reuse"
@@ -131,7 +148,7 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int) -> int:
             inflight[act.step.ring] = inflight_bytes[act.step.ring]
         held = nq * q_unit + nkv * kv_unit - (u["q"] if q0_input and last_q.get(0, -1) >= t else 0)
         partials = sum(alive[ring][t] * partial[ring] for ring in partial)
-        kernel = _kernel_bytes(plan, plan.block_at(rank, *act.block), phase) if act.op == "compute" else 0
+        kernel = _kernel_bytes(plan, plan.block_at(rank, *act.block), phase, gpu) if act.op == "compute" else 0
         now = fixed + held + partials + sum(inflight.values()) + kernel
         peak = max(peak, now)
         if act.op == "wait" and act.step.kind == "reduce":

@@ -72,17 +72,29 @@ def test_node_local_tile_sends_q_level_inside_and_kv_level_across_nodes():
     assert [(lv.members, lv.link) for lv in tree.levels] == [(4, "intra"), (4, "inter")]
     assert flat.tile == (1, 16) and flat.bytes_intra == 0
     assert flat.bytes_inter == DecodeReduction.for_tile(1, 16).bytes_sent(shape) > 0
-    # 2 (n - 1) messages per all-reduce, a MAX and a SUM per level.
-    assert tree.messages == 2 * (2 * 3 + 2 * 3) and flat.messages == 2 * 2 * 15
+    # One all-gather per level, n - 1 messages of one piece each.
+    assert tree.messages == 3 + 3 and flat.messages == 15
+    assert (q_bytes, kv_bytes) == (3 * shape.piece_bytes, 3 * shape.piece_bytes)
 
 
-def test_tree_time_is_compute_then_the_all_reduces():
+def test_the_reduction_is_one_all_gather_of_the_packed_pieces_per_level():
+    shape = shape_at(4096, batch=2, new_tokens=3, heads=8, kv_heads=2, head_dim=64)
+    assert shape.piece_bytes == 2 * 3 * 8 * (64 + 1) * 4  # [out, lse] of every row and head, fp32
+    assert DecodeReduction.for_tile(1, 8).collectives(shape) == (("all_gather", 8, shape.piece_bytes),)
+    assert DecodeReduction.for_tile(4, 2).collectives(shape) == (
+        ("all_gather", 4, shape.piece_bytes),
+        ("all_gather", 2, shape.piece_bytes),
+    )
+    assert DecodeReduction.for_tile(4, 2).bytes_by_level(shape) == (3 * shape.piece_bytes, shape.piece_bytes)
+    assert DecodeReduction.for_tile(1, 1).collectives(shape) == ()
+
+
+def test_tree_time_is_compute_then_the_all_gathers():
     shape, topology = shape_at(10000), topo(rpn=4)
     tree = simulate_decode(shape, 16, topology)["tree"]
     compute = shape.batch * shape.heads * shape.new_tokens * 625 / topology.pairs_per_second
     comm = sum(
-        topology.transfer_time(link, 2 * (n - 1) * p / n, messages=2 * (n - 1))
-        for p in (shape.lse_bytes, shape.sum_bytes)
+        topology.transfer_time(link, (n - 1) * shape.piece_bytes, messages=n - 1)
         for n, link in ((4, "intra"), (4, "inter"))
     )
     assert tree.compute_s == pytest.approx(compute)

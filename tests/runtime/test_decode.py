@@ -4,7 +4,14 @@ One spawned group per P (2, 3, 4) runs every case on a flat process group and on
 head-parallel hybrid at P = 4): a batch of 3 rows of different lengths whose cache entries are dealt to the ranks
 unevenly (one rank holds nothing of row 0, another nothing at all in one case), padding slots at position -1,
 1 or 3 new tokens per row (causal among them), MHA, GQA and MQA. Every rank's output and lse must equal an fp64
-single-process softmax over the visible entries within 1e-5 (fp32), and the bytes it sent must equal the plan's.
+single-process softmax over the visible entries within 1e-5 (fp32), the bytes it sent must equal the plan's, and
+its collectives must be one all-gather per level of the mesh (one in all over a process group or a ``1 x P`` mesh).
+A bf16 cache (``(B, Hkv, L, D)`` storage read through ``.transpose(1, 2)``, as the generation cache passes it)
+gives the fp64 softmax of the same bf16 values within 2e-2.
+
+In one process: the local step (Note [Decode local step]) makes no copy of a bf16 shard and no fp32 tensor larger
+than a quarter of it, where the reference kernel's step makes an fp32 copy of the shard (the same check fails it),
+and the many-piece merge of the combine equals a chain of ``merge_``, rows empty everywhere included.
 """
 
 from __future__ import annotations
@@ -12,14 +19,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import mesh_cp
 from mesh_cp.core import DecodeShape
+from mesh_cp.core.numerics import merge_
 from mesh_cp.debug import CommCounter
-from mesh_cp.runtime.decode import reduction_groups
+from mesh_cp.kernels import get_kernel
+from mesh_cp.runtime.decode import local_attention, merge_pieces, reduction_groups
 from mesh_cp.testing import expect_error, spawn_gloo
 
 TOL = 1e-5
+BF16_TOL = 2e-2
 HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}
 LENGTHS = (13, 5, 9)
 """Cached tokens of each row before the new ones."""
@@ -45,7 +57,7 @@ def full_cache(heads: tuple[int, int], new: int, seed: int):
 def reference(q, k, v, positions, q_positions):
     g = q.shape[2] // k.shape[2]
     kh, vh = (t.repeat_interleave(g, dim=2).transpose(1, 2) for t in (k, v))
-    scores = q.transpose(1, 2) @ kh.transpose(-1, -2) * DIM**-0.5
+    scores = q.transpose(1, 2) @ kh.transpose(-1, -2) * q.shape[-1] ** -0.5
     seen = (positions[:, None, None, :] >= 0) & (positions[:, None, None, :] <= q_positions[:, None, :, None])
     scores = scores.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -92,7 +104,31 @@ def run_cases(rank: int, world: int) -> dict[str, float]:
                     errors[f"{case} lse"] = (lse.double() - want_lse).abs().max().item()
                     _, plan = reduction_groups(mesh)
                     errors[f"{case} bytes"] = abs(counter.bytes_sent() - plan.bytes_sent(shape))
+                    ops = [r.op for r in counter.records]
+                    errors[f"{case} collectives"] = float(ops != ["all_gather"] * len(plan.levels))
+                    if label in ("group", f"1x{world}"):
+                        errors[f"{case} one collective"] = abs(len(ops) - 1)
+    errors.update(bf16_case(rank, world))
     return errors
+
+
+def bf16_case(rank: int, world: int) -> dict[str, float]:
+    """GQA with 3 new tokens over a bf16 cache stored ``(B, Hkv, L, D)`` and passed as its ``.transpose(1, 2)``
+    view, on the flat group: the error against fp64 over the same bf16 values."""
+    q, k, v, positions, q_positions = full_cache(HEADS["GQA"], 3, 99)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    want, want_lse = reference(q.double(), k.double(), v.double(), positions, q_positions)
+    mine = owners(k.shape[1], world, False) == rank
+    ks, vs = (t[:, mine].transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    with torch.no_grad():
+        out, lse = mesh_cp.decode_attn_func(
+            q, ks, vs, mesh=dist.group.WORLD, q_positions=q_positions, k_positions=positions[:, mine], return_lse=True
+        )
+    return {
+        "bf16 dtype": float(out.dtype != torch.bfloat16 or lse.dtype != torch.float32),
+        "bf16 out": max(0.0, (out.double() - want).abs().max().item() - BF16_TOL + TOL),
+        "bf16 lse": max(0.0, (lse.double() - want_lse).abs().max().item() - BF16_TOL + TOL),
+    }
 
 
 class Maskless:
@@ -161,3 +197,69 @@ def test_decode_equals_single_process(results) -> None:
 def test_refusals(results) -> None:
     for _, refused in results:
         assert len(refused) == 6 and all(v is True for v in refused.values()), refused
+
+
+class Allocations(TorchDispatchMode):
+    """Records the op, dtype and size of every tensor an op returns in new memory (views and in-place results of
+    its inputs left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[str, torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.made.append((str(func), t.dtype, t.numel()))
+        return out
+
+
+def local_step_allocations(block, layout: str) -> tuple[int, list, float]:
+    """The shard's elements, the tensors the local step made, and its error against fp64 over the same values:
+    GQA 8:2, 3 new tokens, 2 rows of 512 cached bf16 entries (row 1 sees 300), head dim 64."""
+    gen = torch.Generator().manual_seed(5)
+    batch, length, kv_heads, dim = 2, 512, 2, 64
+    q = torch.randn(batch, 3, 8, dim, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(batch, kv_heads, length, dim, generator=gen).to(torch.bfloat16) for _ in "kv")
+    if layout == "(B, L, Hkv, D)":
+        k, v = (t.transpose(1, 2).contiguous() for t in (k, v))
+    else:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    k_positions = torch.arange(length).expand(batch, -1).clone()
+    k_positions[1, 300:] = -1
+    q_positions = torch.tensor([[509, 510, 511], [509, 510, 511]])
+    with torch.no_grad(), Allocations() as seen:
+        out, lse = local_attention(block, q, k, v, q_positions, k_positions, dim**-0.5)
+    want, want_lse = reference(q.double(), k.double(), v.double(), k_positions, q_positions)
+    error = max((out.double() - want).abs().max().item(), (lse.double() - want_lse).abs().max().item())
+    return k.numel(), seen.made, error
+
+
+@pytest.mark.parametrize("layout", ["(B, L, Hkv, D)", "transposed (B, Hkv, L, D)"])
+def test_local_step_makes_no_fp32_copy_of_the_shard(layout: str) -> None:
+    shard, made, error = local_step_allocations(None, layout)
+    fp32 = max(n for _, dtype, n in made if dtype == torch.float32)
+    assert fp32 <= shard // 4, (fp32, shard)  # the scores: B Hq k L = shard * k G / D
+    if layout.startswith("transposed"):  # the layout of the generation cache: not even a bf16 copy
+        assert max(n for _, _, n in made) < shard, [m for m in made if m[2] >= shard]
+    assert error < BF16_TOL, error
+    # The same check fails the reference kernel's step, which upcasts the shard.
+    shard, made, _ = local_step_allocations(get_kernel("reference"), layout)
+    assert max(n for _, dtype, n in made if dtype == torch.float32) >= shard
+
+
+def test_many_piece_merge_is_a_chain_of_merges() -> None:
+    gen = torch.Generator().manual_seed(3)
+    outs = torch.randn(4, 2, 3, 5, 8, generator=gen)
+    lses = torch.randn(4, 2, 3, 5, generator=gen) * 4
+    lses[1:3, 0, 1] = float("-inf")  # pieces that saw nothing of a row
+    lses[:, 1, 2] = float("-inf")  # a row no piece saw
+    outs[lses.isinf()] = 0.0
+    out, lse = merge_pieces(outs, lses)
+    o_acc, lse_acc = torch.zeros(2, 3, 5, 8), torch.full((2, 5, 3), float("-inf"))
+    for o, piece_lse in zip(outs, lses, strict=True):
+        merge_(o_acc, lse_acc, o, piece_lse.transpose(1, 2))
+    assert torch.allclose(out, o_acc, atol=1e-6) and torch.equal(lse.isinf(), lse_acc.transpose(1, 2).isinf())
+    assert torch.allclose(lse, lse_acc.transpose(1, 2)) and torch.all(out[1, 2] == 0)

@@ -1,6 +1,7 @@
 """``scripts/bench_decode.py`` at tiny settings: it exits 0, and its JSON has the tree, ring and one-process rows of
-every context, the tree's bytes per token independent of the context and the ring's growing with it, the ring
-decoding the tree's greedy tokens, and each of the P = 2 tree ranks holding about half the one-process K/V cache.
+every context, the tree's bytes per token independent of the context and the ring's growing with it, one collective
+per layer and token for the tree, the ring decoding the tree's greedy tokens, and each of the P = 2 tree ranks
+holding about half the one-process K/V cache.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def test_bench_decode_smoke(tmp_path: Path) -> None:
     assert ring[1] > ring[0] > tree[0]
     for c in CONTEXTS:
         assert rows[(c, "tree")]["tree_bytes_check"] == "OK"
+        assert rows[(c, "tree")]["collectives_per_layer_token"] == 1  # one all-gather per layer and token
         assert rows[(c, "tree")]["bytes_per_token_per_rank"] == rows[(c, "tree")]["predicted_bytes_per_token_per_rank"]
         assert rows[(c, "ring")]["tokens"] == rows[(c, "tree")]["tokens"]
         assert rows[(c, "ring")]["same_tokens_as_tree"] and rows[(c, "ring")]["max_logit_diff_vs_tree"] <= 1e-4

@@ -45,13 +45,15 @@ def test_bench_rank_quick(tmp_path: Path) -> None:
     for (_, (heads, kv_heads), mask), r in train.items():
         assert r["ms_fwd"] > 0 and r["ms_bwd"] > 0 and r["single_ms"] > 0 and r["tflops"] > 0
         assert 0 < r["fraction"] < 5, r
-        assert r["kernel_calls"] == r["plan_kernel_calls"] >= r["blocks"] > 0
+        assert r["kernel_calls"] == r["plan_kernel_calls"] > 0
         n = r["single_tokens"]
         assert abs(n * (n + 1) // 2 - r["pairs"]) <= n
         if mask == "causal":
             shape = AttentionShape(batch=1, seq_local=L, heads=heads, kv_heads=kv_heads, head_dim=HEAD_DIM, itemsize=4)
             plan = make_plan(Tiling(WORLD, a, b), shape, causal=True, layout="zigzag")
-            assert r["blocks"] == r["kernel_calls"] == len(plan.blocks(0)) == a * b
+            assert r["blocks"] == len(plan.blocks(0)) == a * b
+            # cpu_flash takes no segments: each Q chunk is its two halves (the diagonal's chunk one call more each)
+            assert a <= r["kernel_calls"] <= 2 * a + 2 < r["blocks"]
             assert r["masked_blocks"] == 0 and r["pairs"] == plan.pairs(0)
         else:
             assert r["pairs"] < train[(L, (heads, kv_heads), "causal")]["pairs"]

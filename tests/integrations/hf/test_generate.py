@@ -6,6 +6,13 @@ logits of every generated step must equal those of single-process ``model.genera
 same prompts within 1e-5 (fp32), and the greedy tokens must be identical, on every rank. Sampling with one seed on
 every rank gives the tokens single-process sampling gives with that seed. A stopping criterion on rank 0 only stops
 every rank at the same step, and a streamer on rank 0 receives the tokens.
+
+The static cache (Note [Static shard cache]): ``prefill`` then ``model.generate`` on the left-padded batch gives
+the same logits, with every layer's K/V storage at one address and one shape from the prefill to the last token,
+the capacity the prompt's slots plus ``ceil(max_new_tokens / P)``, and one all-gather per layer and token of the
+plan's bytes; a cache prefilled for fewer tokens raises on every rank, naming its capacity and the fix. In one
+process, ranks' layers fed alike fill their slots in place, hold every new column once, and all refuse the same
+column once the slots run out.
 """
 
 from __future__ import annotations
@@ -110,6 +117,69 @@ def run(rank: int, world: int) -> dict:
     results["stopped at"] = got.shape[1] - ids.shape[1]
     results["streamed"] = (len(streamer.calls), streamer.ended)
     results["refusals"] = refusals(model, mesh, ids, mask)
+    results["static cache"] = static_cache(model, reference, mesh)
+    return results
+
+
+class StorageProbe:
+    """A stopping criterion that never stops and records, at every step, each layer's K/V storage (address and
+    shape) and filled slots."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self.steps = [self.read()]
+
+    def read(self) -> list[tuple]:
+        return [(ly.keys.data_ptr(), ly.values.data_ptr(), tuple(ly.keys.shape), ly.length) for ly in self.cache.layers]
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.steps.append(self.read())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def static_cache(model, reference, mesh) -> dict:
+    """The last model of :func:`run` (GQA) on the left-padded batch: prefill, then ``model.generate`` with the
+    cache, probed and counted."""
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    from mesh_cp.core import DecodeShape
+    from mesh_cp.debug import CommCounter
+    from mesh_cp.integrations import hf
+    from mesh_cp.integrations.hf.compat import cache_keyword
+    from mesh_cp.runtime.decode import reduction_groups
+    from mesh_cp.testing.models import VOCAB
+
+    ids, mask = prompts(PROMPTS["batch 3"], VOCAB)
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    want = reference.generate(input_ids=ids, attention_mask=mask, pad_token_id=0, **options)
+    cache = hf.prefill(model, ids, mask, mesh=mesh, max_new_tokens=NEW_TOKENS)
+    prompt_slots = cache.layers[0].length
+    probe = StorageProbe(cache)
+    with CommCounter() as counter:
+        got = model.generate(
+            input_ids=ids, attention_mask=mask, pad_token_id=0, **{cache_keyword(model): cache},
+            stopping_criteria=StoppingCriteriaList([probe]), **options,
+        )  # fmt: skip
+    config = model.config
+    heads, dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    shape = DecodeShape(len(ids), 1, heads, config.num_key_value_heads, dim, 0, 4)
+    calls = config.num_hidden_layers * NEW_TOKENS
+    results: dict = {
+        "logits": max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True)),
+        "tokens": torch.equal(got.sequences, want.sequences),
+        "storages": {tuple(step[i][:3] for step in probe.steps) == (probe.steps[0][i][:3],) * len(probe.steps)
+                     for i in range(len(cache.layers))},
+        "capacity": (probe.steps[0][0][2][2], prompt_slots + -(-NEW_TOKENS // mesh.size)),
+        "filled": probe.steps[-1][0][3] - prompt_slots,
+        "collectives": ({r.op for r in counter.records}, len(counter.records), calls),
+        "bytes": (counter.bytes_sent(), calls * reduction_groups(mesh)[1].bytes_sent(shape)),
+    }  # fmt: skip
+    small = hf.prefill(model, ids, mask, mesh=mesh, max_new_tokens=2)
+    expect_error(
+        results, "overflow", ValueError,
+        rf"capacity is {prompt_slots + -(-2 // mesh.size)} slots per rank .*max_new_tokens=2.*prefill with a larger",
+        lambda: model.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(model): small}, **options),
+    )  # fmt: skip
     return results
 
 
@@ -171,3 +241,48 @@ def test_refusals(results) -> None:
     for result in results:
         refused = result["refusals"]
         assert len(refused) == 5 and all(v is True for v in refused.values()), refused
+
+
+def test_static_cache_in_place_one_collective_and_overflow(results) -> None:
+    world = len(results)
+    for rank, result in enumerate(results):
+        got = result["static cache"]
+        assert got["logits"] <= TOL and got["tokens"] is True, (rank, got)
+        assert got["storages"] == {True}, (rank, got)  # one address and shape per layer, every step
+        capacity, want = got["capacity"]
+        assert capacity == want, (rank, got)
+        # Columns d = 0 .. NEW_TOKENS - 1 of the decode, rank r owning d % P == r.
+        assert got["filled"] == len(range(rank, NEW_TOKENS, world)), (rank, got)
+        ops, count, calls = got["collectives"]
+        assert ops == {"all_gather"} and count == calls, (rank, got)  # one per layer and token
+        assert got["bytes"][0] == got["bytes"][1], (rank, got)
+        assert got["overflow"] is True, (rank, got["overflow"])
+
+
+def test_shard_layers_fill_in_place_and_refuse_the_same_column() -> None:
+    from mesh_cp.integrations.hf.generation import ShardedLayer
+
+    world, prompt, budget, batch, heads, dim = 3, 5, 6, 2, 2, 4
+    layers = [ShardedLayer(rank, world) for rank in range(world)]
+    for rank, layer in enumerate(layers):  # two prompt columns each, one rank holding a padding slot (-1)
+        columns = torch.tensor([[0, 5], [1, 4], [2, 3]][rank]) if rank else torch.tensor([-1, 0])
+        layer.prefill_columns, layer.prefill_length, layer.max_new_tokens = columns, prompt, budget
+        layer.update(torch.zeros(batch, heads, 2, dim), torch.zeros(batch, heads, 2, dim))
+    where = [(ly.keys.data_ptr(), ly.values.data_ptr(), ly.columns.data_ptr()) for ly in layers]
+    seen = prompt
+    for new in (1, 3, 2):  # budget columns in all
+        keys = torch.arange(seen, seen + new, dtype=torch.float32)[None, None, :, None].expand(batch, heads, -1, dim)
+        for layer in layers:
+            out_k, out_v = layer.update(keys, -keys)
+            assert out_k is layer.keys and tuple(out_k.shape) == (batch, heads, 2 + budget // world, dim)
+        seen += new
+    assert [(ly.keys.data_ptr(), ly.values.data_ptr(), ly.columns.data_ptr()) for ly in layers] == where
+    held = sorted(c for ly in layers for c in ly.columns[2:].tolist() if c >= 0)
+    assert held == list(range(prompt, prompt + budget)), held
+    for layer in layers:
+        filled = layer.columns[2 : layer.length]
+        assert torch.equal(layer.keys[0, 0, 2 : layer.length, 0], filled.float())
+        assert torch.equal(layer.values[0, 1, 2 : layer.length, 0], -filled.float())
+    for layer in layers:  # the next column fits no longer on rank 0: every rank refuses it
+        with pytest.raises(ValueError, match=r"capacity is 4 slots per rank \(the prompt's 2 and max_new_tokens=6"):
+            layer.update(keys[:, :, :1], keys[:, :, :1])
