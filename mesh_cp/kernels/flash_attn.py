@@ -53,11 +53,9 @@ backward multiplies ``dS`` by the tanh derivative (``calculate_dtanh``). Every s
 both directions (the backward came in 2.6.2, "backwards for softcapping (#1033)"); ``0.0`` turns it off.
 Builds with ``FLASHATTENTION_DISABLE_SOFTCAP`` refuse it from C++.
 
-flash-attn 3 (the ``flash_attn_interface`` module of the ``hopper/`` build) is not offered: it is
-built from source with no release that fixes its private ``_flash_attn_forward`` (34 parameters,
-renamed and reordered across commits: ``window_size`` pairs, ``attention_chunk``, ``sm_margin``,
-module ``flash_attn_3_cuda`` vs ``flash_attn_3_gpu``), so no call into it can be exact by
-construction. On sm90 ``"auto"`` uses flash-attn 2 or ``cuda_flash``.
+flash-attn 3 (the ``flash_attn_interface`` module of the ``hopper/`` build) is its own kernel,
+``flash_attn3`` (:mod:`mesh_cp.kernels.flash_attn3`), which accepts only the interface forms it was read
+against and calls every argument by name.
 """
 
 from __future__ import annotations

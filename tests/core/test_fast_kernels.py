@@ -26,7 +26,13 @@ from mesh_cp.kernels.base import round_up
 from mesh_cp.kernels.cudnn import CudnnKernel
 from mesh_cp.kernels.flash_attn3 import FlashAttn3Kernel
 from mesh_cp.kernels.reference import ReferenceKernel
-from tests.core.test_kernel_emulation import CUDA0, EmulatedCudaAttention, emulate_cuda, install_flash_attn
+from tests.core.test_kernel_emulation import (
+    CUDA0,
+    EmulatedCudaAttention,
+    assert_meta_shapes,
+    emulate_cuda,
+    install_flash_attn,
+)
 from tests.core.test_kernels import check_block_kernel, lse_grad_case
 
 REF = ReferenceKernel()
@@ -111,18 +117,7 @@ CUDNN_OPS = {"_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product
 def test_cudnn_on_meta_tensors(head_dim: int) -> None:
     """Shapes and dtypes through the ops' real meta functions (which also check the schemas)."""
     assert cudnn.stats_rank() == 4  # torch 2.13's meta function: logsumexp (B, H, S, 1)
-    kernel = CudnnKernel.without_device_check()
-    for dtype in LOW:
-        q, do = (torch.empty(2, 12, 8, head_dim, device="meta", dtype=dtype) for _ in range(2))
-        k, v = (torch.empty(2, 12, 2, head_dim, device="meta", dtype=dtype) for _ in range(2))
-        out, lse = kernel.forward(q, k, v, causal=True, scale=0.1)
-        assert (out.shape, out.dtype, out.device.type) == (q.shape, dtype, "meta")
-        assert (lse.shape, lse.dtype) == ((2, 8, 12), torch.float32)
-        delta = torch.empty(2, 8, 12, device="meta")
-        for lse_grad in (False, True):
-            dq, dk, dv = kernel.backward(do, q, k, v, lse, delta, causal=True, scale=0.1, lse_grad=lse_grad)
-            assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape), (lse_grad, dq.shape, dk.shape)
-            assert {t.device.type for t in (dq, dk, dv)} == {"meta"}
+    assert_meta_shapes(CudnnKernel.without_device_check(), LOW, head_dim)
 
 
 @pytest.mark.parametrize("head_dim", [64, 72, 100, 128])

@@ -502,7 +502,15 @@ CUDA_KERNELS = {"cuda_flash": CudaFlashKernel, "cuda_sdpa": CudaSdpaKernel}
 def test_cuda_kernels_on_meta_tensors(name: str, head_dim: int) -> None:
     """Shapes and dtypes through the ops' real meta functions (which also check the schemas)."""
     kernel = CUDA_KERNELS[name].without_device_check()
-    for dtype in (torch.bfloat16, torch.float16) + ((torch.float32,) if name == "cuda_sdpa" else ()):
+    assert_meta_shapes(
+        kernel, (torch.bfloat16, torch.float16) + ((torch.float32,) if name == "cuda_sdpa" else ()), head_dim
+    )
+
+
+def assert_meta_shapes(kernel, dtypes, head_dim: int) -> None:
+    """``kernel`` forward and backward (with and without an lse gradient) on ``meta`` tensors of GQA 8:2: the shapes,
+    dtypes and devices the ops' meta functions give."""
+    for dtype in dtypes:
         q, do = (torch.empty(2, 12, 8, head_dim, device="meta", dtype=dtype) for _ in range(2))
         k, v = (torch.empty(2, 12, 2, head_dim, device="meta", dtype=dtype) for _ in range(2))
         out, lse = kernel.forward(q, k, v, causal=True, scale=0.1)
