@@ -21,7 +21,9 @@ Note [Masked blocks]
 The plan counts, for every block a rank computes, the query-key pairs the mask leaves (in closed form over
 the intersections of the block's global ranges with each document, :func:`visible_pairs`). A block with no
 pair left in any row of the batch is skipped (no kernel call), one the mask leaves untouched keeps its kind
-(and its fused kernel), and any other becomes ``MaskKind.MASKED``: one kernel call with an explicit mask. The
+(and its fused kernel), and any other becomes ``MaskKind.MASKED``: on a kernel that takes ``segments`` one call
+whose sequences are the block's documents (Note [Block segments]; with a window, its runs), on the others tiles of
+:data:`TILE` rows with an explicit mask. The
 traffic stays as planned: a skipped block saves compute, not bytes (every chunk still moves along its ring,
 since other ranks' blocks of the same chunk may need it); ``AttentionPlan.pairs`` counts what is computed.
 
@@ -306,3 +308,87 @@ def _tile_segments(mask: AttentionMask, q: Range, k: Range, seq_len: int, causal
             segments.append((qs - q[0], qe - q[0], ks - k[0], ke - k[0], left, right))
         rows.append(tuple(segments))
     return tuple(rows)
+
+
+def block_segments(
+    mask: AttentionMask,
+    q: tuple[int, Range],
+    k: tuple[int, Range],
+    *,
+    seq_len: int,
+    world: int,
+    layout: Layout,
+    causal: bool,
+) -> tuple[tuple[Segment, ...], ...] | None:
+    """A ``MASKED`` block (local rows ``q[1]`` of Q chunk ``q[0]``, ``k[1]`` of KV chunk ``k[0]``) as the varlen
+    sequences of one call, per batch row of ``mask``, in the block's local rows; ``None`` where it takes more than
+    one call (then :func:`block_tiles` with ``size=0`` gives its runs).
+
+    Note [Block segments]
+    ~~~~~~~~~~~~~~~~~~~~~
+    A chunk's local rows are in increasing global order (a zig-zag chunk: its first half, then its second), so a
+    document's queries in a block are one run of local rows, and so are its keys. Without a window every query of a
+    document sees a prefix of the document's keys in the block, and in both layouts the blocks are of two kinds: the
+    keys lie before every query (the keys after the last query, the later half of a KV chunk, are dropped), one
+    segment with no bound; or queries and keys are the same positions (the diagonal), one causal segment, the band
+    ``(-1, 0)``. A window bounds the keys from below in global positions, which is no band across the gap between the
+    two halves of a zig-zag chunk: such a block runs as its runs (Note [Tile segments]).
+    """
+    if mask.window is not None:
+        return None
+    q_ranges = global_ranges(seq_len, world, q[0], layout, q[1])
+    k_ranges = global_ranges(seq_len, world, k[0], layout, k[1])
+    return _block_segments(mask, q_ranges, k_ranges, seq_len, causal)
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_segments(mask: AttentionMask, q_ranges, k_ranges, seq_len: int, causal: bool):
+    rows = []
+    for row in range(mask.rows or 1):
+        segments = []
+        for start, stop in mask.row_documents(row, seq_len):
+            qd, kd = _doc_rows(q_ranges, start, stop), _doc_rows(k_ranges, start, stop)
+            if qd is None or kd is None:
+                continue
+            if qd is False or kd is False:
+                return None
+            (q0, q1, q_glob), (k0, k1, k_glob) = qd, kd
+            if causal and q_glob == k_glob:
+                segments.append((q0, q1, k0, k1, -1, 0))
+                continue
+            if causal:  # keys after the last query see nothing; the rest must precede the first query
+                last_q = q_glob[-1][1] - 1
+                k1 = k0 + sum(max(0, min(g1, last_q + 1) - g0) for g0, g1 in k_glob)
+                if k1 == k0:
+                    continue
+                if _global_at(k_glob, k1 - k0 - 1) > q_glob[0][0]:
+                    return None
+            segments.append((q0, q1, k0, k1, -1, -1))
+        rows.append(tuple(segments))
+    return tuple(rows)
+
+
+def _doc_rows(ranges: tuple[Range, ...], start: int, stop: int):
+    """The local rows (from the block's first row) of document ``[start, stop)`` among the block's global ``ranges``
+    (in local order) with their global pieces: ``(lo, hi, pieces)``, ``None`` when it has none there, ``False`` when
+    they are not one run of local rows."""
+    parts, offset = [], 0
+    for g0, g1 in ranges:
+        lo, hi = max(g0, start), min(g1, stop)
+        if lo < hi:
+            parts.append((offset + lo - g0, offset + hi - g0, lo, hi))
+        offset += g1 - g0
+    if not parts:
+        return None
+    if any(a[1] != b[0] for a, b in zip(parts, parts[1:], strict=False)):
+        return False
+    return parts[0][0], parts[-1][1], tuple((p[2], p[3]) for p in parts)
+
+
+def _global_at(pieces: tuple[Range, ...], index: int) -> int:
+    """The global position of the ``index``-th row of the global ``pieces`` laid end to end."""
+    for g0, g1 in pieces:
+        if index < g1 - g0:
+            return g0 + index
+        index -= g1 - g0
+    raise IndexError(index)

@@ -15,7 +15,15 @@ from typing import Literal
 
 from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, block_work, chunk_calls
 from mesh_cp.core.head_parallel import check_head_parallel, mesh_shape
-from mesh_cp.core.masks import NO_MASK, AttentionMask, Tile, block_tiles, rectangle_pairs, tile_segments
+from mesh_cp.core.masks import (
+    NO_MASK,
+    AttentionMask,
+    Tile,
+    block_segments,
+    block_tiles,
+    rectangle_pairs,
+    tile_segments,
+)
 from mesh_cp.core.options import Backward, Layout, Phase, Schedule, check_option, positive_or_none
 from mesh_cp.core.schedule import OverlapSchedule, build_overlap_schedule
 from mesh_cp.core.shape import AttentionShape
@@ -217,6 +225,11 @@ class AttentionPlan:
         are the block's runs of consecutive global positions, uncut (a kernel that takes ``segments``)."""
         size = 0 if runs else None
         return block_tiles(self.mask or NO_MASK, (w.x, w.q_rows), (w.y, w.kv_rows), **self._mask_options(), size=size)
+
+    def block_segments(self, w: BlockWork) -> tuple | None:
+        """The ``MASKED`` block ``w`` as the varlen sequences of one call, per batch row, or ``None`` where it takes
+        more (:func:`mesh_cp.core.masks.block_segments`, Note [Block segments])."""
+        return block_segments(self.mask or NO_MASK, (w.x, w.q_rows), (w.y, w.kv_rows), **self._mask_options())
 
     def tile_segments(self, w: BlockWork, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> tuple:
         """The ``"masked"`` tile ``(q_rows, kv_rows)`` of block ``w`` as flash-attn varlen sequences per batch row

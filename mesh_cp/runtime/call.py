@@ -44,8 +44,8 @@ class AttentionCall:
     def forward_block(self, w: BlockWork, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
         """The ``(o, lse)`` of block ``w`` (rows ``w.q_rows``) from the whole Q chunk ``q (B, L, H, D)`` and the
         stacked K, V chunk ``kv (2, B, L, Hkv, D)``."""
-        if not self._tiled(w):
-            return self._forward_call(w, w.q_rows, w.kv_rows, "causal" if w.causal else "full", q, kv)
+        if not self._tiled(w) or self._one_call(w):
+            return self._forward_call(w, w.q_rows, w.kv_rows, self._whole_kind(w), q, kv)
         (qa, qb), acc = w.q_rows, acc_dtype(q.dtype)
         batch, _, heads, dim = q.shape
         o_acc = torch.zeros((batch, qb - qa, heads, dim), dtype=acc, device=q.device)
@@ -60,8 +60,8 @@ class AttentionCall:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``dq, dk, dv`` of block ``w`` (shaped like its rows and columns) from whole chunks; ``stats
         (2, B, H, L)`` holds the rows' lse and delta."""
-        if not self._tiled(w):
-            return self._backward_call(w, w.q_rows, w.kv_rows, "causal" if w.causal else "full", q, do, stats, kv)
+        if not self._tiled(w) or self._one_call(w):
+            return self._backward_call(w, w.q_rows, w.kv_rows, self._whole_kind(w), q, do, stats, kv)
         (qa, qb), (ka, kb), acc = w.q_rows, w.kv_rows, acc_dtype(q.dtype)
         dq = torch.zeros((q.shape[0], qb - qa, *q.shape[2:]), dtype=acc, device=q.device)
         dkv = torch.zeros((2, kv.shape[1], kb - ka, *kv.shape[3:]), dtype=acc, device=q.device)
@@ -89,7 +89,8 @@ class AttentionCall:
             if isinstance(u, ChunkCall):
                 count += 1 if takes(self.kernel, "segments") else sum(len(_group_calls(g)) for g in u.groups)
             else:
-                count += len(self.plan.tiles(u, runs=self._runs(u))) if self._tiled(u) else 1
+                tiled = self._tiled(u) and not self._one_call(u)
+                count += len(self.plan.tiles(u, runs=self._runs(u))) if tiled else 1
         return count
 
     def forward_chunk(self, c: ChunkCall, q: Tensor, kv_of: Callable[[int], Tensor]) -> tuple[Tensor, Tensor]:
@@ -156,9 +157,24 @@ class AttentionCall:
         return self.kernel, ({} if self.softcap is None else {"softcap": self.softcap})
 
     def _runs(self, w: BlockWork) -> bool:
-        """A ``MASKED`` block goes to a kernel that takes ``segments`` as its runs of consecutive global positions,
-        uncut: the segments skip what the mask removes (Note [Masked blocks] in :mod:`mesh_cp.core.masks`)."""
-        return w.kind is MaskKind.MASKED and self.softcap is None and takes(self.kernel, "segments")
+        """A ``MASKED`` block goes to a kernel that takes ``segments`` (and not a dense ``mask``, which it builds on the
+        device from :attr:`doc_ids`) as one call, or as its runs of consecutive global positions, uncut: the segments
+        skip what the mask removes (Note [Masked blocks] in :mod:`mesh_cp.core.masks`)."""
+        return (
+            w.kind is MaskKind.MASKED
+            and self.softcap is None
+            and takes(self.kernel, "segments")
+            and not takes(self.kernel, "mask")
+        )
+
+    def _one_call(self, w: BlockWork) -> bool:
+        """A ``MASKED`` block that a kernel taking ``segments`` runs as one call (Note [Block segments] in
+        :mod:`mesh_cp.core.masks`)."""
+        return self._runs(w) and self.plan.block_segments(w) is not None
+
+    def _whole_kind(self, w: BlockWork) -> str:
+        """The kind of the one call of a whole block: ``"block"`` (its segments), ``"causal"`` or ``"full"``."""
+        return "block" if w.kind is MaskKind.MASKED else "causal" if w.causal else "full"
 
     def _tiled(self, w: BlockWork) -> bool:
         """Block ``w`` runs as tiles: the mask cuts it, or its logits are softcapped and the kernel cannot do that
@@ -197,6 +213,8 @@ class AttentionCall:
         if self.softcap is not None:
             kernel = kernel if takes(kernel, "softcap") else _REFERENCE
             extra["softcap"] = self.softcap
+        if kind == "block":
+            return kernel, {**extra, "segments": self.plan.block_segments(w)}
         if kind != "masked":
             return kernel, extra
         if takes(kernel, "mask"):

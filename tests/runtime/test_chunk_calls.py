@@ -16,7 +16,7 @@ import torch
 from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, make_plan
 from mesh_cp.core.blocks import ChunkCall
 from mesh_cp.core.layout import local_positions
-from mesh_cp.core.numerics import document_ids, reference_attention
+from mesh_cp.core.numerics import document_ids, reference_attention, visibility
 from mesh_cp.kernels import Capabilities, get_kernel
 from mesh_cp.runtime.call import AttentionCall
 from mesh_cp.runtime.executors import backward_blocks, forward_blocks
@@ -94,16 +94,57 @@ def test_causal_calls_of_a_kernel_without_segments() -> None:
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
-def test_packed_masked_blocks_run_as_runs_on_segment_kernels(mix) -> None:
-    """Packed documents on a kernel that takes segments: no 512 tiles; a masked block is at most its three runs of
-    consecutive positions (two halves of a zig-zag chunk against two; one pair is always empty under causal)."""
+def test_packed_masked_blocks_are_one_call_each_on_segment_kernels(mix) -> None:
+    """Packed documents on a kernel that takes segments: every block is at most one call in each phase (a masked
+    block's documents are the varlen sequences of one call, Note [Block segments]), against 512-row tiles on a kernel
+    that takes only masks."""
     mask = packed(*MIXES[mix], seed=len(mix))
-    for r in calls_per_rank((4, 4), {"segments"}, mask):
-        fwd = r["forward"]
-        assert len(fwd) <= r["q_chunks"] + 3 * r["masked"], (len(fwd), r)
-        assert all(sq > 512 or sq == L // 2 for _, sq, _, _ in fwd), fwd
+    segment_calls = calls_per_rank((4, 4), {"segments"}, mask)
+    for r in segment_calls:
+        assert len(r["forward"]) == len(r["backward"]) <= r["blocks"], r
+        assert sum(seg for *_, seg in r["forward"]) >= r["masked"], r["forward"]  # each masked block: segments
     tiled = calls_per_rank((4, 4), {"mask"}, mask)
-    assert sum(len(r["forward"]) for r in tiled) > sum(len(r["forward"]) for r in calls_per_rank((4, 4), {"segments"}, mask))
+    assert sum(len(r["forward"]) for r in tiled) > 10 * sum(len(r["forward"]) for r in segment_calls)
+
+
+def test_block_segments_see_exactly_the_masked_pairs() -> None:
+    """Every masked block's one-call segments, drawn as a dense mask, equal the mask's visibility over the block's
+    global positions (documents, padding; causal zig-zag and contiguous, and full attention), for every rank's blocks;
+    a window gives no one-call segments."""
+    from mesh_cp.kernels.varlen import segments_mask
+
+    rng = random.Random(7)
+    world, seq_local = 4, 12
+    S = world * seq_local
+    for trial in range(12):
+        rows = []
+        for _ in range(2):
+            lengths, pad = [], rng.randint(0, 3)
+            while pad + sum(lengths) < S - 2:
+                lengths.append(rng.randint(1, S // 2))
+            rows.append(lengths[:-1] or [1])
+        mask = AttentionMask.from_lengths(rows, pad_left=[0, 2])
+        ids = document_ids(mask, 2, S)
+        for causal, layout in ((True, "zigzag"), (True, "contiguous"), (False, "contiguous")):
+            shape = AttentionShape(batch=2, seq_local=seq_local, heads=1, kv_heads=1, head_dim=8, itemsize=4)
+            plan = make_plan(Tiling(world, 2, 2), shape, causal=causal, layout=layout, schedule="collective", mask=mask)
+            for rank in range(world):
+                for w in plan.blocks(rank):
+                    if w.kind is not MaskKind.MASKED:
+                        continue
+                    segments = plan.block_segments(w)
+                    assert segments is not None, (trial, causal, layout, w)
+                    (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+                    qp = torch.tensor(local_positions(S, world, w.x, layout)[q0:q1])
+                    kp = torch.tensor(local_positions(S, world, w.y, layout)[k0:k1])
+                    want = visibility(ids, qp, kp, causal=causal, window=None)
+                    got = segments_mask(segments, q1 - q0, k1 - k0)
+                    assert torch.equal(got.expand_as(want), want), (trial, causal, layout, w, segments)
+    windowed = AttentionMask.from_lengths([[S]], window=5)
+    shape = AttentionShape(batch=1, seq_local=seq_local, heads=1, kv_heads=1, head_dim=8, itemsize=4)
+    plan = make_plan(Tiling(world, 2, 2), shape, causal=True, layout="zigzag", schedule="collective", mask=windowed)
+    masked = [w for r in range(world) for w in plan.blocks(r) if w.kind is MaskKind.MASKED]
+    assert masked and all(plan.block_segments(w) is None for w in masked)
 
 
 def test_chunk_call_groups_cover_the_blocks() -> None:
@@ -123,27 +164,53 @@ def test_chunk_call_groups_cover_the_blocks() -> None:
                 assert counted == sum(w.pairs for w in c.blocks), (causal, layout, rank, c)
 
 
-@pytest.mark.parametrize("kernel_name", ["reference", "cpu_flash"])
+class SegmentsOnlyKernel:
+    """The reference kernel taking ``segments`` and no dense ``mask``, as the flash kernels do: masked blocks reach it
+    as the one call of Note [Block segments]."""
+
+    name = "segments_only"
+    capabilities = Capabilities(keywords={"segments"})
+
+    def __init__(self) -> None:
+        self.inner = get_kernel("reference")
+
+    def forward(self, *args, **kwargs):
+        return self.inner.forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        return self.inner.backward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kernel_name", ["reference", "cpu_flash", "segments_only"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_chunk_calls_match_single_process_attention(kernel_name, kv_heads) -> None:
+@pytest.mark.parametrize("packed_rows", [False, True])
+def test_chunk_calls_match_single_process_attention(kernel_name, kv_heads, packed_rows) -> None:
     """Every rank's forward and backward through chunk calls (the segments path of ``reference``, the per-group
-    path of ``cpu_flash``), assembled over all ranks as the collectives would, against single-process attention of
-    the whole sequence: out, lse and dq, dk, dv (fp64)."""
+    path of ``cpu_flash``) and, with packed documents and padding, masked blocks (one call of segments on a kernel
+    that takes only segments, tiles with a mask on the others), assembled over all ranks as the collectives would,
+    against single-process attention of the whole sequence: out, lse and dq, dk, dv (fp64)."""
     world, tile, seq_local, heads, dim = 8, (2, 4), 10, 4, 16
-    shape = AttentionShape(batch=2, seq_local=seq_local, heads=heads, kv_heads=kv_heads, head_dim=dim, itemsize=8)
-    plan = make_plan(Tiling(world, *tile), shape, causal=True, layout="zigzag", schedule="collective")
-    gen = torch.Generator().manual_seed(kv_heads)
     S = world * seq_local
+    mask = AttentionMask.from_lengths([[13, 30, 20, 17], [5, 40, 31]], pad_left=[0, 4]) if packed_rows else None
+    shape = AttentionShape(batch=2, seq_local=seq_local, heads=heads, kv_heads=kv_heads, head_dim=dim, itemsize=8)
+    plan = make_plan(Tiling(world, *tile), shape, causal=True, layout="zigzag", schedule="collective", mask=mask)
+    gen = torch.Generator().manual_seed(kv_heads)
     q = torch.randn(2, S, heads, dim, dtype=torch.float64, generator=gen, requires_grad=True)
     k, v = (torch.randn(2, S, kv_heads, dim, dtype=torch.float64, generator=gen, requires_grad=True) for _ in "kv")
     do = torch.randn(2, S, heads, dim, dtype=torch.float64, generator=gen)
-    out_ref, lse_ref = reference_attention(q, k, v, causal=True, softmax_scale=0.25)
+    out_ref, lse_ref = reference_attention(q, k, v, causal=True, softmax_scale=0.25, mask=mask)
     out_ref.backward(do)
     pos = [torch.tensor(local_positions(S, world, r, "zigzag")) for r in range(world)]
     chunk = lambda t, r: t.detach()[:, pos[r]]  # noqa: E731
-    call = AttentionCall(mesh=None, plan=plan, kernel=get_kernel(kernel_name), scale=0.25)
+    kernel = SegmentsOnlyKernel() if kernel_name == "segments_only" else get_kernel(kernel_name)
+    ids = None if mask is None else document_ids(mask, 2, S)
+    call = AttentionCall(mesh=None, plan=plan, kernel=kernel, scale=0.25, doc_ids=ids)
     t = plan.tiling
-    assert any(isinstance(u, ChunkCall) for u in call.units(0))
+    units = [u for r in range(world) for u in call.units(r)]
+    assert packed_rows or any(isinstance(u, ChunkCall) for u in units)
+    if packed_rows:
+        masked = [u for u in units if not isinstance(u, ChunkCall) and u.kind is MaskKind.MASKED]
+        assert masked and all(plan.block_segments(w) is not None for w in masked)
     rows = {}
     for rank in range(world):
         q_all = torch.stack([chunk(q, x) for x in t.q_group(rank)])
