@@ -271,7 +271,11 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, options: CallOp
         return_lse=options.return_lse,
     )
     mask = options.mask
-    doc_ids = None if mask is None else document_ids(mask, mask.rows or 1, plan.seq_len, q.device)
+    # Dense masks are built from document ids on the device; a kernel that takes segments (and softcaps, if asked)
+    # gets every masked block as varlen sequences and needs none: no copy to the device per packing.
+    by_segments = takes(block_kernel, "segments") and not takes(block_kernel, "mask")
+    by_segments = by_segments and (options.softcap is None or takes(block_kernel, "softcap"))
+    doc_ids = None if mask is None or by_segments else document_ids(mask, mask.rows or 1, plan.seq_len, q.device)
     return AttentionCall(
         mesh=mesh,
         plan=plan,
