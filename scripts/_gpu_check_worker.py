@@ -579,8 +579,11 @@ def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dt
                 if name != "auto" and kernel_reasons(name, device, dtype, job.head_dim):
                     continue  # a named kernel that does not take this dtype (cuda_flash in fp32)
                 kernel = name
-                if job.faults:
-                    kernel = with_fault(resolve_auto(device, dtype, job.head_dim), job.faults)
+                if job.faults:  # the fault goes into the kernel this case runs
+                    from mesh_cp.kernels import get_kernel
+
+                    chosen = resolve_auto(device, dtype, job.head_dim) if name == "auto" else get_kernel(name)
+                    kernel = with_fault(chosen, job.faults)
                 leaves = [shard(t).detach().requires_grad_() for t in (x.q, x.k, x.v)]
                 out, lse = mesh_cp.mesh_attn_func(
                     *leaves,

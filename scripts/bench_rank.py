@@ -24,7 +24,7 @@ Decode rows: per step, rank 0's part of Tree-Attention decoding of one query ove
 tokens (:func:`mesh_cp.runtime.decode.local_attention` over its ``L``-token shard, then a ``merge_`` in fp32
 standing for the combine; its all-gather needs a process group and is not timed), against the same
 attention over the whole cache in one process, both with what ``decode_attn_func`` runs by default
-(:func:`mesh_cp.runtime.decode.decode_kernel`: ``cuda_sdpa`` on CUDA, else the step of Note [Decode local step]).
+(:func:`mesh_cp.runtime.decode.decode_kernel` of ``"auto"``: the step of Note [Decode local step]).
 
 Times are the best of ``--repeats`` runs after one warm-up, with ``torch.cuda.synchronize()`` around each on CUDA.
 
@@ -142,6 +142,7 @@ def flops(pairs: int, heads: int, head_dim: int) -> float:
 def rank_row(args, kernel, L: int, heads: int, kv_heads: int, mask_name: str, mask) -> dict:
     """Time rank 0's blocks forward and backward, and the single call of the same FLOPs."""
     device, dtype, dim = args.device, args.dtype, args.head_dim
+    backend = "nccl" if device.type == "cuda" else "gloo"  # the memory model's GPU or CPU kernel share
     a, b = most_square_tile(args.world)
     shape = AttentionShape(batch=1, seq_local=L, heads=heads, kv_heads=kv_heads, head_dim=dim, itemsize=dtype.itemsize)
     plan = make_plan(Tiling(args.world, a, b), shape, causal=True, layout="zigzag", schedule="collective", mask=mask)
@@ -188,7 +189,7 @@ def rank_row(args, kernel, L: int, heads: int, kv_heads: int, mask_name: str, ma
         "units": len(call.units(0)),
         "pairs": pairs,
         "peak_mib": [None if p is None else p / 2**20 for p in (peak_fwd, peak_bwd)],
-        "model_mib": [compute_bytes(plan, phase) / 2**20 for phase in ("forward", "backward")],
+        "model_mib": [compute_bytes(plan, phase, backend=backend) / 2**20 for phase in ("forward", "backward")],
         "ms_fwd": t_fwd * 1e3,
         "ms_bwd": t_bwd * 1e3,
         "ms": seconds * 1e3,
@@ -334,13 +335,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     kernel = resolve_kernel(args.kernel, args.device, args.dtype, args.head_dim)
+    # what mesh_attn_func resolves for a masked call (kernel="auto" takes one that takes masks or segments)
+    masked_kernel = resolve_kernel(args.kernel, args.device, args.dtype, args.head_dim, needs=("mask|segments",))
     heads = [(args.heads, args.heads), (args.heads, max(1, args.heads // 4))]
     rows = []
     for L in args.lengths:
         for h, hkv in heads:
             balance_world = args.world if args.balance else None
             for name, mask in masks(args.world * L, args.doc_scale, args.seed, balance_world).items():
-                rows.append(rank_row(args, kernel, L, h, hkv, name, mask))
+                rows.append(rank_row(args, kernel if mask is None else masked_kernel, L, h, hkv, name, mask))
         for h, hkv in heads:
             rows.append(decode_row(args, L, h, hkv))
     a, b = most_square_tile(args.world)
@@ -352,6 +355,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "tile": f"{a}x{b}",
         "head_dim": args.head_dim,
         "kernel": kernel.name,
+        "masked_kernel": masked_kernel.name,
         "decode_kernel": getattr(decode_kernel("auto", args.device, args.dtype, args.head_dim), "name", "decode_step"),
         "doc_scale": args.doc_scale,
         "repeats": args.repeats,

@@ -17,7 +17,8 @@ of a batch the choice of row is free too. :func:`balance_documents` searches for
 minimises the busiest rank's pairs, counted as the plan counts them (Note [Pairs per half-chunk] in
 :mod:`mesh_cp.core.balance_cost`, equal to :meth:`AttentionPlan.pairs`):
 
-- a local search from four starts (longest first, into the first row with room; the given order; two shuffles):
+- a local search from four starts (longest first, into the first row with room; the given order; two shuffles;
+  with several rows all four start from the longest-first placement):
   each of 100 steps tries 16 moves per start (swap two documents, or move one; half of them take a document from
   the busiest rank's half-chunks, a third move it one to three places), each start takes its best move unless
   that raises its score by more than a threshold that shrinks to 0, and the search stops early once the busiest

@@ -20,7 +20,7 @@ all-gather per layer and call.
 
 Bytes a rank sends per call (the all-gather of ``n`` members moves ``(n - 1)`` pieces, as :mod:`mesh_cp.debug`
 counts it): per level ``(n - 1) * B * k * Hq * (D + 1)`` fp32. Against the MAX and SUM all-reduces the same merge
-could use, the all-gather pays one collective's latency instead of two and sends ``(n - 1) / 2`` times the sum's
+could use, the all-gather pays one collective's latency instead of two and sends ``n / 2`` times the sum's
 bytes: decode payloads are a few KiB, where latency and launches, not bytes, set the time. Nothing depends on the
 context length; passing the cache around a ring moves ``(P - 1)`` shards per call.
 """

@@ -131,8 +131,9 @@ def choose(
 ) -> tuple[str, str]:
     """``(name, reason)`` of the kernel ``"auto"`` uses for such inputs: the first of :func:`candidates` that can run
     them and takes one of the optional keywords of every entry of ``needs`` (``"mask|segments"``: a masked call,
-    whose tiles go to a kernel taking neither only through the reference kernel; ``"softcap"``); when no candidate
-    but the reference kernel takes them, the first that can run the inputs. Decided once per ``(device, dtype,
+    whose tiles go to a kernel taking neither only through the reference kernel; ``"softcap"``); for a mask that no
+    candidate but the reference kernel takes, the first that can run the inputs (only the masked tiles then go to the
+    reference kernel), for a softcap the reference kernel (a kernel that does not softcap runs every block on it). Decided once per ``(device, dtype,
     head_dim, needs)`` and logged then (logger ``mesh_cp``, with every reason each better candidate was passed over:
     ``name: reason; reason``, candidates apart by `` | ``); never raises because a preferred kernel is unusable."""
     key = (device, dtype, head_dim, tuple(needs))
@@ -147,8 +148,8 @@ def choose(
                 runnable.append(name)
                 why = tuple(f"takes no {' or '.join(need.split('|'))}" for need in lacks)
             passed.append(f"{name}: {'; '.join(why)}")
-        if name == "reference" and runnable:  # only the reference kernel takes the keywords: run the rest fast
-            name = runnable[0]
+        if name == "reference" and runnable and "softcap" not in needs:
+            name = runnable[0]  # only the reference kernel takes masks: it runs the masked tiles, the rest runs fast
         what = f"{dtype} head_dim {head_dim} on {device}" + (f" taking {', '.join(needs)}" if needs else "")
         reason = f"kernel 'auto' chose {name!r} for {what}" + (f" ({' | '.join(passed)})" if passed else "")
         slow = device.type == "cuda" and name == "reference" and dtype != torch.float64

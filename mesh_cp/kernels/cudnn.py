@@ -98,7 +98,7 @@ class CudnnKernel(CudaOnlyKernel):
     capabilities = Capabilities(
         devices=("cuda",), dtypes=DTYPES, head_dim_multiple=HEAD_DIM_MULTIPLE, max_head_dim=MAX_HEAD_DIM
     )
-    """No optional keyword: masked tiles and softcapped logits go to the reference kernel."""
+    """No optional keyword: masked tiles go to the reference kernel; a softcap with this kernel named is refused."""
 
     @classmethod
     def not_supported_reasons(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> tuple[str, ...]:

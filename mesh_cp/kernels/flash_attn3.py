@@ -183,7 +183,7 @@ class FlashAttn3Kernel:
     capabilities = Capabilities(
         devices=("cuda",), dtypes=DTYPES, head_dim_multiple=HEAD_DIM_MULTIPLE, max_head_dim=MAX_HEAD_DIM
     )
-    """No optional keyword: masked tiles and softcapped logits go to the reference kernel."""
+    """No optional keyword: masked tiles go to the reference kernel; a softcap with this kernel named is refused."""
 
     def __init__(self, *, check_device: bool = True) -> None:
         self._api = load()

@@ -136,8 +136,8 @@ def mesh_attn_func(
         buffer_budget: most bytes of Q/KV chunks the overlapped schedule may hold at once
             (``None``: no limit); a budget below what any path needs raises with that minimum.
         mask: packed documents, padding and a left window over the *global* positions of each batch row
-            (:class:`mesh_cp.core.masks.AttentionMask`); blocks it empties are skipped, blocks it cuts get
-            an explicit mask (Note [Masked blocks]). A query that attends nothing gets 0 and lse ``-inf``.
+            (:class:`mesh_cp.core.masks.AttentionMask`); blocks it empties are skipped, blocks it cuts run as
+            varlen calls of their documents or with an explicit mask (Note [Masked blocks]). A query that attends nothing gets 0 and lse ``-inf``.
         softcap: logits ``softcap * tanh(s / softcap)`` (Gemma 2); computed by ``"flash_attn"`` (CUDA) and by the
             reference kernel, tile by tile where ``"auto"`` chose a kernel that cannot; other named kernels
             refuse it.

@@ -1,5 +1,7 @@
 """One attention call as the executors see it: the mesh, the plan, the kernel, the scale, and how every block of
-the plan becomes kernel calls (masked blocks cut into tiles; Note [Masked blocks] in :mod:`mesh_cp.core.masks`)."""
+the plan becomes kernel calls (a Q chunk's unmasked blocks as one call, Note [One call per Q chunk] in
+:mod:`mesh_cp.core.blocks`; masked blocks as varlen calls or cut into tiles, Note [Masked blocks] in
+:mod:`mesh_cp.core.masks`)."""
 
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ class AttentionCall:
     """Logits ``softcap * tanh(s / softcap)``: blocks go to the kernel when it takes ``"softcap"``, else tile by tile
     to the reference kernel."""
     doc_ids: Tensor | None = None
-    """``(B, S)`` document of every global position (``-1``: padding) when the plan has a mask."""
+    """``(B, S)`` document of every global position (``-1``: padding) when the plan has a mask and the kernel builds dense
+    masks (``None`` for a kernel that takes every masked block as segments)."""
 
     def forward_block(self, w: BlockWork, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
         """The ``(o, lse)`` of block ``w`` (rows ``w.q_rows``) from the whole Q chunk ``q (B, L, H, D)`` and the
@@ -87,7 +90,7 @@ class AttentionCall:
         count = 0
         for u in self.units(rank):
             if isinstance(u, ChunkCall):
-                count += 1 if takes(self.kernel, "segments") else sum(len(_group_calls(g)) for g in u.groups)
+                count += 1 if self._by_segments() else sum(len(_group_calls(g)) for g in u.groups)
             else:
                 tiled = self._tiled(u) and not self._one_call(u)
                 count += len(self.plan.tiles(u, runs=self._runs(u))) if tiled else 1
@@ -98,7 +101,7 @@ class AttentionCall:
         ``y`` ``(2, B, L, Hkv, D)``: one call when the kernel takes ``segments``, else one per row group (its
         diagonal a second call, merged in)."""
         (r0, r1), kernel, extra = c.q_rows, *self._kernel_for_chunks()
-        if takes(kernel, "segments"):
+        if self._by_segments():
             kv = _keys([p for g in c.groups for p in g.keys], kv_of)
             segments = _chunk_segments(c)
             return kernel.forward(q[:, r0:r1], kv[0], kv[1], causal=False, scale=self.scale, segments=segments, **extra)
@@ -122,7 +125,7 @@ class AttentionCall:
         (r0, r1), kernel, extra = c.q_rows, *self._kernel_for_chunks()
         grads: list[tuple[int, tuple[int, int], Tensor, Tensor]] = []
         common = {"scale": self.scale, "lse_grad": self.lse_grad, **extra}
-        if takes(kernel, "segments"):
+        if self._by_segments():
             pieces = [p for g in c.groups for p in g.keys]
             kv = _keys(pieces, kv_of)
             st = stats[:, :, :, r0:r1]
@@ -156,16 +159,18 @@ class AttentionCall:
         are not used otherwise, :meth:`units`)."""
         return self.kernel, ({} if self.softcap is None else {"softcap": self.softcap})
 
+    def _by_segments(self) -> bool:
+        """The kernel takes ``segments`` and no dense ``mask``, as the flash kernels do: a chunk call is one varlen call
+        and a masked block one call of its documents or its runs. A kernel that also takes masks (the reference
+        kernel) runs chunk calls group by group with its own causal flag and masked tiles with masks it builds on the
+        device, so no dense mask is built from segments on the host."""
+        return takes(self.kernel, "segments") and not takes(self.kernel, "mask")
+
     def _runs(self, w: BlockWork) -> bool:
-        """A ``MASKED`` block goes to a kernel that takes ``segments`` (and not a dense ``mask``, which it builds on the
-        device from :attr:`doc_ids`) as one call, or as its runs of consecutive global positions, uncut: the segments
-        skip what the mask removes (Note [Masked blocks] in :mod:`mesh_cp.core.masks`)."""
-        return (
-            w.kind is MaskKind.MASKED
-            and self.softcap is None
-            and takes(self.kernel, "segments")
-            and not takes(self.kernel, "mask")
-        )
+        """A ``MASKED`` block goes to a kernel that takes it by segments (:meth:`_by_segments`) as one call, or as its
+        runs of consecutive global positions, uncut: the segments skip what the mask removes (Note [Masked blocks]
+        in :mod:`mesh_cp.core.masks`)."""
+        return w.kind is MaskKind.MASKED and self.softcap is None and self._by_segments()
 
     def _one_call(self, w: BlockWork) -> bool:
         """A ``MASKED`` block that a kernel taking ``segments`` runs as one call (Note [Block segments] in

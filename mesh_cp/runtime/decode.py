@@ -164,7 +164,7 @@ def _bmm_acc(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
     if a.dtype != acc and a.is_cuda and _CUDA_OUT_DTYPE[0]:
         try:
             return torch.bmm(a, b, out_dtype=acc)
-        except (TypeError, RuntimeError):
+        except TypeError:  # a torch without out_dtype; any other error is the caller's
             _CUDA_OUT_DTYPE[0] = False
     return torch.bmm(a, b).to(acc)
 

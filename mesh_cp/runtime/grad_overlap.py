@@ -24,7 +24,12 @@ every bucket not yet launched. So every rank reduces every bucket once, in order
 is the sum over the ranks that used the parameter. ``unused="zeros"`` (the default, as Megatron's gradient
 buffers) keeps that: a parameter no rank used gets a zero gradient, not ``None`` (an optimizer's weight decay
 still applies to it). ``unused="error"`` raises in ``finish()`` naming the parameters that got no gradient on
-this rank, after the collectives have completed, so the other ranks are not left waiting in one.
+this rank, after the collectives have completed, so the other ranks are not left waiting in one. One caveat, as
+DDP's for unused parameters: a bucket one rank holds back until ``finish()`` while the others launch it during
+backward is then issued, on that rank, after the attention's own backward collectives on the CP subgroups, on the
+others before some of them. NCCL asks for collectives on different communicators to be issued in one order on
+every rank where they can block each other, so a model whose ranks skip different parameters is best reduced with
+``unused="error"`` (which names them) or without overlap (:meth:`~mesh_cp.DataContextParallel.reduce_gradients`).
 
 Gradient accumulation: run the backward of every micro-batch but the last under ``no_sync()`` (DDP's name). The
 hooks then only note that the parameter was used; gradients accumulate in ``.grad`` as without the hooks, and

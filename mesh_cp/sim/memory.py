@@ -88,7 +88,7 @@ def _units(plan: AttentionPlan) -> dict[str, int]:
 
 def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool) -> int:
     u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
-    kernel = max(_kernel_bytes(plan, w, phase, gpu=not staged) for w in plan.calls(rank))
+    compute = _compute_stage(plan, phase, rank, gpu=not staged)  # accumulators and the largest call
     if phase == "forward":
         rows = a * (u["acc"] + u["stats"])
         gathered = a * u["q"] + b * u["kv"]
@@ -96,7 +96,7 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool)
         stages = [
             a * u["q"] * (2 if a > 1 else 1),  # the all-gather of Q
             gathered + u["kv"] + (b * u["kv"] if b > 1 else 0),  # the all-gather of the stacked K, V
-            gathered + rows + kernel,  # block compute
+            gathered + compute,  # block compute
             gathered + 3 * rows + u["acc"] + u["stats"] if a > 1 else 0,  # packed, received, merged row
         ]
         return max(stages)
@@ -104,15 +104,24 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool)
     gathered = (a * 2 * u["q"] + b * u["kv"]) if regather else a * u["q"]
     stats = (2 * a + 3) * u["stats"]
     grads = 2 * (a * u["acc"] + b * u["kv_acc"]) + u["acc"] + u["kv_acc"]
-    return gathered + stats + max(grads, a * u["acc"] + b * u["kv_acc"] + kernel)
+    return gathered + stats + max(grads, compute)
 
 
 def compute_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Backend = "gloo") -> int:
     """What the collective schedule allocates around its kernel calls on mesh rank ``rank``, beyond the gathered
     chunks and the rows' statistics: the fp32 row (forward) or gradient (backward) accumulators and the largest
     call's share (the block-compute stage of :func:`peak_bytes`, which a one-device benchmark measures alone)."""
+    check_option("phase", phase)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not modelled; choose one of {list(BACKENDS)}")
+    if plan.schedule != "collective":
+        raise ValueError(f"compute_bytes models the collective schedule; this plan's is {plan.schedule!r}")
+    return _compute_stage(plan, phase, rank, gpu=backend == "nccl")
+
+
+def _compute_stage(plan: AttentionPlan, phase: Phase, rank: int, gpu: bool) -> int:
     u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
-    kernel = max(_kernel_bytes(plan, w, phase, gpu=backend == "nccl") for w in plan.calls(rank))
+    kernel = max(_kernel_bytes(plan, w, phase, gpu) for w in plan.calls(rank))
     if phase == "forward":
         return a * (u["acc"] + u["stats"]) + kernel
     return a * u["acc"] + b * u["kv_acc"] + kernel

@@ -31,9 +31,9 @@ A planted ``bool()`` in the LSE merge, ``tolist()`` in the backward and an uncac
 the zeros are the detector's, not its blindness.
 
 Not covered: what :class:`DeviceDiscipline` cannot see (its module docstring), and CUDA-only paths. A kernel that
-takes masked tiles only as segments (``flash_attn``) builds one varlen plan per distinct masked tile
-(:func:`mesh_cp.kernels.varlen.varlen_plan`, cached per segments and device): with a new packing that is one copy
-per masked tile per step, shared by every layer and by backward, on top of the document ids.
+takes masked blocks only as segments (``flash_attn``, ``cuda_flash``) gets no document ids but builds one varlen plan
+per masked block (:func:`mesh_cp.kernels.varlen.varlen_plan`, cached per segments and device): with a new packing
+that is one copy per masked block per step, shared by every layer and by backward.
 """
 
 from __future__ import annotations
