@@ -24,7 +24,7 @@ the function-level checks (placement of factories, ``.to``, ``.tolist``, ``.cpu`
 
 Cases: both schedules (``"collective"``, ``"overlap"``) times a kernel that takes masked tiles as boolean masks
 (``cpu_flash``) and one that also takes varlen segments (``reference``: the collective schedule runs the unmasked
-blocks of a Q chunk as one call of segments). After the first step (which checks the call and builds what depends
+blocks of a Q chunk as one chunk call, group by group). After the first step (which checks the call and builds what depends
 on the call shape only) every step reads nothing back, checks nothing across ranks, and copies once: the document
 ids of the new mask (:func:`mesh_cp.core.numerics.document_ids`, cached per mask and device, so not once per layer).
 A planted ``bool()`` in the LSE merge, ``tolist()`` in the backward and an uncached ``document_ids`` are caught, so
@@ -178,7 +178,7 @@ def packing(seed: int) -> AttentionMask:
     """Every row: short documents (up to 7 tokens) up to a point in the first half-chunk, one long document to a point
     in the last, short ones after, then 0 to 2 tokens of padding, all drawn anew. The long document leaves the
     blocks between the middle chunks whole, so the collective schedule also runs unmasked blocks as chunk calls
-    (varlen segments on the ``reference`` kernel) beside the blocks the mask cuts."""
+    beside the blocks the mask cuts."""
     rng, lengths = random.Random(seed), []
     for _ in range(BATCH):
         start, stop, end = rng.randrange(1, SEQ // 8), rng.randrange(SEQ - SEQ // 8, SEQ - 2), SEQ - rng.randrange(3)
@@ -329,11 +329,12 @@ def test_counter_catches_a_planted_read_and_per_layer_copies(runs) -> None:
         assert sum(counts["copies"].values()) == LAYERS, (rank, step, counts["copies"])
 
 
-def test_reference_runs_chunk_calls_as_segments_copied_once(runs) -> None:
-    """The segments path ran: in the first step some rank copied the dense mask of a chunk call's segments (built once
-    per segments and device), and later steps copy none (the test above)."""
-    first = [res["steps"][0]["copies"] for res in section_results(runs, "collective, reference")]
-    assert any("mesh_cp/kernels/varlen.py" in site for copies in first for site in copies), first
+def test_reference_builds_no_dense_mask_from_segments(runs) -> None:
+    """The reference kernel, which takes dense masks, runs chunk calls group by group with its own causal flag and
+    masked tiles with masks built on the device: no step, the first included, copies a mask built from segments on
+    the host (:func:`mesh_cp.kernels.varlen.segments_mask`)."""
+    steps = [step["copies"] for res in section_results(runs, "collective, reference") for step in res["steps"]]
+    assert steps and not any("mesh_cp/kernels/varlen.py" in site for copies in steps for site in copies), steps
 
 
 def _touch(x: torch.Tensor) -> None:
