@@ -98,8 +98,8 @@ class AttentionCall:
 
     def forward_chunk(self, c: ChunkCall, q: Tensor, kv_of: Callable[[int], Tensor]) -> tuple[Tensor, Tensor]:
         """``(o, lse)`` of rows ``c.q_rows`` of the Q chunk ``q (B, L, H, D)``, ``kv_of(y)`` the stacked K, V chunk
-        ``y`` ``(2, B, L, Hkv, D)``: one call when the kernel takes ``segments``, else one per row group (its
-        diagonal a second call, merged in)."""
+        ``y`` ``(2, B, L, Hkv, D)``: one call on a kernel that takes it by segments (:meth:`_by_segments`), else one
+        per row group (its diagonal a second call, merged in)."""
         (r0, r1), kernel, extra = c.q_rows, *self._kernel_for_chunks()
         if self._by_segments():
             kv = _keys([p for g in c.groups for p in g.keys], kv_of)
@@ -173,7 +173,7 @@ class AttentionCall:
         return w.kind is MaskKind.MASKED and self.softcap is None and self._by_segments()
 
     def _one_call(self, w: BlockWork) -> bool:
-        """A ``MASKED`` block that a kernel taking ``segments`` runs as one call (Note [Block segments] in
+        """A ``MASKED`` block that a kernel taking it by segments runs as one call (Note [Block segments] in
         :mod:`mesh_cp.core.masks`)."""
         return self._runs(w) and self.plan.block_segments(w) is not None
 
