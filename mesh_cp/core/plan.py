@@ -228,8 +228,16 @@ class AttentionPlan:
 
     def block_segments(self, w: BlockWork) -> tuple | None:
         """The ``MASKED`` block ``w`` as the varlen sequences of one call, per batch row, or ``None`` where it takes
-        more (:func:`mesh_cp.core.masks.block_segments`, Note [Block segments])."""
-        return block_segments(self.mask or NO_MASK, (w.x, w.q_rows), (w.y, w.kv_rows), **self._mask_options())
+        more (:func:`mesh_cp.core.masks.block_segments`, Note [Block segments]). Built once per plan and block: every
+        layer and phase asks, twice per call."""
+        if w not in self._segments:
+            mask = self.mask or NO_MASK
+            self._segments[w] = block_segments(mask, (w.x, w.q_rows), (w.y, w.kv_rows), **self._mask_options())
+        return self._segments[w]
+
+    @functools.cached_property
+    def _segments(self) -> dict[BlockWork, tuple | None]:
+        return {}
 
     def tile_segments(self, w: BlockWork, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> tuple:
         """The ``"masked"`` tile ``(q_rows, kv_rows)`` of block ``w`` as flash-attn varlen sequences per batch row

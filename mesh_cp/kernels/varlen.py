@@ -152,6 +152,7 @@ def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int
         shapes.append((window, lengths, max_q, flash_max_seqlen_k(window, max_q, max_k)))
     q_rows, k_rows = (torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for p in (q_parts, k_parts))
     q_back, k_back = _inverse(q_rows, batch * sq), _inverse(k_rows, batch * sk)
+    whole = tuple(len(shapes) == 1 and _in_order(r, n) for r, n in ((q_rows, batch * sq), (k_rows, batch * sk)))
     cu = [torch.tensor(lengths).cumsum(0).T for _, lengths, _, _ in shapes]  # (2, n) per call
     host = torch.cat([q_rows, k_rows, q_back, k_back, *(_with_zero(c).reshape(-1) for c in cu)])
     dev = host.to(device)  # the one host-to-device copy
@@ -164,13 +165,12 @@ def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int
         calls.append(VarlenCall(window, q_rows[q_at : q_at + nq], k_rows[k_at : k_at + nk], cu_q, cu_k, max_q, max_k))
         q_at, k_at = q_at + nq, k_at + nk
     covered = (q_back < len(q_rows)).reshape(batch, 1, sq)
-    whole = tuple(len(calls) == 1 and _in_order(p, n) for p, n in ((q_parts, batch * sq), (k_parts, batch * sk)))
     return VarlenPlan(tuple(calls), q_back, k_back, covered, whole)
 
 
-def _in_order(parts: list[Tensor], size: int) -> bool:
-    """``parts`` (host tensors) laid end to end are ``0, 1, ..., size - 1``."""
-    return sum(len(p) for p in parts) == size and torch.equal(torch.cat(parts), torch.arange(size))
+def _in_order(rows: Tensor, size: int) -> bool:
+    """``rows`` (a host tensor) are ``0, 1, ..., size - 1``."""
+    return len(rows) == size and torch.equal(rows, torch.arange(size))
 
 
 def _with_zero(cumsum: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ from mesh_cp.core.options import Backward, Layout, Schedule, check_option, posit
 from mesh_cp.core.plan import make_plan
 from mesh_cp.core.shape import AttentionShape
 from mesh_cp.kernels import BlockKernel, KernelName, resolve_kernel, takes
-from mesh_cp.runtime.call import AttentionCall, Saved
+from mesh_cp.runtime.call import AttentionCall, Saved, by_segments
 from mesh_cp.runtime.check import check_same_call
 from mesh_cp.runtime.executors import EXECUTORS
 from mesh_cp.runtime.heads import grads_from_heads, grads_to_heads, inputs_to_heads, outputs_from_heads
@@ -273,9 +273,8 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, options: CallOp
     mask = options.mask
     # Dense masks are built from document ids on the device; a kernel that takes segments (and softcaps, if asked)
     # gets every masked block as varlen sequences and needs none: no copy to the device per packing.
-    by_segments = takes(block_kernel, "segments") and not takes(block_kernel, "mask")
-    by_segments = by_segments and (options.softcap is None or takes(block_kernel, "softcap"))
-    doc_ids = None if mask is None or by_segments else document_ids(mask, mask.rows or 1, plan.seq_len, q.device)
+    no_ids = by_segments(block_kernel) and (options.softcap is None or takes(block_kernel, "softcap"))
+    doc_ids = None if mask is None or no_ids else document_ids(mask, mask.rows or 1, plan.seq_len, q.device)
     return AttentionCall(
         mesh=mesh,
         plan=plan,

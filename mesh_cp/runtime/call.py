@@ -160,11 +160,7 @@ class AttentionCall:
         return self.kernel, ({} if self.softcap is None else {"softcap": self.softcap})
 
     def _by_segments(self) -> bool:
-        """The kernel takes ``segments`` and no dense ``mask``, as the flash kernels do: a chunk call is one varlen call
-        and a masked block one call of its documents or its runs. A kernel that also takes masks (the reference
-        kernel) runs chunk calls group by group with its own causal flag and masked tiles with masks it builds on the
-        device, so no dense mask is built from segments on the host."""
-        return takes(self.kernel, "segments") and not takes(self.kernel, "mask")
+        return by_segments(self.kernel)
 
     def _runs(self, w: BlockWork) -> bool:
         """A ``MASKED`` block goes to a kernel that takes it by segments (:meth:`_by_segments`) as one call, or as its
@@ -245,6 +241,14 @@ def _chunk_positions(seq_len: int, world: int, chunk: int, layout: str, device: 
     mask, so a new packing on every step (a new :class:`AttentionCall` in every layer) copies none to the device. Do
     not write to it."""
     return torch.tensor(local_positions(seq_len, world, chunk, layout), dtype=torch.int64, device=device)
+
+
+def by_segments(kernel: BlockKernel) -> bool:
+    """The kernel takes ``segments`` and no dense ``mask``, as the flash kernels do: a chunk call is one varlen call
+    and a masked block one call of its documents or its runs. A kernel that also takes masks (the reference kernel)
+    runs chunk calls group by group with its own causal flag and masked tiles with masks it builds on the device from
+    :attr:`AttentionCall.doc_ids`, so no dense mask is built from segments on the host."""
+    return takes(kernel, "segments") and not takes(kernel, "mask")
 
 
 Piece = tuple[int, tuple[int, int]]
