@@ -100,6 +100,20 @@ def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple
     return min(times), result
 
 
+def profile_table(fn: Callable[[], object], device: torch.device, rows: int = 12) -> str:
+    """The operators of one ``fn()`` (after a warm-up) by their total device time (``--profile``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
 def document_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
     """Lengths drawn uniformly from ``[lo, hi]`` until they fill ``total`` tokens (the last one cut to fit)."""
     rng, lengths = random.Random(seed), []
@@ -173,6 +187,9 @@ def rank_row(args, kernel, L: int, heads: int, kv_heads: int, mask_name: str, ma
         t_bwd, _ = timed(lambda: backward(stats), args.repeats, device)
         pairs = plan.pairs(0)
         single = single_call(args, kernel, heads, kv_heads, pairs)
+        if args.profile:
+            print(f"L {L:,} {heads}:{kv_heads} {mask_name}: rank 0 forward + backward")
+            print(profile_table(lambda: (forward(), backward(stats)), device))
     seconds = t_fwd + t_bwd
     rate = flops(pairs, heads, dim) / seconds / 1e12
     return {
@@ -310,6 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's)")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--masks", help="only these rows, comma-separated (causal, packed long, ...; default: all)")
+    p.add_argument("--profile", action="store_true", help="print each row's operators by device time")
     p.add_argument("--quick", action="store_true", help="smoke: L = 128, 4 heads, 3 repeats")
     p.add_argument(
         "--balance",
@@ -343,6 +362,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for h, hkv in heads:
             balance_world = args.world if args.balance else None
             for name, mask in masks(args.world * L, args.doc_scale, args.seed, balance_world).items():
+                if args.masks and name not in args.masks.split(","):
+                    continue
                 rows.append(rank_row(args, kernel if mask is None else masked_kernel, L, h, hkv, name, mask))
         for h, hkv in heads:
             rows.append(decode_row(args, L, h, hkv))
