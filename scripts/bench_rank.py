@@ -18,7 +18,8 @@ Masks: ``causal``, and packed rows of documents drawn uniformly from ``long`` (8
 CUDA and 16 on CPU, where ``L`` is 16 times smaller). ``kernel calls`` counts the kernel's forward calls in
 rank 0's forward (masked blocks run tile by tile, or run by run on kernels that take ``segments``). ``--balance``
 adds each packed row in the order that balances the ranks (``packed long balanced``, ...; Note [Balanced packing]
-in ``mesh_cp/core/balance.py``) and a table of every packed row's busiest rank's pairs over the mean.
+in ``mesh_cp/core/balance.py``) and a table of every packed row's busiest rank's pairs over the mean; ``--split`` with
+it adds each packed row split over the ranks (``packed long split``, ...; Note [Split documents]).
 
 Decode rows: per step, rank 0's part of Tree-Attention decoding of one query over a cache of ``S = P L``
 tokens (:func:`mesh_cp.runtime.decode.local_attention` over its ``L``-token shard, then a ``merge_`` in fp32
@@ -46,6 +47,7 @@ import torch
 from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, make_plan, most_square_tile
 from mesh_cp.core.balance import balance_documents, rank_pairs
 from mesh_cp.core.numerics import acc_dtype, attention_delta, document_ids, merge_
+from mesh_cp.core.split import split_documents
 from mesh_cp.kernels import capabilities_of, resolve_kernel
 from mesh_cp.runtime.call import AttentionCall
 from mesh_cp.runtime.decode import decode_kernel, local_attention
@@ -122,9 +124,12 @@ def document_lengths(total: int, lo: int, hi: int, seed: int) -> list[int]:
     return lengths
 
 
-def masks(seq_len: int, scale: int, seed: int, balance_world: int | None = None) -> dict[str, AttentionMask | None]:
+def masks(
+    seq_len: int, scale: int, seed: int, balance_world: int | None = None, split: bool = False
+) -> dict[str, AttentionMask | None]:
     """``causal`` and the packed mixes; with ``balance_world``, each mix also in the order that balances it over
-    that many ranks (most square tile, zig-zag; :func:`mesh_cp.core.balance.balance_documents`)."""
+    that many ranks (most square tile, zig-zag; :func:`mesh_cp.core.balance.balance_documents`), and with ``split``
+    too, laid out split over them (Note [Split documents])."""
     out: dict[str, AttentionMask | None] = {"causal": None}
     for i, (name, (lo, hi)) in enumerate(MIXES.items()):
         lengths = document_lengths(seq_len, max(1, lo // scale), max(1, hi // scale), seed + i)
@@ -132,6 +137,8 @@ def masks(seq_len: int, scale: int, seed: int, balance_world: int | None = None)
         if balance_world is not None:
             (order,) = balance_documents(lengths, seq_len=seq_len, world=balance_world)
             out[f"packed {name} balanced"] = AttentionMask.from_lengths([[lengths[j] for j in order]])
+            if split:
+                out[f"packed {name} split"] = split_documents([lengths], seq_len=seq_len, world=balance_world)[0]
     return out
 
 
@@ -141,9 +148,10 @@ def imbalance_table(args) -> str:
     lines.append("|---|---|---|")
     for L in args.lengths:
         seq = args.world * L
-        for name, mask in masks(seq, args.doc_scale, args.seed, args.world).items():
+        for name, mask in masks(seq, args.doc_scale, args.seed, args.world, args.split).items():
             if mask is not None:
-                pairs = rank_pairs([[b - a for a, b in mask.documents[0]]], seq_len=seq, world=args.world)
+                lengths = [sum(b - a for a, b in spans) for spans in mask.document_spans(0, seq)]
+                pairs = rank_pairs([lengths], seq_len=seq, world=args.world, split=mask.parts is not None)
                 lines.append(f"| {L:,} | {name} | {max(pairs) * len(pairs) / sum(pairs):.3f} |")
     return "\n".join(lines)
 
@@ -327,15 +335,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's)")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--split", action="store_true", help="with --balance: also each packed row split over the ranks")
     p.add_argument("--masks", help="only these rows, comma-separated (causal, packed long, ...; default: all)")
     p.add_argument("--profile", action="store_true", help="print each row's operators by device time")
     p.add_argument("--quick", action="store_true", help="smoke: L = 128, 4 heads, 3 repeats")
-    p.add_argument(
-        "--balance",
-        action="store_true",
-        help="also time each packed row in balanced order (mesh_cp.core.balance) and print every packed row's "
-        "busiest rank's pairs over the mean",
-    )
+    balance = "also time each packed row in balanced order and print every packed row's busiest rank over the mean"
+    p.add_argument("--balance", action="store_true", help=balance)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     if args.quick:
@@ -361,7 +366,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for L in args.lengths:
         for h, hkv in heads:
             balance_world = args.world if args.balance else None
-            for name, mask in masks(args.world * L, args.doc_scale, args.seed, balance_world).items():
+            for name, mask in masks(args.world * L, args.doc_scale, args.seed, balance_world, args.split).items():
                 if args.masks and name not in args.masks.split(","):
                     continue
                 rows.append(rank_row(args, kernel if mask is None else masked_kernel, L, h, hkv, name, mask))

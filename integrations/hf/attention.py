@@ -3,6 +3,7 @@ attention over the whole sequence of the CP mesh, with every keyword of the call
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -181,7 +182,7 @@ def _mask_of_call(attention_mask: Any, kwargs: Mapping[str, Any], seq: int) -> A
     window = None if window is None or window >= seq else window
     if window is None:
         return given
-    return AttentionMask(documents=None if given is None else given.documents, window=window)
+    return AttentionMask(window=window) if given is None else dataclasses.replace(given, window=window)
 
 
 def _check_packing_keywords(kwargs: Mapping[str, Any], mask: AttentionMask | None, seq: int) -> None:
@@ -196,6 +197,11 @@ def _check_packing_keywords(kwargs: Mapping[str, Any], mask: AttentionMask | Non
             f"DataCollatorWithFlattening) with hf.ShardCollated(collator, mesh) or hf.mesh_cp_trainer_class(...), or "
             f"build them with ShardingCollator(packed=True) / shard_batch(documents=...), and call the model with "
             f"their mesh_cp_mask"
+        )
+    if mask.parts is not None:
+        raise NotImplementedError(
+            f"mesh_cp attention got {', '.join(given)} with split documents (ShardingCollator(balance='split')): "
+            f"they describe documents back to back, which the split layout does not keep; drop them"
         )
     spans = mask.row_documents(0, seq)
     if not spans:

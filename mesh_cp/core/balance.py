@@ -33,11 +33,13 @@ The search is seeded and uses only exact integer counts and IEEE arithmetic, so 
 the same numpy) gets the same order from the same lengths. What reordering cannot fix: a row of few long documents
 has few orders, and a document across two half-chunks puts a whole ``h x h`` block (``h`` the half-chunk) on one
 rank; the best of the 5040 orders of the ``long`` mix (7 documents of 9.5K-25K, ``h = 4096``) leaves the busiest
-rank at 1.19 times the mean.
+rank at 1.19 times the mean. Splitting the documents evens out any mix (Note [Split documents] in
+:mod:`mesh_cp.core.split`), at the price of more, shorter varlen sequences.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,6 +48,7 @@ from mesh_cp.core.balance_cost import PackCost, triangle
 from mesh_cp.core.layout import check_seq_len, chunk_ranges
 from mesh_cp.core.masks import AttentionMask, block_pairs
 from mesh_cp.core.options import Layout
+from mesh_cp.core.split import split_documents
 from mesh_cp.core.tiling import Tiling, most_square_tile
 
 EXACT = 8
@@ -104,13 +107,18 @@ def rank_pairs(
     tile: tuple[int, int] | str | None = None,
     layout: Layout = "zigzag",
     window: int | None = None,
+    split: bool = False,
 ) -> list[int]:
     """Query-key pairs every rank computes for packed ``rows`` (document lengths, back to back from 0), summed over
     the rows (for one row, :meth:`AttentionPlan.pairs` of the causal plan with that mask); counted block by block
-    with :func:`mesh_cp.core.masks.block_pairs`, the reference the search's counts are tested against."""
+    with :func:`mesh_cp.core.masks.block_pairs`, the reference the search's counts are tested against. ``split``:
+    the documents laid out split (Note [Split documents] in :mod:`mesh_cp.core.split`; zig-zag, no window)."""
     tiling = _tiling(tile, world)
     check_seq_len(seq_len, world, layout)
-    mask = AttentionMask.from_lengths(rows, window=window)
+    if split and layout != "zigzag":
+        raise ValueError(f"split documents are laid out over the zig-zag layout's half-chunks, got layout {layout!r}")
+    mask = split_documents(rows, seq_len=seq_len, world=world)[0] if split else AttentionMask.from_lengths(rows)
+    mask = dataclasses.replace(mask, window=window)
     mask.check(len(rows), seq_len, causal=True)
     chunks = [chunk_ranges(seq_len, world, x, layout) for x in range(world)]
     where = {"causal": True, "seq_len": seq_len}

@@ -22,24 +22,11 @@ The plan counts, for every block a rank computes, the query-key pairs the mask l
 the intersections of the block's global ranges with each document, :func:`visible_pairs`). A block with no
 pair left in any row of the batch is skipped (no kernel call), one the mask leaves untouched keeps its kind
 (and its fused kernel), and any other becomes ``MaskKind.MASKED``: on a kernel that takes ``segments`` one call
-whose sequences are the block's documents (Note [Block segments]; with a window, its runs), on the others tiles of
+whose sequences are the block's documents (Note [Block segments]; with a window or split documents, its runs), on the others tiles of
 :data:`TILE` rows with an explicit mask. The
 traffic stays as planned: a skipped block saves compute, not bytes (every chunk still moves along its ring,
 since other ranks' blocks of the same chunk may need it); ``AttentionPlan.pairs`` counts what is computed.
-
-Note [Tile segments]
-~~~~~~~~~~~~~~~~~~~~
-flash-attn's varlen kernels take a masked tile as sequences: sequence ``n`` is queries ``[q0, q1)`` against keys
-``[k0, k1)`` (``sq``, ``sk`` rows), and with ``window_size = (left, right)`` its query ``i`` sees key ``j`` when
-``i + sk - sq - left <= j <= i + sk - sq + right`` (``-1``: no bound), the band anchored at the bottom-right
-corner. In a tile of consecutive global positions, a document's queries and keys see each other in a band too:
-``lo <= k - q <= hi`` with ``lo = 1 - window`` (or no bound) and ``hi = 0`` under causal attention (or no
-bound). :func:`tile_segments` keeps the queries that see a key, then the keys one of them sees; the last query
-then sees the last key, so the corner lies in the band and ``left = (ke - qe) - lo``, ``right = hi - (ke - qe)``
-are never negative. Queries in no segment attend nothing in the tile (``lse = -inf``). One varlen call takes a
-single window, so the kernels call once per distinct ``(left, right)``; an ordinary tile of one document has
-one. Requires consecutive global positions, so :func:`block_tiles` never lets a tile straddle the two halves of a
-zig-zag chunk.
+The varlen sequences of tiles and blocks are in :mod:`mesh_cp.core.segments`.
 """
 
 from __future__ import annotations
@@ -66,10 +53,15 @@ class AttentionMask:
     window: int | None = None
     """Query ``i`` sees keys ``j`` with ``i - j < window`` (itself included), under causal attention only.
     ``None``: no window."""
+    parts: tuple[tuple[int, ...], ...] | None = None
+    """Per batch row, the document each span of :attr:`documents` belongs to: spans of one document are its parts,
+    in global order (Note [Split documents] in :mod:`mesh_cp.core.split`). ``None``: every span is a document."""
 
     def __post_init__(self) -> None:
         if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
             raise ValueError(f"window must be a positive number of tokens or None, got {self.window!r}")
+        if self.parts is not None:
+            _check_parts(self)
         for row, spans in enumerate(self.documents or ()):
             last = 0
             for start, stop in spans:
@@ -108,7 +100,16 @@ class AttentionMask:
             raise NotImplementedError(f"a window ({self.window}) needs causal attention; pass causal=True")
 
     def row_documents(self, row: int, seq_len: int) -> tuple[Range, ...]:
+        """The spans of row ``row``: its documents, or their parts when :attr:`parts` is given."""
         return ((0, seq_len),) if self.documents is None else self.documents[row]
+
+    def span_documents(self, row: int, seq_len: int) -> tuple[int, ...]:
+        """The document of every span of :meth:`row_documents` (each its own unless :attr:`parts` is given)."""
+        return _span_documents(self, row, seq_len)
+
+    def document_spans(self, row: int, seq_len: int) -> tuple[tuple[Range, ...], ...]:
+        """Every document of row ``row`` as its spans, in global order."""
+        return _document_spans(self, row, seq_len)
 
     @property
     def rows(self) -> int | None:
@@ -123,11 +124,54 @@ class AttentionMask:
         """What the call check compares on every new call shape: the rows and the window, not the documents, which
         change every step of a packed run (a check of them would gather and sync on every step)."""
         rows = "every row one document" if self.documents is None else f"documents in {len(self.documents)} rows"
-        return f"{rows}, window {self.window}"
+        return f"{rows}, window {self.window}" + (", split documents" if self.parts is not None else "")
 
 
 NO_MASK = AttentionMask()
 """One document over the whole sequence in every row, no window: causal or full attention as usual."""
+
+
+def _check_parts(mask: AttentionMask) -> None:
+    if mask.documents is None or len(mask.parts) != len(mask.documents):
+        rows = None if mask.documents is None else len(mask.documents)
+        raise ValueError(f"parts must give a document for every span of every row ({rows} rows), got {mask.parts!r}")
+    for row, (spans, docs) in enumerate(zip(mask.documents, mask.parts, strict=True)):
+        if len(docs) != len(spans) or not all(isinstance(d, int) and d >= 0 for d in docs):
+            raise ValueError(
+                f"parts of row {row} must be a document number >= 0 for each of its {len(spans)} spans, got {docs!r}"
+            )
+    if mask.window is not None:
+        raise NotImplementedError(
+            f"a window ({mask.window}) counts positions inside a document, which split documents do not keep in "
+            f"global order; pack the documents whole (no parts) to use a window"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _span_documents(mask: AttentionMask, row: int, seq_len: int) -> tuple[int, ...]:
+    spans = mask.row_documents(row, seq_len)
+    return tuple(range(len(spans))) if mask.parts is None else mask.parts[row]
+
+
+@functools.lru_cache(maxsize=256)
+def _document_spans(mask: AttentionMask, row: int, seq_len: int) -> tuple[tuple[Range, ...], ...]:
+    spans, docs = mask.row_documents(row, seq_len), _span_documents(mask, row, seq_len)
+    out: list[list[Range]] = [[] for _ in range(max(docs, default=-1) + 1)]
+    for span, doc in zip(spans, docs, strict=True):
+        out[doc].append(span)
+    return tuple(tuple(spans) for spans in out)
+
+
+def spans_within(spans: tuple[Range, ...], lo: int, hi: int) -> list[Range]:
+    """The sorted ``spans`` cut to ``[lo, hi)``, the empty ones left out."""
+    first = max(bisect.bisect_right([s for s, _ in spans], lo) - 1, 0)
+    out = []
+    for start, stop in spans[first:]:
+        if start >= hi:
+            break
+        if max(lo, start) < min(hi, stop):
+            out.append((max(lo, start), min(hi, stop)))
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -168,17 +212,19 @@ def block_pairs(
     mask: AttentionMask, row: int, q_ranges: Sequence[Range], k_ranges: Sequence[Range], *, causal: bool, seq_len: int
 ) -> int:
     """Pairs that attend in batch row ``row`` between the global ranges of a block's queries and keys."""
-    docs = mask.row_documents(row, seq_len)
-    starts = [s for s, _ in docs]
+    spans, span_docs = mask.row_documents(row, seq_len), mask.span_documents(row, seq_len)
+    doc_spans = mask.document_spans(row, seq_len)
+    starts = [s for s, _ in spans]
     total = 0
     for qa, qb in q_ranges:
         first = max(bisect.bisect_right(starts, qa) - 1, 0)
-        for start, stop in docs[first:]:
+        for (start, stop), doc in zip(spans[first:], span_docs[first:], strict=True):
             if start >= qb:
                 break
             qi = (max(qa, start), min(qb, stop))
             for ka, kb in k_ranges:
-                total += visible_pairs(qi, (max(ka, start), min(kb, stop)), causal=causal, window=mask.window)
+                for ki in spans_within(doc_spans[doc], ka, kb):
+                    total += visible_pairs(qi, ki, causal=causal, window=mask.window)
     return total
 
 
@@ -255,140 +301,3 @@ def _block_tiles(mask, q, k, seq_len, world, layout, causal, size) -> tuple[Tile
                 kind = "masked"
             out.append(((q0, q1), (k0, k1), kind))
     return tuple(out)
-
-
-Segment = tuple[int, int, int, int, int, int]
-"""``(q0, q1, k0, k1, left, right)``: one flash-attn varlen sequence of a tile (Note [Tile segments])."""
-
-
-def tile_segments(
-    mask: AttentionMask,
-    q: tuple[int, Range],
-    k: tuple[int, Range],
-    *,
-    seq_len: int,
-    world: int,
-    layout: Layout,
-    causal: bool,
-) -> tuple[tuple[Segment, ...], ...]:
-    """The visible pairs of one tile (local rows ``q[1]`` of Q chunk ``q[0]``, ``k[1]`` of KV chunk ``k[0]``, each
-    of consecutive global positions, as :func:`block_tiles` cuts them) as flash-attn varlen sequences, per batch
-    row of ``mask``: Note [Tile segments]."""
-    q_range = global_ranges(seq_len, world, q[0], layout, q[1])
-    k_range = global_ranges(seq_len, world, k[0], layout, k[1])
-    if len(q_range) != 1 or len(k_range) != 1:
-        raise ValueError(f"a tile's rows must be consecutive global positions, got {q_range} and {k_range}")
-    return _tile_segments(mask, q_range[0], k_range[0], seq_len, causal)
-
-
-@functools.lru_cache(maxsize=4096)
-def _tile_segments(mask: AttentionMask, q: Range, k: Range, seq_len: int, causal: bool):
-    lo = None if mask.window is None else 1 - mask.window  # k - q >= lo
-    hi = 0 if causal else None  # k - q <= hi
-    rows = []
-    for row in range(mask.rows or 1):
-        segments = []
-        for start, stop in mask.row_documents(row, seq_len):
-            qs, qe = max(q[0], start), min(q[1], stop)
-            ks, ke = max(k[0], start), min(k[1], stop)
-            # Keep the queries that see a key of [ks, ke), then the keys one of them sees.
-            if hi is not None:
-                qs = max(qs, ks - hi)
-            if lo is not None:
-                qe = min(qe, ke - lo)
-            if qs >= qe or ks >= ke:
-                continue
-            if lo is not None:
-                ks = max(ks, qs + lo)
-            if hi is not None:
-                ke = min(ke, qe + hi)
-            shift = ke - qe
-            left = -1 if lo is None else shift - lo
-            right = -1 if hi is None else hi - shift
-            segments.append((qs - q[0], qe - q[0], ks - k[0], ke - k[0], left, right))
-        rows.append(tuple(segments))
-    return tuple(rows)
-
-
-def block_segments(
-    mask: AttentionMask,
-    q: tuple[int, Range],
-    k: tuple[int, Range],
-    *,
-    seq_len: int,
-    world: int,
-    layout: Layout,
-    causal: bool,
-) -> tuple[tuple[Segment, ...], ...] | None:
-    """A ``MASKED`` block (local rows ``q[1]`` of Q chunk ``q[0]``, ``k[1]`` of KV chunk ``k[0]``) as the varlen
-    sequences of one call, per batch row of ``mask``, in the block's local rows; ``None`` where it takes more than
-    one call (then :func:`block_tiles` with ``size=0`` gives its runs).
-
-    Note [Block segments]
-    ~~~~~~~~~~~~~~~~~~~~~
-    A chunk's local rows are in increasing global order (a zig-zag chunk: its first half, then its second), so a
-    document's queries in a block are one run of local rows, and so are its keys. Without a window every query of a
-    document sees a prefix of the document's keys in the block, and in both layouts the blocks are of two kinds: the
-    keys lie before every query (the keys after the last query, the later half of a KV chunk, are dropped), one
-    segment with no bound; or queries and keys are the same positions (the diagonal), one causal segment, the band
-    ``(-1, 0)``. A window bounds the keys from below in global positions, which is no band across the gap between the
-    two halves of a zig-zag chunk: such a block runs as its runs (Note [Tile segments]).
-    """
-    if mask.window is not None:
-        return None
-    q_ranges = global_ranges(seq_len, world, q[0], layout, q[1])
-    k_ranges = global_ranges(seq_len, world, k[0], layout, k[1])
-    return _block_segments(mask, q_ranges, k_ranges, seq_len, causal)
-
-
-@functools.lru_cache(maxsize=4096)
-def _block_segments(mask: AttentionMask, q_ranges, k_ranges, seq_len: int, causal: bool):
-    rows = []
-    for row in range(mask.rows or 1):
-        segments = []
-        for start, stop in mask.row_documents(row, seq_len):
-            qd, kd = _doc_rows(q_ranges, start, stop), _doc_rows(k_ranges, start, stop)
-            if qd is None or kd is None:
-                continue
-            if qd is False or kd is False:
-                return None
-            (q0, q1, q_glob), (k0, k1, k_glob) = qd, kd
-            if causal and q_glob == k_glob:
-                segments.append((q0, q1, k0, k1, -1, 0))
-                continue
-            if causal:  # keys after the last query see nothing; the rest must precede the first query
-                last_q = q_glob[-1][1] - 1
-                k1 = k0 + sum(max(0, min(g1, last_q + 1) - g0) for g0, g1 in k_glob)
-                if k1 == k0:
-                    continue
-                if _global_at(k_glob, k1 - k0 - 1) > q_glob[0][0]:
-                    return None
-            segments.append((q0, q1, k0, k1, -1, -1))
-        rows.append(tuple(segments))
-    return tuple(rows)
-
-
-def _doc_rows(ranges: tuple[Range, ...], start: int, stop: int):
-    """The local rows (from the block's first row) of document ``[start, stop)`` among the block's global ``ranges``
-    (in local order) with their global pieces: ``(lo, hi, pieces)``, ``None`` when it has none there, ``False`` when
-    they are not one run of local rows."""
-    parts, offset = [], 0
-    for g0, g1 in ranges:
-        lo, hi = max(g0, start), min(g1, stop)
-        if lo < hi:
-            parts.append((offset + lo - g0, offset + hi - g0, lo, hi))
-        offset += g1 - g0
-    if not parts:
-        return None
-    if any(a[1] != b[0] for a, b in zip(parts, parts[1:], strict=False)):
-        return False
-    return parts[0][0], parts[-1][1], tuple((p[2], p[3]) for p in parts)
-
-
-def _global_at(pieces: tuple[Range, ...], index: int) -> int:
-    """The global position of the ``index``-th row of the global ``pieces`` laid end to end."""
-    for g0, g1 in pieces:
-        if index < g1 - g0:
-            return g0 + index
-        index -= g1 - g0
-    raise IndexError(index)

@@ -115,7 +115,8 @@ def document_ids(mask: AttentionMask, batch: int, seq_len: int, device: torch.de
 def _document_ids(mask: AttentionMask, batch: int, seq_len: int, device: torch.device | None) -> Tensor:
     ids = torch.full((batch, seq_len), -1, dtype=torch.int64)
     for row in range(batch):
-        for doc, (start, stop) in enumerate(mask.row_documents(row if mask.rows is not None else 0, seq_len)):
+        at = row if mask.rows is not None else 0
+        for doc, (start, stop) in zip(mask.span_documents(at, seq_len), mask.row_documents(at, seq_len), strict=True):
             ids[row, start:stop] = doc
     return ids if device is None else ids.to(device)
 

@@ -15,17 +15,10 @@ from typing import Literal
 
 from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, block_work, chunk_calls
 from mesh_cp.core.head_parallel import check_head_parallel, mesh_shape
-from mesh_cp.core.masks import (
-    NO_MASK,
-    AttentionMask,
-    Tile,
-    block_segments,
-    block_tiles,
-    rectangle_pairs,
-    tile_segments,
-)
+from mesh_cp.core.masks import NO_MASK, AttentionMask, Tile, block_tiles, rectangle_pairs
 from mesh_cp.core.options import Backward, Layout, Phase, Schedule, check_option, positive_or_none
 from mesh_cp.core.schedule import OverlapSchedule, build_overlap_schedule
+from mesh_cp.core.segments import block_segments, tile_segments
 from mesh_cp.core.shape import AttentionShape
 from mesh_cp.core.tiling import Tiling
 
@@ -228,7 +221,7 @@ class AttentionPlan:
 
     def block_segments(self, w: BlockWork) -> tuple | None:
         """The ``MASKED`` block ``w`` as the varlen sequences of one call, per batch row, or ``None`` where it takes
-        more (:func:`mesh_cp.core.masks.block_segments`, Note [Block segments]). Built once per plan and block: every
+        more (:func:`mesh_cp.core.segments.block_segments`, Note [Block segments]). Built once per plan and block: every
         layer and phase asks, twice per call."""
         if w not in self._segments:
             mask = self.mask or NO_MASK
@@ -241,7 +234,7 @@ class AttentionPlan:
 
     def tile_segments(self, w: BlockWork, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> tuple:
         """The ``"masked"`` tile ``(q_rows, kv_rows)`` of block ``w`` as flash-attn varlen sequences per batch row
-        (:func:`mesh_cp.core.masks.tile_segments`)."""
+        (:func:`mesh_cp.core.segments.tile_segments`)."""
         return tile_segments(self.mask or NO_MASK, (w.x, q_rows), (w.y, kv_rows), **self._mask_options())
 
     def _mask_options(self) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -27,9 +28,12 @@ from mesh_cp.core.balance import balance_documents
 from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.numerics import document_ids
 from mesh_cp.core.options import Layout, check_layout
+from mesh_cp.core.split import split_documents
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.sharding import position_ids, shard_sequence
 
+BALANCE = (False, True, "order", "split")
+"""What :class:`ShardingCollator`'s ``balance`` takes."""
 IGNORE_INDEX = -100
 """The label of a token that does not count in the loss (PyTorch's and transformers' convention)."""
 
@@ -60,6 +64,7 @@ def shard_batch(
     layout: Layout = "zigzag",
     device: torch.device | str | None = None,
     documents: Sequence[Sequence[int]] | None = None,
+    split: bool = False,
 ) -> ShardedBatch:
     """Shift labels on the full ``(batch, seq)`` sequence, then give this rank its shard (see module doc).
 
@@ -73,6 +78,10 @@ def shard_batch(
     last is padding). No token attends across a document boundary (:attr:`ShardedBatch.mask`), a document's
     last token gets no label, and ``position_ids`` restart at 0 in every document (as transformers' padding-free
     packing numbers them).
+
+    ``split``: lay the ``documents`` out split over the ranks (Note [Split documents] in :mod:`mesh_cp.core.split`):
+    every rank then computes the same share of every document's pairs. Labels are shifted and positions counted in
+    each document's own order, so every token's output and loss are those of the packed row.
 
     ``device``: where the returned tensors go (the device the training loop runs the model on);
     ``None`` keeps the input's device. The labels are counted and the shard cut where the inputs
@@ -99,6 +108,8 @@ def shard_batch(
     if ids is not None:
         shift[:, :-1][ids[:, :-1] != ids[:, 1:]] = IGNORE_INDEX
         shift[ids < 0] = IGNORE_INDEX
+    if split:
+        input_ids, shift, mask = _split(input_ids, shift, documents, layout, mesh)
     device = input_ids.device if device is None else torch.device(device)
     if mask is None:
         positions = position_ids(seq, mesh=mesh, layout=layout, device=device).unsqueeze(0).expand(batch, -1)
@@ -111,6 +122,20 @@ def shard_batch(
         num_items_in_batch=int((shift != IGNORE_INDEX).sum()),
         mask=mask,
     )
+
+
+def _split(
+    input_ids: Tensor, shift: Tensor, documents: Sequence[Sequence[int]] | None, layout: Layout, mesh: CPMesh
+) -> tuple[Tensor, Tensor, AttentionMask]:
+    """Token ids and shifted labels of packed rows moved to their places in the split layout, and its mask."""
+    if documents is None or layout != "zigzag":
+        raise ValueError(
+            f"split=True lays out packed documents over the zig-zag layout's half-chunks; pass documents= with "
+            f"layout='zigzag' (got documents={'None' if documents is None else 'given'}, layout={layout!r})"
+        )
+    mask, sources = split_documents(documents, seq_len=input_ids.shape[1], world=mesh.size)
+    source = torch.tensor(sources, dtype=torch.int64, device=input_ids.device)
+    return input_ids.gather(1, source), shift.gather(1, source), mask
 
 
 def _batch_mask(
@@ -145,12 +170,13 @@ def document_positions(
 ) -> Tensor:
     """``(batch, seq_local)`` position of each of this rank's tokens inside its document: 0 at every document's
     first token (what RoPE needs for packed and left-padded rows), 0 for padding."""
-    ids = document_ids(mask, batch, seq_len)
-    starts = torch.zeros(batch, seq_len, dtype=torch.int64)
+    inside = torch.zeros(batch, seq_len, dtype=torch.int64)
     for row in range(batch):
-        for start, stop in mask.row_documents(row if mask.rows is not None else 0, seq_len):
-            starts[row, start:stop] = start
-    inside = torch.where(ids >= 0, torch.arange(seq_len) - starts, torch.zeros_like(starts))
+        for spans in mask.document_spans(row if mask.rows is not None else 0, seq_len):
+            before = 0  # tokens of the document in its earlier parts (Note [Split documents])
+            for start, stop in spans:
+                inside[row, start:stop] = torch.arange(before, before + stop - start)
+                before += stop - start
     return inside[:, position_ids(seq_len, mesh=mesh, layout=layout)].to(device)
 
 
@@ -185,12 +211,14 @@ class ShardingCollator:
     to back and padded at the end; the batch then also holds ``mesh_cp_mask`` (the
     :class:`~mesh_cp.core.AttentionMask` of the documents, which a model attached with
     :func:`mesh_cp.integrations.hf.attach` passes to its attention) and ``position_ids`` that restart in every
-    document. ``balance=True`` (with ``packed=True``) lays the documents out in the order that evens out the
-    query-key pairs of the mesh's ranks (:func:`mesh_cp.core.balance.balance_documents`, Note [Balanced packing]):
-    every token keeps its loss, since it attends only inside its document and its position restarts there, so the
-    loss and gradients are those of the given order up to floating-point rounding. Off by default: it changes which
-    tokens each rank holds (so results are not bitwise those of the given order) and costs tens of milliseconds of
-    CPU per batch of 128K tokens (more with hundreds of documents).
+    document. ``balance=True`` (or ``"order"``, with ``packed=True``) lays the documents out in the order that evens
+    out the query-key pairs of the mesh's ranks (:func:`mesh_cp.core.balance.balance_documents`, Note [Balanced
+    packing]); ``balance="split"`` cuts every document into one part per half-chunk of the zig-zag layout (Note [Split
+    documents] in :mod:`mesh_cp.core.split`), which evens out any mix, long documents too, at the price of more and
+    shorter varlen sequences. Either way every token keeps its loss, since it attends only inside its document and
+    its position counts there, so the loss and gradients are those of the given order up to floating-point rounding.
+    Off by default: it changes which tokens each rank holds (so results are not bitwise those of the given order) and
+    costs tens of milliseconds of CPU per batch of 128K tokens (more with hundreds of documents).
     """
 
     def __init__(
@@ -202,7 +230,7 @@ class ShardingCollator:
         pad_to_multiple_of: int = 1,
         device: torch.device | str | None = None,
         packed: bool = False,
-        balance: bool = False,
+        balance: bool | Literal["order", "split"] = False,
     ):
         if not isinstance(mesh, CPMesh):
             raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
@@ -211,9 +239,13 @@ class ShardingCollator:
         self.mesh, self.pad_token_id, self.layout = mesh, pad_token_id, check_layout(layout)
         self.device = None if device is None else torch.device(device)
         self.packed = bool(packed)
+        if balance not in BALANCE:
+            raise ValueError(f"balance must be one of {', '.join(map(repr, BALANCE))}, got {balance!r}")
         if balance and not self.packed:
-            raise ValueError("balance=True orders the documents of a packed row; pass packed=True with it")
-        self.balance = bool(balance)
+            raise ValueError(f"balance={balance!r} lays out the documents of a packed row; pass packed=True with it")
+        if balance == "split" and self.layout != "zigzag":
+            raise ValueError(f"balance='split' cuts documents over the zig-zag layout, got layout={self.layout!r}")
+        self.balance = "order" if balance is True else balance or None
         self.multiple = math.lcm(mesh.seq_multiple(self.layout), pad_to_multiple_of)
 
     def __call__(self, examples: Sequence[Mapping[str, Sequence[int]] | Sequence[int]]) -> dict[str, Tensor]:
@@ -222,11 +254,13 @@ class ShardingCollator:
             torch.as_tensor(e["labels"], dtype=torch.long) if isinstance(e, Mapping) and "labels" in e else i
             for e, i in zip(examples, ids, strict=True)
         ]
-        if self.balance:
+        if self.balance == "order":
             ids, labels = self.balanced(ids, labels)
         rows = [ids, labels] if not self.packed else [[torch.cat(ids)], [torch.cat(labels)]]
         input_ids, label_ids, real = pad_batch(*rows, multiple=self.multiple, pad_token_id=self.pad_token_id)
         options = {"documents": [[len(i) for i in ids]]} if self.packed else {"attention_mask": real}
+        if self.balance == "split":
+            options["split"] = True
         batch = shard_batch(
             input_ids, mesh=self.mesh, labels=label_ids, layout=self.layout, device=self.device, **options
         )

@@ -197,7 +197,7 @@ def test_tile_segments_are_the_visible_pairs_as_flash_attn_windows(
 ) -> None:
     """Read with flash-attn's varlen window rule (bottom-right anchored band, -1 no bound), a tile's segments see
     exactly the pairs the mask leaves; every query of a segment sees a key; ranges are sorted and disjoint."""
-    from mesh_cp.core.masks import _tile_segments
+    from mesh_cp.core.segments import _tile_segments
 
     window = window if causal else None
     mask = AttentionMask.from_lengths([lengths], pad_left=[pad], window=window)
@@ -229,7 +229,7 @@ def test_tiles_never_straddle_the_halves_of_a_zigzag_chunk() -> None:
     positions (what the varlen segments need); a tile across the boundary is refused by tile_segments."""
     import pytest
 
-    from mesh_cp.core import masks
+    from mesh_cp.core import masks, segments
     from mesh_cp.core.layout import global_ranges
 
     mask = AttentionMask.from_lengths([[5, 20, 7]])
@@ -238,7 +238,7 @@ def test_tiles_never_straddle_the_halves_of_a_zigzag_chunk() -> None:
     assert tiles and all(len(global_ranges(32, 2, 1, "zigzag", q)) == 1 for q, _, _ in tiles)
     assert {q for q, _, _ in tiles} == {(0, 6), (6, 8), (8, 14), (14, 16)}
     with pytest.raises(ValueError, match="consecutive global positions"):
-        masks.tile_segments(mask, (1, (4, 12)), (0, (0, 4)), **where)
+        segments.tile_segments(mask, (1, (4, 12)), (0, (0, 4)), **where)
 
 
 def test_visible_pairs_are_counted_once_per_plan_and_block(monkeypatch) -> None:

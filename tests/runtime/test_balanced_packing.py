@@ -1,5 +1,5 @@
-"""``ShardingCollator(packed=True, balance=True)``: the same loss and gradients as the given order, less work on the
-busiest rank (Note [Balanced packing]).
+"""``ShardingCollator(packed=True, balance=True | "split")``: the same loss and gradients as the given order, less
+work on the busiest rank (Note [Balanced packing], Note [Split documents]).
 
 One process: the collator runs for every rank of a P = 4 mesh (tile 2x2; a stand-in :class:`CPMesh` with no process
 group, which the collator does not use), the shards are put back in global order, and a tiny Llama computes the
@@ -20,6 +20,7 @@ from mesh_cp.core import Tiling
 from mesh_cp.core.balance import rank_pairs
 from mesh_cp.core.layout import local_positions
 from mesh_cp.core.numerics import document_ids
+from mesh_cp.core.split import split_documents
 from mesh_cp.runtime.batch import ShardingCollator, causal_lm_loss
 from mesh_cp.runtime.mesh import CPMesh
 
@@ -27,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 WORLD, TILE = 4, (2, 2)
 LENGTHS = [3, 41, 7, 60, 12, 5, 33, 19, 2, 26]
+SEQ = 208  # their tokens, a multiple of 2P = 8: no padding
 
 
 def stand_in_mesh(rank: int) -> CPMesh:
@@ -35,7 +37,7 @@ def stand_in_mesh(rank: int) -> CPMesh:
     return CPMesh(tiling=Tiling(WORLD, *TILE), rank=rank, global_ranks=tuple(range(WORLD)), **groups)
 
 
-def collated_row(examples: list[dict], balance: bool) -> dict:
+def collated_row(examples: list[dict], balance: bool | str) -> dict:
     """The collator's batch for every rank, put back in global order: ids, positions, shifted labels, mask."""
     shards = [
         ShardingCollator(stand_in_mesh(r), pad_token_id=0, packed=True, balance=balance)(examples) for r in range(WORLD)
@@ -86,6 +88,39 @@ def test_balanced_collator_keeps_the_loss_and_balances_the_ranks() -> None:
         torch.testing.assert_close(g_b, g, rtol=1e-5, atol=1e-7)
 
 
-def test_balance_needs_packed_rows() -> None:
-    with pytest.raises(ValueError, match=r"balance=True orders the documents of a packed row; pass packed=True"):
-        ShardingCollator(stand_in_mesh(0), pad_token_id=0, balance=True)
+def test_split_collator_keeps_the_loss_and_evens_out_the_ranks() -> None:
+    """``balance="split"`` (Note [Split documents]): the ranks compute the same pairs (the given order's busiest
+    rank computes 1.3 times the mean), and the loss and gradients are the given order's."""
+    from mesh_cp.testing.models import tiny_causal_lms
+
+    rng = random.Random(1)
+    examples = [{"input_ids": [rng.randint(3, 95) for _ in range(n)]} for n in LENGTHS]
+    given, split = collated_row(examples, balance=False), collated_row(examples, balance="split")
+    assert split["mask"].parts is not None and split["mask"] == split_documents([LENGTHS], seq_len=SEQ, world=WORLD)[0]
+    pairs = [rank_pairs([LENGTHS], seq_len=SEQ, world=WORLD, tile=TILE, split=s) for s in (False, True)]
+    assert max(pairs[0]) * WORLD / sum(pairs[0]) > 1.3 and max(pairs[1]) * WORLD / sum(pairs[1]) < 1.02, pairs
+    assert given["num_items"] == split["num_items"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"], attn_implementation="sdpa")
+    loss, grads = loss_and_grads(model, given)
+    loss_s, grads_s = loss_and_grads(model, split)
+    torch.testing.assert_close(loss_s, loss, rtol=1e-6, atol=0)
+    for g, g_s in zip(grads, grads_s, strict=True):
+        torch.testing.assert_close(g_s, g, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"balance": True}, r"balance=True lays out the documents of a packed row; pass packed=True"),
+        ({"balance": "split"}, r"balance='split' lays out the documents of a packed row; pass packed=True"),
+        ({"balance": "sorted", "packed": True}, r"balance must be one of False, True, 'order', 'split', got 'sorted'"),
+        (
+            {"balance": "split", "packed": True, "layout": "contiguous"},
+            r"balance='split' cuts documents over the zig-zag layout, got layout='contiguous'",
+        ),
+    ],
+)
+def test_balance_is_checked(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ShardingCollator(stand_in_mesh(0), pad_token_id=0, **options)

@@ -2,7 +2,8 @@
 
 One spawned group per P (4, 6 and 8) runs every tile and both schedules on masks drawn at random: documents of
 1 token, shorter than a chunk and longer than a shard, left and right padding, windows smaller and larger than a
-chunk, softcapped logits, causal (zig-zag) and bidirectional documents (contiguous), GQA, batch 2. Every rank
+chunk, softcapped logits, causal (zig-zag) and bidirectional documents (contiguous), documents split over the
+ranks (Note [Split documents]), GQA, batch 2. Every rank
 compares its shard of the output, the lse (with ``-inf`` where a query attends nothing) and dq, dk, dv (a loss on
 out and on the lse) with the reference. Masked blocks are cut into tiles of 3 rows, so every kind of tile runs;
 at P = 4 and 6 every case also runs on a kernel that takes masked tiles only as flash-attn varlen sequences
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mesh_cp.core import AttentionMask, factorizations
+from mesh_cp.core.split import split_documents
 from mesh_cp.kernels import Capabilities
 from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.testing import spawn_gloo
@@ -61,8 +63,17 @@ def cases(world: int, seed: int) -> dict[str, dict]:
             "softcap": 2.0,
         },
         "softcap alone": {"mask": None, "causal": True, "softcap": 1.5},
+        "split documents": {"mask": split_mask(rng, seq, world), "causal": True},
     }
-    return all_cases if world != 8 else {k: all_cases[k] for k in ("packed causal", "window < chunk, packed")}
+    kept = ("packed causal", "window < chunk, packed", "split documents")
+    return all_cases if world != 8 else {k: all_cases[k] for k in kept}
+
+
+def split_mask(rng: random.Random, seq: int, world: int) -> AttentionMask:
+    """Two rows of documents laid out split (Note [Split documents]): one longer than the row's half, documents
+    shorter than the 2P parts (some parts empty), padding after them."""
+    rows = [[seq // 2 + 3, 1, 2 * world - 1, 5], [rng.randint(1, 2 * HALF) for _ in range(4)]]
+    return split_documents(rows, seq_len=seq, world=world)[0]
 
 
 def segments_dense(segments: tuple, sq: int, sk: int) -> torch.Tensor:

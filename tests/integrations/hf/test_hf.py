@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 
 import mesh_cp  # noqa: E402
 from mesh_cp.core import factorizations  # noqa: E402
+from mesh_cp.core.split import split_documents  # noqa: E402
 from mesh_cp.testing import expect_error, run_sections, section_results, spawn_gloo  # noqa: E402
 from mesh_cp.testing.models import VOCAB, tiny_causal_lms, tiny_config  # noqa: E402
 
@@ -57,10 +58,11 @@ def _reference(ref, input_ids, attention_mask, documents):
     return types.SimpleNamespace(logits=padded, loss=loss)
 
 
-def compare(model_name: str, config, mesh, attention_mask=None, documents=None) -> dict[str, float]:
+def compare(model_name: str, config, mesh, attention_mask=None, documents=None, split=False) -> dict[str, float]:
     """Max errors of the mesh model against the stock SDPA model: logits, loss, grads, params after 3 steps.
 
-    ``attention_mask``: left or right padding; ``documents``: one packed row of documents of these lengths."""
+    ``attention_mask``: left or right padding; ``documents``: one packed row of documents of these lengths;
+    ``split``: the documents laid out split over the ranks (Note [Split documents])."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -79,7 +81,7 @@ def compare(model_name: str, config, mesh, attention_mask=None, documents=None) 
         out = _reference(ref, input_ids, attention_mask, documents)
         out.loss.backward()
 
-        batch = hf.shard_batch(input_ids, mesh=mesh, attention_mask=attention_mask, documents=documents)
+        batch = hf.shard_batch(input_ids, mesh=mesh, attention_mask=attention_mask, documents=documents, split=split)
         extra = {} if batch.mask is None else {"mesh_cp_mask": batch.mask}
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **extra).logits
         loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
@@ -88,9 +90,14 @@ def compare(model_name: str, config, mesh, attention_mask=None, documents=None) 
         total = loss.detach().clone()
         dist.all_reduce(total, group=mesh.group)
         if step == 0:
-            shard_ref = mesh_cp.shard_sequence(out.logits.detach(), mesh=mesh, dim=1, layout="zigzag")
+            full, real = out.logits.detach(), None
             if attention_mask is not None or documents is not None:  # padding has no label: real tokens only
                 real = attention_mask if documents is None else (torch.arange(SEQ) < sum(documents[0]))[None]
+            if split:  # token g of the split row is token source[g] of the packed row
+                (source,) = split_documents(documents, seq_len=SEQ, world=mesh.size)[1]
+                full, real = full[:, source], real[:, source]
+            shard_ref = mesh_cp.shard_sequence(full, mesh=mesh, dim=1, layout="zigzag")
+            if real is not None:
                 real = mesh_cp.shard_sequence(real.long(), mesh=mesh, dim=1, layout="zigzag").bool()
                 errors["logits"] = _max_err(logits.detach()[real], shard_ref[real])
             else:
@@ -139,6 +146,8 @@ def hf_worker(rank: int, world: int) -> dict:
         packed = [[1, 5, 13, 2, 20, 3]]  # 44 of 48 tokens: documents of 1 token, shorter and longer than a shard
         for key, err in compare("llama-gqa packed", tiny_causal_lms()["llama-gqa"], mesh, documents=packed).items():
             results[key] = err
+        split = compare("llama-gqa packed split", tiny_causal_lms()["llama-gqa"], mesh, documents=packed, split=True)
+        results |= split
         checks = _refusals(mesh, hf)
         results |= checks
     return results
@@ -268,6 +277,7 @@ def test_hf_models_match_single_process_sdpa(world: int, request: pytest.Fixture
         expected = {f"{t} {m} {metric}" for t in tiles for m in tiny_causal_lms() for metric in metrics}
         if world == 4:
             padded = ("llama-gqa right-padded", "llama-gqa left- and right-padded", "llama-gqa packed")
+            padded += ("llama-gqa packed split",)
             expected |= {f"{name} {metric}" for name in padded for metric in metrics}
         assert set(errors) == expected, sorted(set(errors) ^ expected)
 
