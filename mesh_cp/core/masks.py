@@ -1,7 +1,8 @@
 """Masks beyond causal and full attention: packed documents, padding and a left window, over global positions.
 
 Pure Python (no torch). An :class:`AttentionMask` says, for every row of the batch, which global positions
-form which document; a token outside every document is padding. Query ``i`` sees key ``j`` when both lie in
+form which document (a document is one span, or several parts when split: Note [Split documents] in
+:mod:`mesh_cp.core.split`); a token outside every document is padding. Query ``i`` sees key ``j`` when both lie in
 the same document, ``j <= i`` under causal attention, and ``i - j < window`` when a window is given::
 
     documents (0, 3), (3, 4), (4, 7), padding 7..8, causal, window 2     (x: attends, .: masked)
@@ -22,11 +23,11 @@ The plan counts, for every block a rank computes, the query-key pairs the mask l
 the intersections of the block's global ranges with each document, :func:`visible_pairs`). A block with no
 pair left in any row of the batch is skipped (no kernel call), one the mask leaves untouched keeps its kind
 (and its fused kernel), and any other becomes ``MaskKind.MASKED``: on a kernel that takes ``segments`` one call
-whose sequences are the block's documents (Note [Block segments]; with a window or split documents, its runs), on the others tiles of
-:data:`TILE` rows with an explicit mask. The
-traffic stays as planned: a skipped block saves compute, not bytes (every chunk still moves along its ring,
-since other ranks' blocks of the same chunk may need it); ``AttentionPlan.pairs`` counts what is computed.
-The varlen sequences of tiles and blocks are in :mod:`mesh_cp.core.segments`.
+whose sequences are the block's documents (Note [Block segments]; with a window or split documents, its runs), on
+the others tiles of :data:`TILE` rows with an explicit mask. The traffic stays as planned: a skipped block saves
+compute, not bytes (every chunk still moves along its ring, since other ranks' blocks of the same chunk may need
+it); ``AttentionPlan.pairs`` counts what is computed. The varlen sequences of tiles and blocks are in
+:mod:`mesh_cp.core.segments`.
 """
 
 from __future__ import annotations
@@ -142,8 +143,8 @@ def _check_parts(mask: AttentionMask) -> None:
             )
     if mask.window is not None:
         raise NotImplementedError(
-            f"a window ({mask.window}) counts positions inside a document, which split documents do not keep in "
-            f"global order; pack the documents whole (no parts) to use a window"
+            f"a window ({mask.window}) counts positions inside a document, which global positions do not across the "
+            f"parts of a split document; pack the documents whole (no parts) to use a window"
         )
 
 
