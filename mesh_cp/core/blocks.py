@@ -18,6 +18,7 @@ above it, which leaves the first ranks idle.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mesh_cp.core.layout import check_layout
@@ -179,3 +180,41 @@ def _row_groups(blocks: list[BlockWork]) -> tuple[RowGroup, ...]:
         if pieces:
             groups.append(RowGroup(q_rows=(s0, s1), keys=tuple(pieces), causal_tail=tail is not None))
     return tuple(groups)
+
+
+def first_writes(writes: Sequence[tuple[int, tuple[int, int]]], slots: int, size: int) -> tuple[tuple[bool, ...], bool]:
+    """For every write ``(slot, (start, stop))`` of ``writes`` into an accumulator of ``slots`` slots of ``size``
+    rows, in order: whether no earlier write touched any of its rows (a first write); and whether the first writes
+    touch every row of every slot and each other write only rows touched before (the accumulator then needs no
+    initial values).
+
+    Note [First writes]
+    ~~~~~~~~~~~~~~~~~~~
+    Partial results are accumulated into buffers that start as the identity of their reduction (``0`` for a sum,
+    ``(0, -inf)`` for the LSE merge of Note [LSE merge]). A write into rows that nothing has written yet is a copy:
+    ``0 + x`` is ``x``, and the merge of ``(o, lse)`` into ``(0, -inf)`` is ``(o, lse)`` (``logaddexp(-inf, lse) =
+    lse``, weights ``0`` and ``1``; a row that attends nothing has ``(0, -inf)`` either way). When such first writes
+    cover the whole buffer and every other write lands on rows already written, the buffer is allocated without
+    values (``torch.empty``) and no fill runs; otherwise it is filled with the identity and first writes are still
+    copies. The writes of a plan's calls are fixed by the plan, so this is decided on the host once per plan.
+    """
+    touched: list[list[tuple[int, int]]] = [[] for _ in range(slots)]
+    first, complete = [], True
+    for slot, (start, stop) in writes:
+        spans = touched[slot]
+        fresh = all(stop <= s0 or s1 <= start for s0, s1 in spans)
+        first.append(fresh)
+        if fresh:
+            spans.append((start, stop))
+        elif not _covers(spans, start, stop):
+            complete = False
+    return tuple(first), complete and all(_covers(spans, 0, size) for spans in touched)
+
+
+def _covers(spans: list[tuple[int, int]], start: int, stop: int) -> bool:
+    """The disjoint ``spans`` cover ``[start, stop)``."""
+    at = start
+    for s0, s1 in sorted(spans):
+        if s0 <= at < s1:
+            at = s1
+    return at >= stop

@@ -6,6 +6,7 @@ Torch tensors only; nothing here touches torch.distributed.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
@@ -62,10 +63,9 @@ def merge_(o_acc: Tensor, lse_acc: Tensor, o_new: Tensor, lse_new: Tensor) -> No
     """
     lse_new = lse_new.to(lse_acc.dtype)
     lse = torch.logaddexp(lse_acc, lse_new)
-    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    w_old = torch.exp(lse_acc - finite).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(lse_new - finite).transpose(1, 2).unsqueeze(-1)
-    o_acc.mul_(w_old).add_(o_new.to(o_acc.dtype) * w_new)
+    finite = torch.nan_to_num(lse, nan=math.nan, posinf=0.0, neginf=0.0)  # infinities as 0
+    w_old, w_new = torch.exp(torch.stack((lse_acc, lse_new)) - finite).transpose(2, 3).unsqueeze(-1)
+    o_acc.mul_(w_old).add_(widened(o_new, o_acc.dtype, lse_acc.dtype) * w_new)
     lse_acc.copy_(lse)
 
 
@@ -93,8 +93,22 @@ def attention_delta(do: Tensor, out: Tensor, dlse: Tensor | None = None) -> Tens
     (``d lse_i / d s_ij = p_ij``; Note [Gradient of the lse] in :mod:`mesh_cp.kernels.base`).
     """
     acc = acc_dtype(do.dtype)
-    delta = (do.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
+    do_acc = widened(do, acc, out.dtype)
+    delta = (do_acc * widened(out, acc, do_acc.dtype)).sum(-1).transpose(1, 2).contiguous()
     return delta if dlse is None else delta - dlse.to(acc)
+
+
+def widened(x: Tensor, dtype: torch.dtype, other: torch.dtype) -> Tensor:
+    """``x`` as an operand, beside one of dtype ``other``, of an elementwise op that must compute in ``dtype``: ``x``
+    itself when type promotion gives ``dtype`` (the op converts ``x`` as it reads it, to the values ``x.to(dtype)``
+    holds, without that copy), else ``x.to(dtype)``."""
+    return x if _promoted(x.dtype, other) == dtype else x.to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """``torch.promote_types(a, b)``, looked up (the op goes through the dispatcher)."""
+    return torch.promote_types(a, b)
 
 
 def mask_causal(scores: Tensor) -> Tensor:

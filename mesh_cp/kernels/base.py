@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from mesh_cp.core.numerics import acc_dtype
+from mesh_cp.core.numerics import acc_dtype, widened
 
 if TYPE_CHECKING:
     from mesh_cp.kernels.varlen import Segments
@@ -218,6 +218,11 @@ def pad_head_dim(x: Tensor, dim: int) -> Tensor:
     return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
 
 
+def cut_head_dim(*xs: Tensor, dim: int) -> tuple[Tensor, ...]:
+    """Each ``x (..., D')`` cut back to ``(..., dim)`` (``x`` itself when ``D' == dim``, not a new view)."""
+    return tuple(x if x.shape[-1] == dim else x[..., :dim] for x in xs)
+
+
 def out_for_delta(do: Tensor, delta: Tensor) -> Tensor:
     """A tensor ``o`` with ``rowsum(do * o) == delta`` when ``delta = rowsum(dO * O)`` (no lse gradient).
 
@@ -227,14 +232,18 @@ def out_for_delta(do: Tensor, delta: Tensor) -> Tensor:
     ``do (B, S, H, D)``, ``delta (B, H, S)``; the result is ``do.dtype``.
     """
     # o = u * (delta / m) / |u|^2 with u = do / m, m = max|do| of the row: |u|^2 is in [1, D], so
-    # neither it nor the quotient underflows however small do is.
-    do_acc = do.to(delta.dtype)
-    top = do_acc.abs().amax(-1, keepdim=True)
+    # neither it nor the quotient underflows however small do is. |do| and its maximum are exact in do's dtype, and
+    # do enters the division in delta's dtype (widened); the last product is rounded to do's dtype as it is stored.
+    # A row of zeros takes m = 1 and |u|^2 = 1 by adding the boolean `zero` (exact: x + 0 and 0 + 1).
+    acc = delta.dtype
+    top = do.abs().amax(-1, keepdim=True).to(acc)
     zero = top == 0
-    u = do_acc / torch.where(zero, 1, top)
+    m = top + zero
+    u = widened(do, acc, acc) / m
     delta_t = delta.transpose(1, 2).unsqueeze(-1)
-    coef = torch.where(zero, torch.where(delta_t == 0, 0, math.nan), delta_t / torch.where(zero, 1, top))
-    return (u * (coef / torch.where(zero, 1, (u * u).sum(-1, keepdim=True)))).to(do.dtype)
+    coef = torch.where(zero, torch.where(delta_t == 0, 0, math.nan), delta_t / m)
+    coef = coef / (u * u).sum(-1, keepdim=True).add_(zero)
+    return torch.mul(u, coef, out=torch.empty_like(do))
 
 
 def _exponent_range(dtype: torch.dtype) -> tuple[int, int]:

@@ -48,6 +48,7 @@ from mesh_cp.kernels.base import (
     Capabilities,
     CudaOnlyKernel,
     backward_by_parts,
+    cut_head_dim,
     fused_backward_inputs,
     pad_head_dim,
     round_up,
@@ -79,8 +80,9 @@ def _refused_width(padded: int, capability: tuple[int, int], what: str) -> str |
     return _no_backward(padded, capability, what)
 
 
+@functools.cache
 def _op_parameters() -> frozenset[str]:
-    """Parameter names of ``aten._flash_attention_forward`` in this PyTorch."""
+    """Parameter names of ``aten._flash_attention_forward`` in this PyTorch (read once)."""
     return frozenset(a.name for a in torch.ops.aten._flash_attention_forward.default._schema.arguments)
 
 
@@ -94,6 +96,13 @@ def _window(window: tuple[int, int]) -> dict:
             f"window {window} needs; use kernel='flash_attn' or 'reference', or a newer PyTorch"
         )
     return {"window_size_left": window[0], "window_size_right": window[1]}
+
+
+@functools.lru_cache(maxsize=16)
+def _no_rng(device: torch.device) -> Tensor:
+    """The philox seed and offset arguments of a backward without dropout (the ops read them only with dropout): one
+    tensor per device, not one allocation per call."""
+    return torch.empty((), device=device, dtype=torch.int64)
 
 
 def _varlen_forward(call: varlen.VarlenCall, q: Tensor, k: Tensor, v: Tensor, *, scale: float):
@@ -115,7 +124,7 @@ def _varlen_forward(call: varlen.VarlenCall, q: Tensor, k: Tensor, v: Tensor, *,
 
 
 def _varlen_backward(call: varlen.VarlenCall, do, q, k, v, out, lse, *, scale: float):
-    no_rng = torch.empty((), device=q.device, dtype=torch.int64)  # read only with dropout
+    no_rng = _no_rng(q.device)
     return torch.ops.aten._flash_attention_backward(
         do,
         q,
@@ -180,7 +189,7 @@ class CudaFlashKernel(CudaOnlyKernel):
         q, k, v = (pad_head_dim(t, padded) for t in (q, k, v))
         if plan is not None:
             out, lse = varlen.forward(q, k, v, plan, functools.partial(_varlen_forward, scale=scale))
-            return out[..., :dim], lse
+            return (*cut_head_dim(out, dim=dim), lse)
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale
         )
@@ -202,19 +211,19 @@ class CudaFlashKernel(CudaOnlyKernel):
     ) -> tuple[Tensor, Tensor, Tensor]:
         dim = q.shape[-1]
         plan = None if segments is None else varlen.plan_for(q, k, segments, causal)
-        if plan is not None:
-            lse, delta = varlen.stats_on_segments(lse, delta, plan)
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
         # The delta column must fit the kernel's head dims too (at 192 on sm86/89/120 it does not).
         if lse_grad and _refused_width(round_up(dim + 1, HEAD_DIM_MULTIPLE), _capability(q.device), "delta column"):
-            extra = {} if segments is None else {"segments": segments}
-            return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale, **extra)
+            if plan is None:
+                return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale)
+            lse, delta = varlen.stats_on_segments(lse, delta, plan)
+            return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale, segments=segments)
         do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad, multiple=HEAD_DIM_MULTIPLE)
         if plan is not None:
             run = functools.partial(_varlen_backward, scale=scale)
-            dq, dk, dv = varlen.backward(do, q, k, v, out, lse.float().contiguous(), plan, run)
-            return dq[..., :dim], dk[..., :dim], dv[..., :dim]
-        no_rng = torch.empty((), device=q.device, dtype=torch.int64)  # read only with dropout
+            dq, dk, dv = varlen.backward(do, q, k, v, out, lse.float(), plan, run)
+            return cut_head_dim(dq, dk, dv, dim=dim)
+        no_rng = _no_rng(q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             do.transpose(1, 2),
             q.transpose(1, 2),

@@ -70,7 +70,14 @@ from torch import Tensor
 
 from mesh_cp.core.options import positive_or_none
 from mesh_cp.kernels import varlen
-from mesh_cp.kernels.base import Capabilities, backward_by_parts, fused_backward_inputs, pad_head_dim, round_up
+from mesh_cp.kernels.base import (
+    Capabilities,
+    backward_by_parts,
+    cut_head_dim,
+    fused_backward_inputs,
+    pad_head_dim,
+    round_up,
+)
 
 MIN_VERSION = (2, 6, 3)
 SPLIT_WINDOW_VERSION = (2, 7, 0)
@@ -234,15 +241,16 @@ class FlashAttnKernel:
         dim, cap = q.shape[-1], _softcap(softcap)
         padded = round_up(dim, HEAD_DIM_MULTIPLE)
         plan = None if segments is None else varlen.plan_for(q, k, segments, causal)
-        q, k, v = (pad_head_dim(t, padded).contiguous() for t in (q, k, v))
-        if plan is not None:
+        q, k, v = (pad_head_dim(t, padded) for t in (q, k, v))
+        if plan is not None:  # the varlen calls take contiguous rows gathered from q, k, v
             out, lse = varlen.forward(q, k, v, plan, functools.partial(self._varlen_forward, scale=scale, softcap=cap))
         else:
+            q, k, v = (t.contiguous() for t in (q, k, v))
             result = self._fa._flash_attn_forward(
                 q, k, v, causal=causal, **self._options(scale, cap), return_softmax=False
             )
             out, lse = self._out_lse(result)
-        return out[..., :dim], lse
+        return (*cut_head_dim(out, dim=dim), lse)
 
     def _varlen_forward(self, call: varlen.VarlenCall, q, k, v, *, scale: float, softcap: float):
         result = self._fa._flash_attn_varlen_forward(
@@ -276,19 +284,19 @@ class FlashAttnKernel:
     ) -> tuple[Tensor, Tensor, Tensor]:
         dim, cap = q.shape[-1], _softcap(softcap)
         plan = None if segments is None else varlen.plan_for(q, k, segments, causal)
-        if plan is not None:
-            lse, delta = varlen.stats_on_segments(lse, delta, plan)
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
         if lse_grad and round_up(dim + 1, HEAD_DIM_MULTIPLE) > MAX_HEAD_DIM:
+            if plan is not None:
+                lse, delta = varlen.stats_on_segments(lse, delta, plan)
             extra = {"segments": segments, "softcap": softcap}
             return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale, **extra)
         do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad, multiple=HEAD_DIM_MULTIPLE)
-        do, q, k, v, out = (t.contiguous() for t in (do, q, k, v, out))
-        lse = lse.float().contiguous()
-        if plan is not None:
+        if plan is not None:  # the varlen calls take contiguous rows gathered from these
             run = functools.partial(self._varlen_backward, scale=scale, softcap=cap)
-            dq, dk, dv = varlen.backward(do, q, k, v, out, lse, plan, run)
+            dq, dk, dv = varlen.backward(do, q, k, v, out, lse.float(), plan, run)
         else:
+            do, q, k, v, out = (t.contiguous() for t in (do, q, k, v, out))
+            lse = lse.float().contiguous()
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             self._fa._flash_attn_backward(
                 do,
@@ -305,7 +313,7 @@ class FlashAttnKernel:
                 deterministic=torch.are_deterministic_algorithms_enabled(),
                 rng_state=None,
             )
-        return dq[..., :dim], dk[..., :dim], dv[..., :dim]
+        return cut_head_dim(dq, dk, dv, dim=dim)
 
     def _varlen_backward(self, call: varlen.VarlenCall, do, q, k, v, out, lse, *, scale: float, softcap: float):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -87,6 +87,9 @@ class VarlenPlan:
     segment: their total, the row of zeros placed after them)."""
     k_back: Tensor
     """``(B * Sk)`` int64: the same for the keys' gradients."""
+    kv_back: Tensor
+    """``(2 B * Sk)`` int64: :attr:`k_back`, then :attr:`k_back` moved past the keys' gradients and their row of
+    zeros: ``dk`` and ``dv`` gathered at once from both laid end to end."""
     q_covered: Tensor
     """``(B, 1, Sq)`` boolean: the query is in a segment."""
     whole: tuple[bool, bool] = (False, False)
@@ -152,12 +155,14 @@ def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int
         shapes.append((window, lengths, max_q, flash_max_seqlen_k(window, max_q, max_k)))
     q_rows, k_rows = (torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for p in (q_parts, k_parts))
     q_back, k_back = _inverse(q_rows, batch * sq), _inverse(k_rows, batch * sk)
+    kv_back = torch.cat([k_back, k_back + len(k_rows) + 1])
     whole = tuple(len(shapes) == 1 and _in_order(r, n) for r, n in ((q_rows, batch * sq), (k_rows, batch * sk)))
     cu = [torch.tensor(lengths).cumsum(0).T for _, lengths, _, _ in shapes]  # (2, n) per call
-    host = torch.cat([q_rows, k_rows, q_back, k_back, *(_with_zero(c).reshape(-1) for c in cu)])
+    host = torch.cat([q_rows, k_rows, q_back, kv_back, *(_with_zero(c).reshape(-1) for c in cu)])
     dev = host.to(device)  # the one host-to-device copy
-    views = list(dev.split([len(q_rows), len(k_rows), len(q_back), len(k_back), *(2 * (c.shape[1] + 1) for c in cu)]))
-    q_rows, k_rows, q_back, k_back = views[:4]
+    views = list(dev.split([len(q_rows), len(k_rows), len(q_back), len(kv_back), *(2 * (c.shape[1] + 1) for c in cu)]))
+    q_rows, k_rows, q_back, kv_back = views[:4]
+    k_back = kv_back[: len(k_back)]
     calls, q_at, k_at = [], 0, 0
     for (window, lengths, max_q, max_k), flat in zip(shapes, views[4:], strict=True):
         cu_q, cu_k = flat.to(torch.int32).reshape(2, -1)
@@ -165,7 +170,7 @@ def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int
         calls.append(VarlenCall(window, q_rows[q_at : q_at + nq], k_rows[k_at : k_at + nk], cu_q, cu_k, max_q, max_k))
         q_at, k_at = q_at + nq, k_at + nk
     covered = (q_back < len(q_rows)).reshape(batch, 1, sq)
-    return VarlenPlan(tuple(calls), q_back, k_back, covered, whole)
+    return VarlenPlan(tuple(calls), q_back, k_back, kv_back, covered, whole)
 
 
 def _in_order(rows: Tensor, size: int) -> bool:
@@ -215,18 +220,41 @@ def plan_for(q: Tensor, k: Tensor, segments: Segments, causal: bool) -> VarlenPl
     ``ValueError`` when ``causal`` is asked too (the segments carry the whole mask)."""
     if causal:
         raise ValueError("causal=True with segments: the segments carry the whole mask; pass causal=False")
-    return varlen_plan(segments, q.shape[1], k.shape[1], q.device, q.shape[0])
+    return _plan(segments, q.shape[1], k.shape[1], q.device, q.shape[0])
 
 
 def stats_on_segments(lse: Tensor, delta: Tensor, plan: VarlenPlan) -> tuple[Tensor, Tensor]:
     """``lse`` and ``delta`` ``(B, H, Sq)`` with ``0`` on queries in no segment, whose values are never read but
-    must stay finite in the constructions of Note [Gradient of the lse]."""
-    return tuple(torch.where(plan.q_covered, t, torch.zeros((), dtype=t.dtype, device=t.device)) for t in (lse, delta))
+    must stay finite in :func:`~mesh_cp.kernels.base.backward_by_parts` (it scales by a maximum over every row). The
+    other constructions of Note [Gradient of the lse] work row by row, and the varlen calls read only the rows of
+    their segments, so they take the statistics as they are."""
+    return tuple(torch.where(plan.q_covered, t, 0.0) for t in (lse, delta))
 
 
 def _rows(t: Tensor, index: Tensor) -> Tensor:
     """Rows ``index`` of ``t (B, S, H, D)`` flattened to ``(B * S, H, D)``: contiguous ``(len(index), H, D)``."""
     return t.reshape(-1, *t.shape[2:]).index_select(0, index)
+
+
+def _key_rows(k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_rows` of ``k`` and of ``v``: one gather when they are the two halves of one stacked K, V tensor (the
+    executors' ``(2, B, S, Hkv, D)``), else one each."""
+    kv = _stacked(k, v)
+    if kv is None:
+        return _rows(k, index), _rows(v, index)
+    rows = kv.index_select(1, index)
+    return rows[0], rows[1]
+
+
+def _stacked(k: Tensor, v: Tensor) -> Tensor | None:
+    """``k`` and ``v (B, S, H, D)`` as one ``(2, B * S, H, D)`` view when they are views of one tensor alike in all
+    but a storage offset (``None`` otherwise)."""
+    batch, seq = k.shape[:2]
+    alike = v._base is not None and v._base is k._base and k.dtype == v.dtype and k.shape == v.shape
+    if not (alike and k.stride() == v.stride() and (batch == 1 or k.stride(0) == seq * k.stride(1))):
+        return None
+    step = v.storage_offset() - k.storage_offset()
+    return k.as_strided((2, batch * seq, *k.shape[2:]), (step, *k.stride()[1:])) if step > 0 else None
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -239,6 +267,13 @@ def _back(parts: list[Tensor], fill: Tensor, back: Tensor, dim: int) -> Tensor:
     return torch.cat([*parts, fill], dim).index_select(dim, back)
 
 
+@functools.lru_cache(maxsize=64)
+def _filled(value: float, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The row of ``value`` that :func:`_back` places after the calls' outputs, built once per shape (every call of
+    every layer reads it; none writes it)."""
+    return torch.full(shape, value, dtype=dtype, device=device)
+
+
 def forward(q: Tensor, k: Tensor, v: Tensor, plan: VarlenPlan, run: Callable) -> tuple[Tensor, Tensor]:
     """``(out (B, Sq, H, D), lse (B, H, Sq) fp32)`` of a tile from ``run(call, q, k, v) -> (out, lse)`` per call
     (``(total_q, H, D)`` rows and ``(H, total_q)`` fp32 statistics); queries in no segment get ``0`` and ``-inf``."""
@@ -246,14 +281,14 @@ def forward(q: Tensor, k: Tensor, v: Tensor, plan: VarlenPlan, run: Callable) ->
     (whole_q, whole_k), outs, lses = plan.whole, [], []
     for call in plan.calls:
         qs = _flat(q) if whole_q else _rows(q, call.q_rows)
-        ks, vs = (_flat(t) if whole_k else _rows(t, call.k_rows) for t in (k, v))
+        ks, vs = (_flat(k), _flat(v)) if whole_k else _key_rows(k, v, call.k_rows)
         out, lse = run(call, qs, ks, vs)
         outs.append(out)
         lses.append(lse)
     if whole_q:
         return outs[0].reshape(batch, sq, heads, dim), lses[0].reshape(heads, batch, sq).transpose(0, 1).contiguous()
-    out = _back(outs, q.new_zeros(1, heads, dim), plan.q_back, 0).reshape(batch, sq, heads, dim)
-    none = torch.full((heads, 1), float("-inf"), dtype=torch.float32, device=q.device)
+    out = _back(outs, _filled(0.0, (1, heads, dim), q.dtype, q.device), plan.q_back, 0).reshape(batch, sq, heads, dim)
+    none = _filled(float("-inf"), (heads, 1), torch.float32, q.device)
     lse = _back(lses, none, plan.q_back, 1).reshape(heads, batch, sq).transpose(0, 1).contiguous()
     return out, lse
 
@@ -270,7 +305,7 @@ def backward(
     (whole_q, whole_k) = plan.whole
     for call in plan.calls:
         inputs = [_flat(t) if whole_q else _rows(t, call.q_rows) for t in (do, q)]
-        inputs += [_flat(t) if whole_k else _rows(t, call.k_rows) for t in (k, v)]
+        inputs += (_flat(k), _flat(v)) if whole_k else _key_rows(k, v, call.k_rows)
         if whole_q:
             inputs += [_flat(out), lse_rows.contiguous()]
         else:
@@ -281,9 +316,9 @@ def backward(
     if whole_q:
         dq = parts[0][0].reshape(q.shape)
     else:
-        dq = _back(parts[0], q.new_zeros(1, heads, dim), plan.q_back, 0).reshape(q.shape)
+        dq = _back(parts[0], _filled(0.0, (1, heads, dim), q.dtype, q.device), plan.q_back, 0).reshape(q.shape)
     if whole_k:
         return dq, parts[1][0].reshape(k.shape), parts[2][0].reshape(k.shape)
-    zero_kv = k.new_zeros(1, *k.shape[2:])
-    dk, dv = (_back(p, zero_kv, plan.k_back, 0).reshape(k.shape) for p in parts[1:])
-    return dq, dk, dv
+    zero_kv = _filled(0.0, (1, *k.shape[2:]), k.dtype, k.device)
+    dkv = _back([*parts[1], zero_kv, *parts[2]], zero_kv, plan.kv_back, 0).reshape(2, *k.shape)
+    return dq, dkv[0], dkv[1]

@@ -8,15 +8,15 @@ other runs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from mesh_cp.core.blocks import ChunkCall
+from mesh_cp.core.blocks import BlockWork, ChunkCall, first_writes
 from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
-from mesh_cp.core.plan import AttentionPlan
-from mesh_cp.runtime.call import AttentionCall, Saved
+from mesh_cp.runtime.call import AttentionCall, Saved, accumulate, accumulator, plan_cache, write_rows
 from mesh_cp.runtime.comm import all_gather, all_to_all
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.phases import BackwardPhase, ForwardPhase
@@ -87,25 +87,22 @@ class CollectiveExecutor:
 def forward_blocks(call: AttentionCall, rank: int, q_all: Tensor, kv_all: Tensor) -> tuple[Tensor, Tensor]:
     """Mesh rank ``rank``'s kernel calls on the gathered Q chunks ``q_all (a, B, L, H, D)`` and stacked K, V chunks
     ``kv_all (b, 2, B, L, Hkv, D)``: the row partials ``o (a, B, L, H, D)`` and ``lse (a, B, H, L)`` in the
-    accumulator dtype. A row's first result is copied in, later ones merged (Note [LSE merge])."""
-    rows, cols = _row_col_index(call.plan, rank)
+    accumulator dtype. A row's first result is copied in, later ones merged (Note [LSE merge], Note [First
+    writes])."""
+    prog = _program(call, rank)
     a, batch, seq, heads, dim = q_all.shape
-    acc = acc_dtype(q_all.dtype)
-    o_acc = torch.zeros((a, batch, seq, heads, dim), dtype=acc, device=q_all.device)
-    lse_acc = torch.full((a, batch, heads, seq), float("-inf"), dtype=acc, device=q_all.device)
-    fresh = set(range(a))
-    for u in call.units(rank):
-        i, (q0, q1) = rows[u.x], u.q_rows
-        if isinstance(u, ChunkCall):
-            o, lse = call.forward_chunk(u, q_all[i], lambda y: kv_all[cols[y]])
+    acc, device = acc_dtype(q_all.dtype), q_all.device
+    complete = prog.q_complete and seq == prog.seq  # the chunks are the plan's
+    o_acc = accumulator((a, batch, seq, heads, dim), acc, device, complete)
+    lse_acc = accumulator((a, batch, heads, seq), acc, device, complete, float("-inf"))
+    cols = prog.cols
+    for s in prog.steps:
+        i, (q0, q1) = s.row, s.q_rows
+        if s.col is None:
+            o, lse = call.forward_chunk(s.unit, q_all[i], lambda y: kv_all[cols[y]])
         else:
-            o, lse = call.forward_block(u, q_all[i], kv_all[cols[u.y]])
-        if i in fresh:
-            fresh.discard(i)
-            o_acc[i, :, q0:q1].copy_(o)
-            lse_acc[i, :, :, q0:q1].copy_(lse)
-        else:
-            merge_(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse)
+            o, lse = call.forward_block(s.unit, q_all[i], kv_all[s.col])
+        write_rows(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse, s.first)
     return o_acc, lse_acc
 
 
@@ -114,30 +111,82 @@ def backward_blocks(
 ) -> tuple[Tensor, Tensor]:
     """The backward of :func:`forward_blocks` given ``do_all`` like ``q_all`` and the rows' ``stats (a, 2, B, H,
     L)`` (lse, delta): partial ``dq (a, B, L, H, D)`` and ``dk, dv (b, 2, B, L, Hkv, D)`` in the accumulator
-    dtype."""
-    rows, cols = _row_col_index(call.plan, rank)
+    dtype. A piece's first gradient is copied in, later ones added (Note [First writes])."""
+    prog = _program(call, rank)
     acc = acc_dtype(q_all.dtype)
-    dq_acc = torch.zeros(q_all.shape, dtype=acc, device=q_all.device)
-    dkv_acc = torch.zeros(kv_all.shape, dtype=acc, device=q_all.device)
-    for u in call.units(rank):
-        i, (q0, q1) = rows[u.x], u.q_rows
-        if isinstance(u, ChunkCall):
-            dq, pieces = call.backward_chunk(u, q_all[i], do_all[i], stats[i], lambda y: kv_all[cols[y]])
+    fits = q_all.shape[2] == prog.seq == kv_all.shape[3]  # the chunks are the plan's
+    dq_acc = accumulator(q_all.shape, acc, q_all.device, prog.q_complete and fits)
+    dkv_acc = accumulator(kv_all.shape, acc, q_all.device, prog.kv_complete and fits)
+    cols = prog.cols
+    for s in prog.steps:
+        i, (q0, q1) = s.row, s.q_rows
+        if s.col is None:
+            dq, pieces = call.backward_chunk(s.unit, q_all[i], do_all[i], stats[i], lambda y: kv_all[cols[y]])
+            grads = [(dk, dv) for _, _, dk, dv in pieces]
         else:
-            dq, dk, dv = call.backward_block(u, q_all[i], do_all[i], stats[i], kv_all[cols[u.y]])
-            pieces = [(u.y, u.kv_rows, dk, dv)]
-        dq_acc[i, :, q0:q1] += dq
-        for y, (k0, k1), dk, dv in pieces:
-            dkv_acc[cols[y], 0, :, k0:k1] += dk
-            dkv_acc[cols[y], 1, :, k0:k1] += dv
+            dq, dk, dv = call.backward_block(s.unit, q_all[i], do_all[i], stats[i], kv_all[s.col])
+            grads = [(dk, dv)]
+        accumulate(dq_acc[i, :, q0:q1], dq, s.first)
+        for (j, (k0, k1), first), (dk, dv) in zip(s.keys, grads, strict=True):
+            accumulate(dkv_acc[j, 0, :, k0:k1], dk, first)
+            accumulate(dkv_acc[j, 1, :, k0:k1], dv, first)
     return dq_acc, dkv_acc
 
 
-def _row_col_index(plan: AttentionPlan, rank: int) -> tuple[dict[int, int], dict[int, int]]:
-    """Chunk index -> position in the gathered Q rows / KV columns of ``rank``."""
+@dataclass(frozen=True, eq=False)
+class _Step:
+    """One unit of a rank's calls, placed in the gathered chunks (Note [Host work per plan])."""
+
+    unit: BlockWork | ChunkCall
+    row: int
+    """Its Q chunk's position in the gathered Q chunks."""
+    q_rows: tuple[int, int]
+    col: int | None
+    """A block's KV chunk's position in the gathered KV chunks (``None``: a chunk call)."""
+    first: bool
+    """The first write of its rows in the row accumulators (Note [First writes])."""
+    keys: tuple[tuple[int, tuple[int, int], bool], ...]
+    """``(position, kv_rows, first write)`` of every piece of its ``dk, dv``, in the order its backward returns them."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Program:
+    """A rank's units in the gathered chunks, and whether the first writes cover the accumulators."""
+
+    steps: tuple[_Step, ...]
+    cols: dict[int, int]
+    """KV chunk -> its position in the gathered KV chunks."""
+    seq: int
+    """Rows of a chunk."""
+    q_complete: bool
+    kv_complete: bool
+
+
+def _program(call: AttentionCall, rank: int) -> _Program:
+    """``rank``'s :class:`_Program` on ``call``'s kernel, built once per plan (Note [Host work per plan])."""
+    cache = plan_cache(call.plan)
+    key = ("program", rank, call.route_mode)
+    if key not in cache:
+        cache[key] = _build_program(call, rank)
+    return cache[key]
+
+
+def _build_program(call: AttentionCall, rank: int) -> _Program:
+    plan, seq = call.plan, call.plan.mesh_shape.seq_local
     rows = {x: i for i, x in enumerate(plan.tiling.q_group(rank))}
     cols = {y: j for j, y in enumerate(plan.tiling.kv_group(rank))}
-    return rows, cols
+    units = call.units(rank)
+    keys = [call.route(u).pieces if isinstance(u, ChunkCall) else ((u.y, u.kv_rows),) for u in units]
+    first_q, q_complete = first_writes([(rows[u.x], u.q_rows) for u in units], len(rows), seq)
+    first_kv, kv_complete = first_writes([(cols[y], k_rows) for pieces in keys for y, k_rows in pieces], len(cols), seq)
+    steps, at = [], 0
+    for u, pieces, first in zip(units, keys, first_q, strict=True):
+        flags = first_kv[at : at + len(pieces)]
+        placed = tuple((cols[y], kv_rows, f) for (y, kv_rows), f in zip(pieces, flags, strict=True))
+        at += len(pieces)
+        col = None if isinstance(u, ChunkCall) else cols[u.y]
+        steps.append(_Step(u, rows[u.x], u.q_rows, col, first, placed))
+    return _Program(tuple(steps), cols, seq, q_complete, kv_complete)
 
 
 def _reduce_rows_to_owners(o_acc: Tensor, lse_acc: Tensor, mesh: CPMesh) -> tuple[Tensor, Tensor]:
