@@ -5,14 +5,16 @@ reduced along the rings, and the one loop over the schedule's actions (Note [Ove
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from mesh_cp.core.blocks import BlockWork
+from mesh_cp.core.blocks import BlockWork, ChunkCall, chunk_calls
 from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
 from mesh_cp.core.schedule import RingStep
+from mesh_cp.kernels import takes
 from mesh_cp.runtime.comm import ring_step
 
 if TYPE_CHECKING:
@@ -71,6 +73,12 @@ class OverlapPhase:
         self.groups = {"q": call.mesh.q_group, "kv": call.mesh.kv_group}
         self.chunks: dict[str, list[_Chunks]] = {"q": [], "kv": []}
 
+    @functools.cached_property
+    def chunked(self) -> bool:
+        """The blocks of one Q chunk may run as one call (not softcapped logits that go tile by tile to the
+        reference kernel: :meth:`AttentionCall.units`)."""
+        return self.call.softcap is None or takes(self.call.kernel, "softcap")
+
     def post(self, step: RingStep, sends: list[Tensor], recvs: list[Tensor]) -> tuple[list, list[Tensor]]:
         """Post a ring step; return its works and the tensors to keep alive until its wait."""
         works = ring_step(sends, recvs, self.groups[step.ring], tag=0 if step.kind == "move" else 4)
@@ -83,11 +91,13 @@ class OverlapPhase:
 
     def run(self) -> None:
         """Run the actions: post moves and reduce steps, wait for them (landing received partials), compute
-        the blocks the mask keeps, and free every chunk after its last use."""
-        rank, plan = self.call.mesh.mesh_rank, self.call.plan
+        the blocks the mask keeps (the blocks of one Q chunk that follow each other as one call: Note [Rows of
+        the overlapped schedule]), and free every chunk after its last use."""
         inflight: dict[RingStep, tuple[list, list[Tensor]]] = {}
         held = self.chunks["q"] + self.chunks["kv"]
-        for t, act in enumerate(self.sched.actions):
+        actions, t = self.sched.actions, 0
+        while t < len(actions):
+            act, end = actions[t], t + 1
             if act.op == "launch":
                 inflight[act.step] = (self.move if act.step.kind == "move" else self.reduce)(act.step)
             elif act.op == "wait":
@@ -98,11 +108,38 @@ class OverlapPhase:
                     self.land(act.step, tensors[-1])
                 del works, tensors
             else:
-                w = plan.block_at(rank, *act.block)
-                if w is not None:
-                    self.compute(*act.block, w)
-            for chunks in held:
-                chunks.release(t)
+                end = self._computes(t)
+            for done in range(t, end):
+                for chunks in held:
+                    chunks.release(done)
+            t = end
+
+    def _computes(self, t: int) -> int:
+        """Compute the blocks of the compute actions from ``t`` on that share its Q offset; return the index after
+        them.
+
+        Note [Rows of the overlapped schedule]
+        ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+        A Q move unlocks the blocks of the new Q chunk with every KV chunk held, one after the other in the actions
+        (Note [Overlapped schedule] in :mod:`mesh_cp.core.schedule`). Two or more of them without a mask are one
+        call over their keys laid end to end, as the collective schedule runs a Q chunk (Note [One call per Q chunk]
+        in :mod:`mesh_cp.core.blocks`); the partial row is merged once. A KV move unlocks blocks of different Q
+        chunks, which stay single. Softcapped logits on a kernel that cannot softcap stay single too (they run tile
+        by tile on the reference kernel).
+        """
+        rank, plan, actions = self.call.mesh.mesh_rank, self.call.plan, self.sched.actions
+        i, end = actions[t].block[0], t
+        while end < len(actions) and actions[end].op == "compute" and actions[end].block[0] == i:
+            end += 1
+        blocks = [(act.block[1], plan.block_at(rank, *act.block)) for act in actions[t:end]]
+        blocks = [(j, w) for j, w in blocks if w is not None]
+        call = _row_call(tuple(w for _, w in blocks)) if len(blocks) > 1 and self.chunked else None
+        if call is not None:
+            self.compute_row(i, {w.y: j for j, w in blocks}, call)
+        else:
+            for j, w in blocks:
+                self.compute(i, j, w)
+        return end
 
 
 class ForwardPhase(OverlapPhase):
@@ -147,6 +184,14 @@ class ForwardPhase(OverlapPhase):
         o, lse = self.call.forward_block(w, self.chunks["q"][0][i], self.chunks["kv"][0][j])
         o_acc, lse_acc = self.row(i)
         (q0, q1) = w.q_rows
+        merge_(o_acc[:, q0:q1], lse_acc[:, :, q0:q1], o, lse)
+
+    def compute_row(self, i: int, offsets: dict[int, int], c: ChunkCall) -> None:
+        """The chunk call ``c`` of Q offset ``i``; ``offsets`` maps its KV chunks to their ring offsets."""
+        kv = self.chunks["kv"][0]
+        o, lse = self.call.forward_chunk(c, self.chunks["q"][0][i], lambda y: kv[offsets[y]])
+        o_acc, lse_acc = self.row(i)
+        (q0, q1) = c.q_rows
         merge_(o_acc[:, q0:q1], lse_acc[:, :, q0:q1], o, lse)
 
     def gathered(self) -> tuple[Tensor, ...]:
@@ -204,3 +249,24 @@ class BackwardPhase(OverlapPhase):
         dkv = self.grad("kv", j)
         dkv[0, :, k0:k1] += dk
         dkv[1, :, k0:k1] += dv
+
+    def compute_row(self, i: int, offsets: dict[int, int], c: ChunkCall) -> None:
+        """The backward of :meth:`ForwardPhase.compute_row`."""
+        main, stats = self.chunks["q"][0][i], self.chunks["q"][1][i]
+        q_i, do_i = (main[0], main[1]) if self.regather else (self.gathered[0][i], main)
+        kv = self.chunks["kv"][0] if self.regather else self.gathered[1]
+        dq, pieces = self.call.backward_chunk(c, q_i, do_i, stats, lambda y: kv[offsets[y]])
+        (q0, q1) = c.q_rows
+        self.grad("q", i)[:, q0:q1] += dq
+        for y, (k0, k1), dk, dv in pieces:
+            dkv = self.grad("kv", offsets[y])
+            dkv[0, :, k0:k1] += dk
+            dkv[1, :, k0:k1] += dv
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_call(blocks: tuple[BlockWork, ...]) -> ChunkCall | None:
+    """Blocks of one Q chunk as one :class:`ChunkCall` (Note [Rows of the overlapped schedule]), or ``None`` when a
+    mask leaves them single."""
+    calls = chunk_calls(blocks)
+    return calls[0] if len(calls) == 1 and isinstance(calls[0], ChunkCall) else None
