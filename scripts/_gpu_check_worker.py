@@ -536,13 +536,35 @@ def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> list
     return cases
 
 
-def mask_modes(seq: int, chunk: int) -> dict[str, tuple[bool, tuple[list[int], int] | None]]:
-    """Causal, full, and packed documents (of 1 token, shorter and longer than a chunk) with a window smaller
-    than a chunk: name -> (causal, (document lengths, window) or None)."""
+def mask_modes(seq: int, chunk: int) -> dict[str, tuple[bool, tuple[list[int], int | None, bool] | None]]:
+    """Causal, full, and packed documents (of 1 token, shorter and longer than a chunk): with a window smaller than a
+    chunk (masked blocks as their runs), without (one varlen call per masked block), and split over the ranks (Note
+    [Split documents]): name -> (causal, (document lengths, window, split) or None)."""
     lengths, pattern = [], [1, chunk + 3, 2, 3 * chunk]
     while sum(lengths) < seq:
         lengths.append(min(pattern[len(lengths) % len(pattern)], seq - sum(lengths)))
-    return {"causal": (True, None), "full": (False, None), "packed + window": (True, (lengths, chunk // 2 + 1))}
+    return {
+        "causal": (True, None),
+        "full": (False, None),
+        "packed + window": (True, (lengths, chunk // 2 + 1, False)),
+        "packed": (True, (lengths, None, False)),
+        "packed split": (True, (lengths, None, True)),
+    }
+
+
+def packed_mask(packed: tuple[list[int], int | None, bool], seq: int, world: int) -> tuple[object, Tensor]:
+    """The :class:`mesh_cp.AttentionMask` of two rows of ``packed`` documents and the ``(S, S)`` pairs that attend,
+    in the order of the row the mesh computes (the split row's for split documents)."""
+    import mesh_cp
+    from mesh_cp.core.split import split_documents
+
+    lengths, window, split = packed
+    visible = packed_visibility(lengths, seq + 1 if window is None else window)
+    if not split:
+        return mesh_cp.AttentionMask.from_lengths([lengths] * 2, window=window), visible
+    mask, (source, _) = split_documents([lengths] * 2, seq_len=seq, world=world)
+    order = torch.tensor(source)
+    return mask, visible[order][:, order]  # token g of the split row is token source[g] of the packed row
 
 
 def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dtype, p: int, schedule: str) -> Verdict:
@@ -552,7 +574,7 @@ def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dt
     verdicts = []
     for mode, (causal, packed) in mask_modes(2 * p * job.chunk, job.chunk).items():
         layout = "zigzag" if causal else "contiguous"
-        mask = None if packed is None else mesh_cp.AttentionMask.from_lengths([packed[0]] * 2, window=packed[1])
+        mask, visible = (None, None) if packed is None else packed_mask(packed, 2 * p * job.chunk, p)
         for heads, kv_heads in ((4, 4), (8, 2)):
             x = AttentionInputs.make(
                 batch=2,
@@ -566,7 +588,7 @@ def mesh_attention_verdict(mesh, job: Job, device: torch.device, dtype: torch.dt
                 lse_grad=True,
                 seed=heads + 10 * causal,
             )
-            x.mask = None if packed is None else packed_visibility(*packed)
+            x.mask = visible
             gold, plain = x.gold(), x.plain()
 
             def shard(t: Tensor, dim: int = 1) -> Tensor:

@@ -79,11 +79,12 @@ def expand_kv(x: Tensor, heads: int) -> Tensor:
 
 
 def fold_kv_grad(dx: Tensor, kv_heads: int) -> Tensor:
-    """Sum the gradient of expanded KV heads back: ``(B, S, heads, D) -> (B, S, kv_heads, D)``."""
+    """Sum the gradient of expanded KV heads back: ``(B, S, heads, D) -> (B, S, kv_heads, D)``, in the accumulator
+    dtype (one rounding fewer than a sum rounded back to a low ``dx`` dtype; the callers accumulate in it)."""
     b, s, heads, d = dx.shape
     if heads == kv_heads:
         return dx
-    return dx.reshape(b, s, kv_heads, heads // kv_heads, d).sum(3)
+    return dx.reshape(b, s, kv_heads, heads // kv_heads, d).sum(3, dtype=acc_dtype(dx.dtype))
 
 
 def attention_delta(do: Tensor, out: Tensor, dlse: Tensor | None = None) -> Tensor:
