@@ -204,15 +204,14 @@ def first_writes(writes: Sequence[tuple[int, tuple[int, int]]], slots: int, size
         spans = touched[slot]
         fresh = all(stop <= s0 or s1 <= start for s0, s1 in spans)
         first.append(fresh)
-        if fresh:
-            spans.append((start, stop))
-        elif not _covers(spans, start, stop):
+        if not fresh and not _covers(spans, start, stop):
             complete = False
+        spans.append((start, stop))  # written either way: a later write over these rows is no first write
     return tuple(first), complete and all(_covers(spans, 0, size) for spans in touched)
 
 
 def _covers(spans: list[tuple[int, int]], start: int, stop: int) -> bool:
-    """The disjoint ``spans`` cover ``[start, stop)``."""
+    """The ``spans`` (overlapping or not) cover ``[start, stop)``."""
     at = start
     for s0, s1 in sorted(spans):
         if s0 <= at < s1:

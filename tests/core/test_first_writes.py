@@ -1,0 +1,72 @@
+"""Note [First writes] (:func:`mesh_cp.core.blocks.first_writes`) and the stacked K, V rows of the varlen gathers
+(:func:`mesh_cp.kernels.varlen._key_rows`): against a brute-force replay of the writes, and against two gathers."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mesh_cp.core.blocks import first_writes
+from mesh_cp.kernels.varlen import _key_rows, _stacked
+
+SIZE = 12
+
+
+def replay(writes, slots: int, size: int) -> tuple[tuple[bool, ...], bool]:
+    """Row by row: a write is first when none of its rows was written; the buffer needs no initial values when every
+    row is written by a first write before any other write reads it."""
+    written = [[False] * size for _ in range(slots)]
+    first, safe = [], True
+    for slot, (start, stop) in writes:
+        rows = range(start, stop)
+        fresh = not any(written[slot][r] for r in rows)
+        first.append(fresh)
+        if not fresh and not all(written[slot][r] for r in rows):
+            safe = False  # a merge or add into rows nothing wrote: they need the identity
+        for r in rows:
+            written[slot][r] = True
+    return tuple(first), safe and all(all(s) for s in written)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 3).flatmap(
+        lambda slots: st.tuples(
+            st.just(slots),
+            st.lists(
+                st.tuples(
+                    st.integers(0, slots - 1),
+                    st.integers(0, SIZE - 1).flatmap(lambda a: st.tuples(st.just(a), st.integers(a + 1, SIZE))),
+                ),
+                max_size=8,
+            ),
+        )
+    )
+)
+def test_first_writes_match_a_replay(case) -> None:  # fmt: skip
+    slots, writes = case
+    assert first_writes(writes, slots, SIZE) == replay(writes, slots, SIZE)
+
+
+def test_first_writes_examples() -> None:
+    assert first_writes([(0, (0, 6)), (0, (6, 12))], 1, 12) == ((True, True), True)
+    assert first_writes([(0, (0, 6)), (0, (0, 6)), (0, (6, 12))], 1, 12) == ((True, False, True), True)
+    assert first_writes([(0, (0, 6)), (0, (4, 8)), (0, (8, 12))], 1, 12) == ((True, False, True), False)
+    assert first_writes([(0, (0, 6))], 2, 6) == ((True,), False)  # slot 1 never written: filled
+
+
+def test_stacked_key_rows_are_one_gather_with_the_same_rows() -> None:
+    kv = torch.randn(2, 3, 5, 2, 4)  # (2, B, S, Hkv, D), as the executors stack K and V
+    index = torch.tensor([0, 4, 7, 14, 9])
+    k, v = kv[0], kv[1]
+    assert _stacked(k, v) is not None
+    got_k, got_v = _key_rows(k, v, index)
+    assert torch.equal(got_k, k.reshape(-1, 2, 4)[index]) and torch.equal(got_v, v.reshape(-1, 2, 4)[index])
+    k_alone, v_alone = torch.randn(3, 5, 2, 4), torch.randn(3, 5, 2, 4)
+    assert _stacked(k_alone, v_alone) is None  # not views of one tensor: two gathers
+    sliced_k, sliced_v = kv[0, :, 1:4], kv[1, :, 1:4]  # a key range of both halves: rows strided by S, not 3
+    assert _stacked(sliced_k, sliced_v) is None
+    got_k, got_v = _key_rows(sliced_k, sliced_v, torch.tensor([0, 2, 8]))
+    assert torch.equal(got_k, sliced_k.reshape(-1, 2, 4)[[0, 2, 8]])
+    assert torch.equal(got_v, sliced_v.reshape(-1, 2, 4)[[0, 2, 8]])
