@@ -128,6 +128,30 @@ class AttentionPlan:
     def _calls(self) -> dict[int, tuple[BlockWork | ChunkCall, ...]]:
         return {}
 
+    def overlap_calls(self, rank: int, phase: Phase) -> dict[int, tuple[int, ChunkCall | None]]:
+        """``rank``'s runs of compute actions of the overlapped schedule in ``phase`` that share a Q offset, by their
+        first action: ``(end, call)``, ``call`` the :class:`ChunkCall` of a run of two or more unmasked blocks (Note
+        [Rows of the overlapped schedule] in :mod:`mesh_cp.runtime.phases`), ``None`` where each block is its own
+        call. Built once per plan, rank and phase; the executor and the memory model read the same."""
+        if (rank, phase) not in self._overlap_calls:
+            actions, runs, t = self.overlap(phase).actions, {}, 0
+            while t < len(actions):
+                end = t + 1
+                if actions[t].op == "compute":
+                    i = actions[t].block[0]
+                    while end < len(actions) and actions[end].op == "compute" and actions[end].block[0] == i:
+                        end += 1
+                    blocks = tuple(w for a in actions[t:end] if (w := self.block_at(rank, *a.block)) is not None)
+                    calls = chunk_calls(blocks) if len(blocks) > 1 else ()
+                    runs[t] = (end, calls[0] if len(calls) == 1 and isinstance(calls[0], ChunkCall) else None)
+                t = end
+            self._overlap_calls[(rank, phase)] = runs
+        return self._overlap_calls[(rank, phase)]
+
+    @functools.cached_property
+    def _overlap_calls(self) -> dict[tuple[int, str], dict[int, tuple[int, ChunkCall | None]]]:
+        return {}
+
     def pairs(self, rank: int) -> int:
         """Query-key pairs ``rank`` computes (its share of the compute)."""
         return sum(w.pairs for w in self.blocks(rank))
@@ -267,9 +291,10 @@ class AttentionPlan:
         return dataclasses.replace(w, kind=MaskKind.MASKED, masked_pairs=sum(pairs) // len(pairs))
 
     def all_to_alls(self, phase: Phase) -> tuple[Transfer, ...]:
-        """The head exchange of ``phase`` in issue order (Note [Head-parallel x mesh plan]): one all-to-all per
-        tensor over the head group, ``what`` its name and ``piece_bytes`` the ``X / u`` sent to each peer (``X``
-        its bytes per rank in the head layout, a repeated K/V counted with its repeats). Empty for ``u = 1``."""
+        """The head exchange of ``phase`` in issue order (Note [Head-parallel x mesh plan]): all-to-alls over the head
+        group, ``what`` the tensors each carries (Q, K and V in one, and dq, dk, dv in one: Note [One exchange per
+        direction] in :mod:`mesh_cp.runtime.heads`) and ``piece_bytes`` the ``X / u`` sent to each peer (``X`` their
+        bytes per rank in the head layout, a repeated K/V counted with its repeats). Empty for ``u = 1``."""
         check_option("phase", phase)
         u = self.head_parallel
         if u == 1:
@@ -278,11 +303,11 @@ class AttentionPlan:
         q_bytes, kv_bytes = self.chunk_bytes()
         lse = [s.stats_elems * s.acc_itemsize] if self.return_lse else []
         if phase == "forward":
-            moves = [("q", q_bytes), ("k", kv_bytes // 2), ("v", kv_bytes // 2), ("out", q_bytes)]
+            moves = [("q,k,v", q_bytes + kv_bytes), ("out", q_bytes)]
             moves += [("lse", n) for n in lse]
         else:
             moves = [("dout", q_bytes), *(("dlse", n) for n in lse)]
-            moves += [("dq", q_bytes), ("dk", kv_bytes // 2), ("dv", kv_bytes // 2)]
+            moves += [("dq,dk,dv", q_bytes + kv_bytes)]
         return tuple(
             Transfer(phase=phase, group="heads", op="all_to_all", what=what, group_size=u, piece_bytes=x // u)
             for what, x in moves

@@ -58,15 +58,46 @@ def _exchange(x: Tensor, mesh: CPMesh, split: int, concat: int) -> Tensor:
     return torch.cat(received.unbind(0), dim=concat)
 
 
+def _exchange_packed(pieces: list[Tensor], mesh: CPMesh) -> list[Tensor]:
+    """One all-to-all in the head group for several tensors of one dtype, each given as its ``u`` pieces ``(u, ...)``
+    (piece ``j`` to rank ``j``, any strides): they are copied once into one ``(u, n)`` buffer, and the received
+    pieces come back as views of the received buffer (Note [One exchange per direction])."""
+    if len({t.dtype for t in pieces}) > 1:  # one buffer holds one dtype
+        return [_exchange_packed([t], mesh)[0] for t in pieces]
+    u = mesh.head_parallel
+    sizes = [t[0].numel() for t in pieces]
+    buf = torch.empty((u, sum(sizes)), dtype=pieces[0].dtype, device=pieces[0].device)
+    at = 0
+    for t, n in zip(pieces, sizes, strict=True):
+        buf[:, at : at + n].view(t.shape).copy_(t)
+        at += n
+    received, out, at = all_to_all(buf, mesh.head_group), [], 0
+    for t, n in zip(pieces, sizes, strict=True):
+        out.append(received[:, at : at + n].view(t.shape))
+        at += n
+    return out
+
+
 def inputs_to_heads(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, plan: AttentionPlan) -> tuple[Tensor, ...]:
     """This rank's tokens ``(B, S/P, H, D)`` (K/V ``Hkv`` heads) -> its mesh rank's chunk ``(B, S/m, H/u, D)`` in
-    local order (K/V ``max(Hkv/u, 1)`` heads, each repeated ``u / Hkv`` times first when ``u > Hkv``)."""
+    local order (K/V ``max(Hkv/u, 1)`` heads, each repeated ``u / Hkv`` times first when ``u > Hkv``).
+
+    Note [One exchange per direction]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    Q, K and V go to the head group's ranks in one all-to-all: each tensor's head slices are copied once into one
+    buffer (a view of heads ``j`` for rank ``j``, no stack), and what arrives is read by one gather per tensor that
+    puts the group's tokens in the mesh rank's local order (the zig-zag reordering included), so each tensor takes
+    two passes and the three share one collective. The backward's ``dq, dk, dv`` travel the same way: one gather
+    per tensor into the buffer (the inverse reordering included), one all-to-all, one copy that lays the received
+    head slices side by side.
+    """
     u = mesh.head_parallel
     if k.shape[2] < u:  # one K/V head per rank: repeat each u / Hkv times (backward sums the copies)
         k, v = (t.repeat_interleave(u // t.shape[2], dim=2) for t in (k, v))
-    moved = [_exchange(t, mesh, 2, 1) for t in (q, k, v)]
-    order, _ = _mesh_order(u, q.shape[1], plan.layout, q.device)
-    return tuple(moved if order is None else (t.index_select(1, order) for t in moved))
+    received = _exchange_packed([t.unflatten(2, (u, -1)).movedim(2, 0) for t in (q, k, v)], mesh)
+    rank, row = _token_sources(u, q.shape[1], plan.layout, q.device)
+    batch = torch.arange(q.shape[0], device=q.device)[:, None]
+    return tuple(t[rank[None, :], batch, row[None, :]] for t in received)  # (B, u L, heads, D)
 
 
 def outputs_from_heads(
@@ -97,14 +128,25 @@ def grads_from_heads(
     dq: Tensor, dk: Tensor, dv: Tensor, kv_heads: int, mesh: CPMesh, plan: AttentionPlan
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The adjoint of :func:`inputs_to_heads`: ``dq, dk, dv`` of this rank's tokens, the copies of a repeated K/V
-    head summed (``kv_heads``: the inputs' K/V heads)."""
+    head summed (``kv_heads``: the inputs' K/V heads; Note [One exchange per direction])."""
     u = mesh.head_parallel
-    _, back = _mesh_order(u, dq.shape[1] // u, plan.layout, dq.device)
-    grads = [t if back is None else t.index_select(1, back) for t in (dq, dk, dv)]
-    dq, dk, dv = (_exchange(t, mesh, 1, 2) for t in grads)
+    local = dq.shape[1] // u
+    _, back = _mesh_order(u, local, plan.layout, dq.device)
+    rows = (torch.arange(u * local, device=dq.device) if back is None else back).view(u, local)  # rank j's tokens
+    received = _exchange_packed([t[:, rows].movedim(1, 0) for t in (dq, dk, dv)], mesh)  # (u, B, L, heads, D)
+    dq, dk, dv = (t.permute(1, 2, 0, 3, 4).flatten(2, 3) for t in received)  # head slices side by side
     if kv_heads < u:
         dk, dv = (t.unflatten(2, (kv_heads, u // kv_heads)).sum(3) for t in (dk, dv))
     return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=64)
+def _token_sources(heads: int, local: int, layout: str, device: torch.device) -> tuple[Tensor, Tensor]:
+    """For every token of a mesh rank's chunk in local order: the head-group rank it arrives from and its row there
+    (the order of :func:`_mesh_order`)."""
+    order, _ = _mesh_order(heads, local, layout, torch.device("cpu"))
+    flat = torch.arange(heads * local) if order is None else order
+    return (flat // local).to(device), (flat % local).to(device)
 
 
 @functools.lru_cache(maxsize=64)

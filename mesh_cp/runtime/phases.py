@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from mesh_cp.core.blocks import BlockWork, ChunkCall, chunk_calls
+from mesh_cp.core.blocks import BlockWork, ChunkCall
 from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
 from mesh_cp.core.schedule import RingStep
 from mesh_cp.kernels import takes
+from mesh_cp.runtime.call import by_segments
 from mesh_cp.runtime.comm import ring_step
 
 if TYPE_CHECKING:
@@ -68,16 +69,18 @@ class OverlapPhase:
 
     def __init__(self, call: AttentionCall, phase: str) -> None:
         self.call = call
-        self.sched = call.plan.overlap(phase)
+        self.sched, self.phase = call.plan.overlap(phase), phase
         self.sizes = {"q": call.plan.tiling.a, "kv": call.plan.tiling.b}
         self.groups = {"q": call.mesh.q_group, "kv": call.mesh.kv_group}
         self.chunks: dict[str, list[_Chunks]] = {"q": [], "kv": []}
 
     @functools.cached_property
     def chunked(self) -> bool:
-        """The blocks of one Q chunk may run as one call (not softcapped logits that go tile by tile to the
-        reference kernel: :meth:`AttentionCall.units`)."""
-        return self.call.softcap is None or takes(self.call.kernel, "softcap")
+        """The blocks of one Q chunk run as one call: on a kernel that takes them by segments (one varlen call; on
+        the others a chunk call is a call per row group and diagonal, no fewer than the blocks), and not softcapped
+        logits that go tile by tile to the reference kernel (:meth:`AttentionCall.units`)."""
+        kernel = self.call.kernel
+        return by_segments(kernel) and (self.call.softcap is None or takes(kernel, "softcap"))
 
     def post(self, step: RingStep, sends: list[Tensor], recvs: list[Tensor]) -> tuple[list, list[Tensor]]:
         """Post a ring step; return its works and the tensors to keep alive until its wait."""
@@ -124,17 +127,16 @@ class OverlapPhase:
         (Note [Overlapped schedule] in :mod:`mesh_cp.core.schedule`). Two or more of them without a mask are one
         call over their keys laid end to end, as the collective schedule runs a Q chunk (Note [One call per Q chunk]
         in :mod:`mesh_cp.core.blocks`); the partial row is merged once. A KV move unlocks blocks of different Q
-        chunks, which stay single. Softcapped logits on a kernel that cannot softcap stay single too (they run tile
-        by tile on the reference kernel).
+        chunks, which stay single. The plan holds the runs (:meth:`AttentionPlan.overlap_calls`), so the memory model
+        counts the calls that run. Only kernels that take blocks by segments (the flash kernels) run a row as one
+        call; on the others a chunk call is one call per row group and diagonal, which saves nothing over the
+        blocks. Softcapped logits on a kernel that cannot softcap stay single (tile by tile, reference kernel).
         """
         rank, plan, actions = self.call.mesh.mesh_rank, self.call.plan, self.sched.actions
-        i, end = actions[t].block[0], t
-        while end < len(actions) and actions[end].op == "compute" and actions[end].block[0] == i:
-            end += 1
-        blocks = [(act.block[1], plan.block_at(rank, *act.block)) for act in actions[t:end]]
-        blocks = [(j, w) for j, w in blocks if w is not None]
-        call = _row_call(tuple(w for _, w in blocks)) if len(blocks) > 1 and self.chunked else None
-        if call is not None:
+        end, call = plan.overlap_calls(rank, self.phase)[t]
+        i = actions[t].block[0]
+        blocks = [(a.block[1], w) for a in actions[t:end] if (w := plan.block_at(rank, *a.block)) is not None]
+        if call is not None and self.chunked:
             self.compute_row(i, {w.y: j for j, w in blocks}, call)
         else:
             for j, w in blocks:
@@ -262,11 +264,3 @@ class BackwardPhase(OverlapPhase):
             dkv = self.grad("kv", offsets[y])
             dkv[0, :, k0:k1] += dk
             dkv[1, :, k0:k1] += dv
-
-
-@functools.lru_cache(maxsize=4096)
-def _row_call(blocks: tuple[BlockWork, ...]) -> ChunkCall | None:
-    """Blocks of one Q chunk as one :class:`ChunkCall` (Note [Rows of the overlapped schedule]), or ``None`` when a
-    mask leaves them single."""
-    calls = chunk_calls(blocks)
-    return calls[0] if len(calls) == 1 and isinstance(calls[0], ChunkCall) else None

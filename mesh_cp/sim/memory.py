@@ -41,7 +41,7 @@ def peak_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Bac
     return mesh + sum(t.piece_bytes * t.group_size for t in plan.all_to_alls(phase) if t.what in HELD)
 
 
-HELD = ("q", "k", "v", "out", "lse", "dout", "dlse")
+HELD = ("q,k,v", "out", "lse", "dout", "dlse")
 """The head exchange's tensors whose head-layout copies count in the peak (:func:`peak_bytes`)."""
 
 
@@ -53,7 +53,8 @@ def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: P
     chunks of its rows (the fp32 temporaries of
     ``rowsum(dO * O)``'s construction and of the dq accumulation). A :class:`ChunkCall` adds its keys laid end to end
     (Note [One call per Q chunk]): those of its largest row group, as a kernel without ``segments`` holds them (with
-    ``segments`` all groups' keys are held together, at most about 1.5 times more for a zig-zag chunk)."""
+    ``segments`` all groups' keys are held together, at most about 1.5 times more for a zig-zag chunk); on CPU its
+    forward holds those keys repeated to every head beside them (GQA), twice a block's share."""
     if w is None:
         return 0
     s = plan.mesh_shape
@@ -69,7 +70,8 @@ def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: P
     if gpu and isinstance(w, BlockWork) and w.kind is MaskKind.MASKED:
         keys = int(rk * plan.chunk_bytes()[1] + 2 * rq * q_bytes)  # a varlen call's gathered rows and its output's
     if phase == "forward":
-        return keys + int(rq * (q_bytes + s.chunk_elems * s.acc_itemsize) + gqa * q_bytes // 2)
+        expanded = gqa * q_bytes // (1 if isinstance(w, ChunkCall) else 2)  # K, V repeated to every head
+        return keys + int(rq * (q_bytes + s.chunk_elems * s.acc_itemsize) + expanded)
     return keys + int((2 * rq + 2 * rk + 1.5 * gqa + (6 * rq if gpu else 0)) * q_bytes)
 
 
@@ -150,6 +152,10 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, gpu: bool) -> in
         q_unit = (u["q"] if keep else 2 * u["q"]) + 2 * u["stats"]  # (dO) or (q, dO), with lse and delta
         kv_unit, q0_input = (0, True) if keep else (u["kv"], False)  # reuse: offset 0's dO is the input
     last_q = sched.last_use("q")
+    units = {}  # the kernel call of every compute action: a row's on GPU kernels (Note [Rows of the overlapped schedule])
+    for start, (end, call) in plan.overlap_calls(rank, phase).items():
+        for t in range(start, end):
+            units[t] = call if call is not None and gpu else plan.block_at(rank, *sched.actions[t].block)
     inflight: dict[str, int] = {}
     peak = 0
     for t, (act, (nq, nkv)) in enumerate(zip(sched.actions, sched.chunks_alive(), strict=True)):
@@ -157,7 +163,7 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, gpu: bool) -> in
             inflight[act.step.ring] = inflight_bytes[act.step.ring]
         held = nq * q_unit + nkv * kv_unit - (u["q"] if q0_input and last_q.get(0, -1) >= t else 0)
         partials = sum(alive[ring][t] * partial[ring] for ring in partial)
-        kernel = _kernel_bytes(plan, plan.block_at(rank, *act.block), phase, gpu) if act.op == "compute" else 0
+        kernel = _kernel_bytes(plan, units[t], phase, gpu) if act.op == "compute" else 0
         now = fixed + held + partials + sum(inflight.values()) + kernel
         peak = max(peak, now)
         if act.op == "wait" and act.step.kind == "reduce":

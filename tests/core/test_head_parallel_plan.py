@@ -88,8 +88,8 @@ def test_all_to_all_bytes_are_one_piece_per_peer(heads: int, kv_heads: int, u: i
     assert plan.bytes_sent("backward", group="heads") == by_hand
     lse_bytes = [with_lse.bytes_sent(phase, group="heads") for phase in PHASES]
     assert lse_bytes == [by_hand + (u - 1) * lse_piece] * 2
-    assert [t.what for t in with_lse.all_to_alls("forward")] == ["q", "k", "v", "out", "lse"]
-    assert [t.what for t in plan.all_to_alls("backward")] == ["dout", "dq", "dk", "dv"]
+    assert [t.what for t in with_lse.all_to_alls("forward")] == ["q,k,v", "out", "lse"]  # one exchange for q, k, v
+    assert [t.what for t in plan.all_to_alls("backward")] == ["dout", "dq,dk,dv"]
     inner = plan.mesh_shape
     assert (inner.seq_local, inner.heads, inner.kv_heads) == (u * s.seq_local, heads // u, max(kv_heads // u, 1))
     assert inner.chunk_elems == s.chunk_elems  # S/m tokens x H/u heads: the same C

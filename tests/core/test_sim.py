@@ -274,7 +274,7 @@ def test_memory_of_every_candidate_is_the_peak_of_its_plan(schedule: str) -> Non
         plan = plan_for_topology(u, tiling, s, topology, schedule=schedule)
         assert result.memory == max(peak_bytes(plan, phase) for phase in PHASES)
         copies = {
-            phase: sum(t.piece_bytes * u for t in plan.all_to_alls(phase) if t.what in ("q", "k", "v", "out", "dout"))
+            phase: sum(t.piece_bytes * u for t in plan.all_to_alls(phase) if t.what in ("q,k,v", "out", "dout"))
             for phase in PHASES
         }
         mesh_only = dataclasses.replace(plan, shape=plan.mesh_shape, head_parallel=1)
@@ -383,19 +383,19 @@ def test_the_mesh_of_a_head_parallel_plan_is_a_plain_mesh_on_its_shape(schedule:
             assert got.a2a.inter == 0 and got.a2a.total == plan.bytes_sent(phase, group="heads") > 0
             assert (got.mesh, got.compute) == (want.traffic, want.compute)
             assert got.time == pytest.approx(got.a2a_time + want.time)
-            held = ("q", "k", "v", "out") if phase == "forward" else ("dout",)  # sim/memory.py: peak_bytes
+            held = ("q,k,v", "out") if phase == "forward" else ("dout",)  # sim/memory.py: peak_bytes
             copies = sum(t.piece_bytes * 2 for t in plan.all_to_alls(phase) if t.what in held)
             assert got.memory == want.memory + copies
 
 
 def ulysses_by_hand(world: int, s: AttentionShape, topology: Topology) -> dict[str, tuple[Traffic, float, float]]:
-    """DeepSpeed-Ulysses by hand, per phase ``(traffic, time, compute)``: q, k, v in and o out (dO in, dq, dk, dv
-    out), each a direct all-to-all over the P ranks, from the last rank (on the smallest node: the most peers across
+    """DeepSpeed-Ulysses by hand, per phase ``(traffic, time, compute)``: q, k, v in (one all-to-all, Note [One
+    exchange per direction]) and o out (dO in, dq, dk, dv out), direct all-to-alls over the P ranks, from the last rank (on the smallest node: the most peers across
     nodes); then each rank computes the full causal sequence of ``heads / P`` heads. A K or V sends one
     ``1 / min(P, kv_heads)`` piece to each peer (K/V heads repeated when ``P > kv_heads``)."""
     q_bytes = s.chunk_elems * s.itemsize
     kv_piece = q_bytes * s.kv_heads // s.heads / min(world, s.kv_heads)
-    pieces = (q_bytes / world, kv_piece, kv_piece, q_bytes / world)
+    pieces = (q_bytes / world + 2 * kv_piece, q_bytes / world)
     seq = s.seq_local * world
     compute = seq * (seq + 1) // 2 * s.batch * (s.heads // world) / topology.pairs_per_second
     timed = [all_to_all_seconds(piece, range(world), topology, world - 1) for piece in pieces]
