@@ -67,9 +67,20 @@ def loss_and_grads(model, row: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-def test_balanced_collator_keeps_the_loss_and_balances_the_ranks() -> None:
+def assert_same_loss_and_grads(given: dict, other: dict) -> None:
+    """A tiny Llama's loss and parameter gradients on ``other`` equal those on ``given`` up to float rounding."""
     from mesh_cp.testing.models import tiny_causal_lms
 
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"], attn_implementation="sdpa")
+    loss, grads = loss_and_grads(model, given)
+    loss_o, grads_o = loss_and_grads(model, other)
+    torch.testing.assert_close(loss_o, loss, rtol=1e-6, atol=0)
+    for g, g_o in zip(grads, grads_o, strict=True):
+        torch.testing.assert_close(g_o, g, rtol=1e-5, atol=1e-7)
+
+
+def test_balanced_collator_keeps_the_loss_and_balances_the_ranks() -> None:
     rng = random.Random(0)
     examples = [{"input_ids": [rng.randint(3, 95) for _ in range(n)]} for n in LENGTHS]
     given, balanced = collated_row(examples, balance=False), collated_row(examples, balance=True)
@@ -79,20 +90,12 @@ def test_balanced_collator_keeps_the_loss_and_balances_the_ranks() -> None:
     busiest = [max(rank_pairs([s], seq_len=seq, world=WORLD, tile=TILE)) for s in spans]
     assert busiest[1] < busiest[0], busiest
     assert given["num_items"] == balanced["num_items"] == sum(LENGTHS) - len(LENGTHS)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"], attn_implementation="sdpa")
-    loss, grads = loss_and_grads(model, given)
-    loss_b, grads_b = loss_and_grads(model, balanced)
-    torch.testing.assert_close(loss_b, loss, rtol=1e-6, atol=0)
-    for g, g_b in zip(grads, grads_b, strict=True):
-        torch.testing.assert_close(g_b, g, rtol=1e-5, atol=1e-7)
+    assert_same_loss_and_grads(given, balanced)
 
 
 def test_split_collator_keeps_the_loss_and_evens_out_the_ranks() -> None:
     """``balance="split"`` (Note [Split documents]): the ranks compute the same pairs (the given order's busiest
     rank computes 1.3 times the mean), and the loss and gradients are the given order's."""
-    from mesh_cp.testing.models import tiny_causal_lms
-
     rng = random.Random(1)
     examples = [{"input_ids": [rng.randint(3, 95) for _ in range(n)]} for n in LENGTHS]
     given, split = collated_row(examples, balance=False), collated_row(examples, balance="split")
@@ -100,13 +103,7 @@ def test_split_collator_keeps_the_loss_and_evens_out_the_ranks() -> None:
     pairs = [rank_pairs([LENGTHS], seq_len=SEQ, world=WORLD, tile=TILE, split=s) for s in (False, True)]
     assert max(pairs[0]) * WORLD / sum(pairs[0]) > 1.3 and max(pairs[1]) * WORLD / sum(pairs[1]) < 1.02, pairs
     assert given["num_items"] == split["num_items"]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"], attn_implementation="sdpa")
-    loss, grads = loss_and_grads(model, given)
-    loss_s, grads_s = loss_and_grads(model, split)
-    torch.testing.assert_close(loss_s, loss, rtol=1e-6, atol=0)
-    for g, g_s in zip(grads, grads_s, strict=True):
-        torch.testing.assert_close(g_s, g, rtol=1e-5, atol=1e-7)
+    assert_same_loss_and_grads(given, split)
 
 
 @pytest.mark.parametrize(
