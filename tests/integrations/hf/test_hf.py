@@ -229,6 +229,14 @@ def _refusals(mesh, hf) -> dict:
         r"cu_seq_lens_q \[0, 5, 36\] does not describe the documents of mesh_cp_mask \(\[0, 5, 6, 36\]\)",
         lambda: model(**collated, cu_seq_lens_q=torch.tensor([0, 5, 36])),
     )
+    split = hf.ShardingCollator(mesh, pad_token_id=0, packed=True, balance="split")(examples)
+    expect_error(
+        checks,
+        "packing keywords with split documents refused",
+        NotImplementedError,
+        r"cu_seq_lens_k, cu_seq_lens_q with split documents .* drop them",
+        lambda: model(**split, **cu),
+    )
     model(**collated).loss.backward()  # a transformers model takes the packed batch as it is
     checks["packed batch through model(**batch)"] = all(
         p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.requires_grad
