@@ -287,6 +287,7 @@ def _other_blocks() -> dict:
     engine, *_ = mesh_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
     return {
         "auto tile": auto.mesh.tile,
+        "auto head_parallel": auto.mesh.head_parallel,
         "auto reason": auto.mesh.reason,
         "disabled": getattr(engine, "mesh_attention", "absent"),
         "disabled attention": model.config._attn_implementation,
@@ -457,6 +458,7 @@ def test_mpu_model_parallel_group_is_a_subgroup_of_all_ranks(deepspeed_results: 
 def test_auto_tile_and_disabled_block(deepspeed_results: list[dict]) -> None:
     for result in deepspeed_results:
         other = result["other blocks"]
-        assert other["auto tile"] in {(1, 4), (2, 2), (4, 1)}, other
+        (a, b), u = other["auto tile"], other["auto head_parallel"]  # a mesh, or the hybrid with a head group
+        assert a * b * u == 4 and (u == 1 or f"head_parallel={u}" in other["auto reason"]), other
         assert "predicted" in other["auto reason"], other
         assert other["disabled"] == "absent" and other["disabled attention"] == "sdpa", other
