@@ -1,6 +1,6 @@
 """What the tests that compare mesh_cp with a real single-process client share: the DP x CP layout of a launched
 script, its results file, and the two runs of such a script (single-process reference, and mesh_cp under
-``accelerate launch``)."""
+``accelerate launch``); and several runs of example scripts in the processes of one launch (launched_runs.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+LAUNCHED_RUNS = Path(__file__).with_name("launched_runs.py")
 
 SGD_RUN = {
     "optim": "sgd",
@@ -62,16 +63,47 @@ def write_results(out: str, results: list[dict], distributed: bool) -> None:
         torch.distributed.destroy_process_group()
 
 
-def reference_and_mesh(script: Path, out: Path, port: int) -> tuple[dict, dict]:
-    """Run ``script OUT`` in one plain process (the reference) and ``script OUT --mesh`` under ``accelerate launch``;
-    ``(reference, mesh)``: case name -> result."""
-    from tests.integrations.accelerate.test_accelerate import accelerate_launch
+def reference_and_mesh(script: Path, out: Path, port: int, then: tuple[Path, ...] = (), ports=()) -> tuple[dict, dict]:
+    """Run ``script OUT`` in one plain process (the reference) and ``script OUT --mesh`` under ``accelerate launch``
+    side by side (the reference runs on one thread); ``(reference, mesh)``: case name -> result. The scripts
+    ``then`` run after ``script`` in the processes of the same launch (launched_runs.py, the runs' stores on
+    ``ports``)."""
+    from tests.integrations.accelerate.test_accelerate import _accelerate, accelerate_launch
 
     reference, mesh = out / "reference.json", out / "mesh.json"
     env = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(out)}
+    log = out / "reference.log"
+    with log.open("w") as output:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(reference)], stdout=output, stderr=output, env=env, cwd=out
+        )
+        try:
+            if then:
+                cmd, launch_env = _accelerate(port, pythonpath=True)
+                runs = [(script, [str(mesh), "--mesh"]), *((path, []) for path in then)]
+                launched_runs(cmd, runs, out / "runs", ports, timeout=900, env=launch_env, cwd=out)
+            else:
+                accelerate_launch(script, str(mesh), "--mesh", port=port, cwd=out)
+        except BaseException:
+            proc.kill()
+            raise
+        finally:
+            proc.wait(timeout=600)
+    assert proc.returncode == 0, log.read_text()[-6000:]
+    return tuple({r["case"]: r for r in json.loads(path.read_text())} for path in (reference, mesh))
+
+
+def launched_runs(launcher: list[str], runs: list[tuple[Path, list[str]]], out: Path, ports, **kwargs) -> list[str]:
+    """Each of ``runs`` (script, flags) in turn in the processes of one ``launcher`` command (launched_runs.py), run
+    ``i``'s store on port ``ports[i]``; the output of each run on rank 0. ``kwargs`` go to ``subprocess.run``."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = [
+        {"script": str(script), "argv": list(argv), "port": port, "stdout": str(out / f"run_{i}.out")}
+        for i, ((script, argv), port) in enumerate(zip(runs, ports, strict=True))
+    ]
+    (out / "runs.json").write_text(json.dumps(spec))
     proc = subprocess.run(
-        [sys.executable, str(script), str(reference)], capture_output=True, text=True, env=env, cwd=out, timeout=600
+        [*launcher, str(LAUNCHED_RUNS), str(out / "runs.json")], capture_output=True, text=True, **kwargs
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    accelerate_launch(script, str(mesh), "--mesh", port=port, cwd=out)
-    return tuple({r["case"]: r for r in json.loads(path.read_text())} for path in (reference, mesh))
+    return [Path(run["stdout"]).read_text() for run in spec]

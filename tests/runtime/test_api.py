@@ -1,4 +1,6 @@
-"""The public API on real process groups: bad inputs, sharding, DeviceMesh / DP x CP, low precision."""
+"""The public API on real process groups: bad inputs, sharding, DeviceMesh / DP x CP, low precision.
+
+The cases on 4 ranks share one spawned group (:func:`world4`); each test reads its own section of it."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 import mesh_cp
 from mesh_cp.core import Tiling, layout_permutation
 from mesh_cp.core.numerics import reference_attention
-from mesh_cp.testing import expect_error, spawn_gloo
+from mesh_cp.testing import expect_error, run_sections, section_results, spawn_gloo
 
 
 def errors_worker(rank: int, world: int) -> dict:
@@ -206,8 +208,8 @@ def sharding_worker(rank: int, world: int) -> dict:
     return res
 
 
-def test_device_mesh_dp_by_cp_and_sharding_round_trips() -> None:
-    results = spawn_gloo(sharding_worker, 4)
+def test_device_mesh_dp_by_cp_and_sharding_round_trips(world4) -> None:
+    results = section_results(world4, "sharding")
     assert [r["cp members"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     for rank, res in enumerate(results):
         failures = {k: v for k, v in res.items() if k not in ("cp members", "dp rank") and v is not True}
@@ -256,8 +258,8 @@ def low_precision_worker(rank: int, world: int) -> dict:
     return res
 
 
-def test_low_precision_error_at_most_twice_plain_attention() -> None:
-    for rank, res in enumerate(spawn_gloo(low_precision_worker, 4)):
+def test_low_precision_error_at_most_twice_plain_attention(world4) -> None:
+    for rank, res in enumerate(section_results(world4, "low precision")):
         assert len(res) == 16
         for name, (dist_err, plain_err, dtype_kept) in res.items():
             assert dtype_kept, name
@@ -368,7 +370,20 @@ def auto_tile_worker(rank: int, world: int) -> dict:
     return res
 
 
-def test_auto_tile_uses_the_cost_model_choice() -> None:
-    for rank, res in enumerate(spawn_gloo(auto_tile_worker, 4)):
+def test_auto_tile_uses_the_cost_model_choice(world4) -> None:
+    for rank, res in enumerate(section_results(world4, "auto tile")):
         failures = {k: v for k, v in res.items() if v is not True}
         assert not failures, f"rank {rank}: {failures}"
+
+
+WORLD4_SECTIONS = {"sharding": sharding_worker, "low precision": low_precision_worker, "auto tile": auto_tile_worker}
+
+
+def world4_worker(rank: int, world: int) -> dict[str, dict]:
+    """Every section on 4 ranks in one spawned group."""
+    return run_sections(WORLD4_SECTIONS, rank, world)
+
+
+@pytest.fixture(scope="module")
+def world4() -> list[dict[str, dict]]:
+    return spawn_gloo(world4_worker, 4)

@@ -1,11 +1,12 @@
 """Tree-Attention decoding (``mesh_cp.decode_attn_func``, Note [Tree decoding]) against single-process attention.
 
-One spawned group per P (2, 3, 4) runs every case on a flat process group and on meshes of every tile (and a
-head-parallel hybrid at P = 4): a batch of 3 rows of different lengths whose cache entries are dealt to the ranks
-unevenly (one rank holds nothing of row 0, another nothing at all in one case), padding slots at position -1,
-1 or 3 new tokens per row (causal among them), MHA, GQA and MQA. Every rank's output and lse must equal an fp64
-single-process softmax over the visible entries within 1e-5 (fp32), the bytes it sent must equal the plan's, and
-its collectives must be one all-gather per level of the mesh (one in all over a process group or a ``1 x P`` mesh).
+One gloo group per P (2, 3, 4: the first P ranks of one spawned group of 4) runs every case on a flat process
+group and on meshes of every tile (and a head-parallel hybrid at P = 4): a batch of 3 rows of different lengths
+whose cache entries are dealt to the ranks unevenly (one rank holds nothing of row 0, another nothing at all in one
+case), padding slots at position -1, 1 or 3 new tokens per row (causal among them), MHA, GQA and MQA. Every rank's
+output and lse must equal an fp64 single-process softmax over the visible entries within 1e-5 (fp32), the bytes it
+sent must equal the plan's, and its collectives must be one all-gather per level of the mesh (one in all over a
+process group or a ``1 x P`` mesh).
 A bf16 cache (``(B, Hkv, L, D)`` storage read through ``.transpose(1, 2)``, as the generation cache passes it)
 gives the fp64 softmax of the same bf16 values within 2e-2.
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -29,6 +29,7 @@ from mesh_cp.debug import CommCounter
 from mesh_cp.kernels import get_kernel
 from mesh_cp.runtime.decode import local_attention, merge_pieces, reduction_groups
 from mesh_cp.testing import expect_error, spawn_gloo
+from tests.group_sizes import by_group_size, size_results
 
 TOL = 1e-5
 BF16_TOL = 2e-2
@@ -73,8 +74,7 @@ def owners(slots: int, world: int, empty: bool) -> torch.Tensor:
     return owner
 
 
-def run_cases(rank: int, world: int) -> dict[str, float]:
-    group = dist.group.WORLD
+def run_cases(group, rank: int, world: int) -> dict[str, float]:
     meshes = {"group": group}
     for a in (a for a in range(1, world + 1) if world % a == 0):
         meshes[f"{a}x{world // a}"] = mesh_cp.CPMesh.create(group, tile=(a, world // a))
@@ -108,11 +108,11 @@ def run_cases(rank: int, world: int) -> dict[str, float]:
                     errors[f"{case} collectives"] = float(ops != ["all_gather"] * len(plan.levels))
                     if label in ("group", f"1x{world}"):
                         errors[f"{case} one collective"] = abs(len(ops) - 1)
-    errors.update(bf16_case(rank, world))
+    errors.update(bf16_case(group, rank, world))
     return errors
 
 
-def bf16_case(rank: int, world: int) -> dict[str, float]:
+def bf16_case(group, rank: int, world: int) -> dict[str, float]:
     """GQA with 3 new tokens over a bf16 cache stored ``(B, Hkv, L, D)`` and passed as its ``.transpose(1, 2)``
     view, on the flat group: the error against fp64 over the same bf16 values."""
     q, k, v, positions, q_positions = full_cache(HEADS["GQA"], 3, 99)
@@ -122,7 +122,7 @@ def bf16_case(rank: int, world: int) -> dict[str, float]:
     ks, vs = (t[:, mine].transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     with torch.no_grad():
         out, lse = mesh_cp.decode_attn_func(
-            q, ks, vs, mesh=dist.group.WORLD, q_positions=q_positions, k_positions=positions[:, mine], return_lse=True
+            q, ks, vs, mesh=group, q_positions=q_positions, k_positions=positions[:, mine], return_lse=True
         )
     return {
         "bf16 dtype": float(out.dtype != torch.bfloat16 or lse.dtype != torch.float32),
@@ -143,9 +143,8 @@ class Maskless:
         raise AssertionError("never called")
 
 
-def refusals(rank: int, world: int) -> dict:
+def refusals(group) -> dict:
     results: dict = {}
-    group = dist.group.WORLD
     q, kv = torch.zeros(1, 1, 4, 8), torch.zeros(1, 5, 2, 8)
     qp, kp = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)
     call = mesh_cp.decode_attn_func
@@ -178,13 +177,22 @@ def refusals(rank: int, world: int) -> dict:
     return results
 
 
-def worker(rank: int, world: int) -> tuple[dict, dict]:
-    return run_cases(rank, world), refusals(rank, world)
+WORLDS = (2, 3, 4)
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
-def results(request) -> list:
-    return spawn_gloo(worker, request.param)
+def worker(rank: int, world: int) -> dict[int, tuple[dict, dict]]:
+    return by_group_size(WORLDS, lambda group, r, p: (run_cases(group, r, p), refusals(group)), rank, world)
+
+
+@pytest.fixture(scope="module")
+def spawned() -> list[dict[int, tuple[dict, dict]]]:
+    """One spawned group of 4 ranks; P = 2 and 3 run on its first P ranks."""
+    return spawn_gloo(worker, max(WORLDS))
+
+
+@pytest.fixture(scope="module", params=WORLDS)
+def results(request, spawned) -> list:
+    return size_results(spawned, request.param)
 
 
 def test_decode_equals_single_process(results) -> None:

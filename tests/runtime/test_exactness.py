@@ -1,9 +1,10 @@
 """Exactness of mesh_attn_func against a single-process fp64 reference, with the bytes it sends.
 
-For every P in {1, 2, 3, 4, 6, 8} one gloo group runs every tile a x b of P, with both schedules
-(overlapped and collective), over a matrix of causal/full, layouts, MHA/GQA/MQA, head dims 64/80,
-batch 2, odd chunk lengths, both backward modes and two kernels. Every rank compares its shard of out, lse, dq, dk, dv (with a gradient on
-the lse too) and counts what it sent per group against the plan.
+For every P in {1, 2, 3, 4, 6, 8} a gloo group of P ranks (the first P of one spawned group of 8, the whole of it
+for P = 8) runs every tile a x b of P, with both schedules (overlapped and collective), over a matrix of
+causal/full, layouts, MHA/GQA/MQA, head dims 64/80, batch 2, odd chunk lengths, both backward modes and two kernels.
+Every rank compares its shard of out, lse, dq, dk, dv (with a gradient on the lse too) and counts what it sent per
+group against the plan.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from mesh_cp.core import factorizations, make_plan
 from mesh_cp.core.numerics import reference_attention
 from mesh_cp.runtime.attention import attention_shape
 from mesh_cp.testing import spawn_gloo
+from tests.group_sizes import by_group_size, size_results
 
 TOL = 1e-5
 
@@ -134,22 +136,34 @@ def run_case(mesh, case: Case, schedule: str, seed: int) -> dict:
     }
 
 
-def exactness_worker(rank: int, world: int) -> dict[str, dict]:
-    import torch.distributed as dist
+WORLDS = (1, 2, 3, 4, 6, 8)
 
+
+def exactness_cases(group, rank: int, world: int) -> dict[str, dict]:
+    """Every tile of ``world``, every case and schedule, on ``group`` (``world`` ranks)."""
     results = {}
     for tile in factorizations(world):
-        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
+        mesh = mesh_cp.CPMesh.create(group, tile=tile)
         for index, case in enumerate(CASES):
             for schedule in SCHEDULES:
                 results[case.name(tile, schedule)] = run_case(mesh, case, schedule, seed=1000 * world + index)
     return results
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4, 6, 8], ids=lambda world: f"P{world}")
-def world_results(request) -> tuple[int, list[dict[str, dict]]]:
-    """One spawned group per P, shared by the tests below."""
-    return request.param, spawn_gloo(exactness_worker, request.param)
+def exactness_worker(rank: int, world: int) -> dict[int, dict[str, dict]]:
+    return by_group_size(WORLDS, exactness_cases, rank, world)
+
+
+@pytest.fixture(scope="module")
+def spawned() -> list[dict[int, dict[str, dict]]]:
+    """One spawned group of max(WORLDS) ranks; each P runs on its first P ranks."""
+    return spawn_gloo(exactness_worker, max(WORLDS))
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"P{world}")
+def world_results(request, spawned) -> tuple[int, list[dict[str, dict]]]:
+    """The results of one P, shared by the tests below."""
+    return request.param, size_results(spawned, request.param)
 
 
 def test_exact_against_fp64_for_every_tile(world_results) -> None:

@@ -1,10 +1,10 @@
 """Head-parallel x mesh attention (Note [Head-parallel x mesh]) against a single-process fp64 reference.
 
-One spawned group per P (4, 8, 16; 16 ranks oversubscribe the two cores, which exactness does not mind) runs
-u in {2, 4} with several tiles of the P / u mesh ranks, both schedules, MHA, GQA (u below and above the K/V head
-count: split and repeated K/V heads) and MQA, causal (zig-zag) and full attention, plus packed documents with a
-window. Every rank compares its piece of the output and lse and dq, dk, dv (a loss on out and on the lse) with the
-reference, and the bytes it sent on the head group with the all-to-all formula.
+One gloo group per P (4, 8, 16: the first P ranks of one spawned group of 16; 16 ranks oversubscribe the two
+cores, which exactness does not mind) runs u in {2, 4} with several tiles of the P / u mesh ranks, both schedules,
+MHA, GQA (u below and above the K/V head count: split and repeated K/V heads) and MQA, causal (zig-zag) and full
+attention, plus packed documents with a window. Every rank compares its piece of the output and lse and dq, dk, dv
+(a loss on out and on the lse) with the reference, and the bytes it sent on the head group with the all-to-all formula.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import zlib
 
 import pytest
-import torch.distributed as dist
 
 import mesh_cp
 from mesh_cp.core import AttentionMask
 from mesh_cp.debug import CommCounter
 from mesh_cp.testing import expect_error, spawn_gloo
+from tests.group_sizes import by_group_size, size_results
 from tests.runtime.reference import errors_against_reference
 
 TOL = 1e-5
@@ -54,12 +54,11 @@ def run_case(mesh, case: dict, schedule: str, seed: int) -> dict[str, float]:
     return errors
 
 
-def refusals(world: int) -> dict:
+def refusals(group, world: int) -> dict:
     """Bad head-parallel degrees and head counts, refused on every rank with the value and the fix."""
     import torch
 
     results: dict = {}
-    group = dist.group.WORLD
     expect_error(
         results,
         "head_parallel not dividing P",
@@ -108,10 +107,10 @@ def refusals(world: int) -> dict:
     return results
 
 
-def heads_worker(rank: int, world: int) -> dict:
-    results: dict = refusals(world) if world == 4 else {}
+def heads_cases(group, rank: int, world: int) -> dict:
+    results: dict = refusals(group, world) if world == 4 else {}
     for u, tile in LAYOUTS[world]:
-        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile, head_parallel=u)
+        mesh = mesh_cp.CPMesh.create(group, tile=tile, head_parallel=u)
         for name, case in cases(world).items():
             for schedule in ("overlap", "collective"):
                 key = f"P{world} u{u} {tile[0]}x{tile[1]} {schedule} {name}"
@@ -119,9 +118,19 @@ def heads_worker(rank: int, world: int) -> dict:
     return results
 
 
+def heads_worker(rank: int, world: int) -> dict[int, dict]:
+    return by_group_size(LAYOUTS, heads_cases, rank, world)
+
+
+@pytest.fixture(scope="module")
+def spawned() -> list[dict[int, dict]]:
+    """One spawned group of 16 ranks; P = 4 and 8 run on its first P ranks."""
+    return spawn_gloo(heads_worker, max(LAYOUTS))
+
+
 @pytest.fixture(scope="module", params=[4, 8, 16])
-def heads_results(request) -> tuple[int, list[dict]]:
-    return request.param, spawn_gloo(heads_worker, request.param)
+def heads_results(request, spawned) -> tuple[int, list[dict]]:
+    return request.param, size_results(spawned, request.param)
 
 
 def test_hybrid_matches_single_process_reference(heads_results) -> None:

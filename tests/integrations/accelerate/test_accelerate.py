@@ -1,9 +1,10 @@
-"""The accelerate fine-tuning example, launched as users launch it (4 gloo processes, 2x2 mesh).
+"""The accelerate fine-tuning example under ``accelerate launch`` (4 gloo processes, 2x2 mesh).
 
 Its loss equals the unsharded SDPA reference trained beside it at every step, its held-out eval loss under CP
 equals the reference's, and stopping at a checkpoint then resuming gives the same losses as not stopping. The
 example is run by path from another working directory, without the repository on ``PYTHONPATH``, and read through
-its final JSON line.
+its final JSON line; its runs (and the generation example's) run one after another in the processes of one launch,
+each as the launcher runs a script (launched_runs.py).
 """
 
 from __future__ import annotations
@@ -19,32 +20,37 @@ import pytest
 pytest.importorskip("accelerate")
 
 from examples.common import read_result  # noqa: E402
+from tests.integrations.clients import launched_runs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["--seq-len", "512", "--hidden", "32", "--corpus-mb", "0.5", "--vocab", "512", "--reference"]
 
 
-def accelerate_launch(script: Path, *args: str, port: int, cwd: Path = ROOT, pythonpath: bool = True) -> str:
-    """Run ``script`` under ``accelerate launch`` with the project's CPU config, from ``cwd`` (with the
-    repository on ``PYTHONPATH`` if ``pythonpath``); its stdout (must succeed)."""
+def _accelerate(port: int, pythonpath: bool) -> tuple[list[str], dict]:
+    """``accelerate launch`` with the project's CPU config, and its environment (the repository on ``PYTHONPATH``
+    if ``pythonpath``)."""
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--config_file", str(ROOT / "configs" / "accelerate_mesh_cp.yaml")]
-    cmd += ["--main_process_port", str(port), str(script), *args]
+    cmd += ["--main_process_port", str(port)]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
     if pythonpath:
         env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
+    return cmd, env
+
+
+def accelerate_launch(script: Path, *args: str, port: int, cwd: Path = ROOT, pythonpath: bool = True) -> str:
+    """Run ``script`` under ``accelerate launch`` with the project's CPU config, from ``cwd`` (with the
+    repository on ``PYTHONPATH`` if ``pythonpath``); its stdout (must succeed)."""
+    cmd, env = _accelerate(port, pythonpath)
+    proc = subprocess.run([*cmd, str(script), *args], capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
-def launch(*args: str, port: int, cwd: Path) -> dict:
-    """The fine-tuning example's result line, run from ``cwd``; ``"steps"`` becomes ``{step: (mesh_cp loss,
+def finetune_result(stdout: str) -> dict:
+    """The fine-tuning example's result line in its output ``stdout``; ``"steps"`` becomes ``{step: (mesh_cp loss,
     reference loss)}``."""
-    stdout = accelerate_launch(
-        ROOT / "examples" / "accelerate" / "finetune.py", *SMALL, *args, port=port, cwd=cwd, pythonpath=False
-    )
     result = read_result(stdout)
     assert stdout.rstrip().splitlines()[-1].startswith('{"example"'), stdout[-2000:]  # the very last line
     assert result["example"] == "accelerate" and result["world"] == 4, result
@@ -59,15 +65,27 @@ def launch(*args: str, port: int, cwd: Path) -> dict:
 
 
 def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) -> None:
-    straight = launch("--steps", "4", port=29601, cwd=tmp_path)
+    """The runs, one after another in the processes of one launch (launched_runs.py), from another working directory
+    and without the repository on ``PYTHONPATH``: 4 steps; 2 steps saving a checkpoint; 4 steps resuming from it;
+    the generation example loading it."""
+    ckpt = tmp_path / "ckpt"
+    finetune = ROOT / "examples" / "accelerate" / "finetune.py"
+    saving = ["--checkpoint-dir", str(ckpt), "--save-every", "2"]
+    generating = ["--checkpoint", str(ckpt / "step_2.pt"), "--prompt-tokens", "700", "--new-tokens", "6", "--check"]
+    runs = [
+        (finetune, [*SMALL, "--steps", "4"]),
+        (finetune, [*SMALL, "--steps", "2", *saving]),
+        (finetune, [*SMALL, "--steps", "4", *saving]),
+        (ROOT / "examples" / "accelerate" / "generate.py", [*SMALL, *generating]),
+    ]
+    cmd, env = _accelerate(29601, pythonpath=False)
+    outputs = launched_runs(cmd, runs, tmp_path / "runs", range(29606, 29610), timeout=900, env=env, cwd=tmp_path)
+    straight, first, resumed = (finetune_result(stdout) for stdout in outputs[:3])
     assert sorted(straight["steps"]) == [1, 2, 3, 4] and straight["resumed_from"] is None, straight
     for step, (mesh, ref) in straight["steps"].items():
         assert abs(mesh - ref) <= 1e-5, (step, mesh, ref)
     assert straight["steps"][4][0] < straight["steps"][1][0]  # it learns
     assert straight["tokens_per_s"] > 0 and straight["attention_bytes_per_step"]["kv"] > 0, straight
-    ckpt = tmp_path / "ckpt"
-    first = launch("--steps", "2", "--checkpoint-dir", str(ckpt), "--save-every", "2", port=29602, cwd=tmp_path)
-    resumed = launch("--steps", "4", "--checkpoint-dir", str(ckpt), "--save-every", "2", port=29603, cwd=tmp_path)
     assert sorted(first["steps"]) == [1, 2] and sorted(resumed["steps"]) == [3, 4]
     assert resumed["resumed_from"] == 2 and resumed["checkpoint"] == str(ckpt / "step_2.pt"), resumed
     for step in (1, 2):
@@ -78,9 +96,7 @@ def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) ->
     assert abs(resumed["eval_loss"] - straight["eval_loss"]) <= 1e-6, (resumed, straight)  # the same model
     assert straight["eval_loss"] < first["eval_loss"], (straight, first)  # evaluated after training
     # The generation example loads that checkpoint: prefill + tree decoding equal single-process generation.
-    script = ROOT / "examples" / "accelerate" / "generate.py"
-    args = ("--checkpoint", str(ckpt / "step_2.pt"), "--prompt-tokens", "700", "--new-tokens", "6", "--check")
-    generated = read_result(accelerate_launch(script, *SMALL, *args, port=29605, cwd=tmp_path, pythonpath=False))
+    generated = read_result(outputs[3])
     assert generated["example"] == "generate" and generated["prompt_tokens"] == 700, generated
     assert len(generated["new_tokens"]) == 6 and generated["reference_match"] is True, generated
     assert generated["max_logit_diff"] <= 1e-5, generated

@@ -393,19 +393,49 @@ SMALL = ["--seq-len", "512", "--hidden", "32", "--corpus-mb", "0.5", "--vocab", 
 def launch(launcher: str, stage: int, *args: str, port: int) -> dict[int, tuple[float, float]]:
     """Run the example under ``deepspeed`` or ``torchrun`` with 4 CPU processes (by path, without the
     repository on ``PYTHONPATH``); its (mesh_cp, reference) loss per step, read from its final JSON line."""
-    from examples.common import read_result
-
-    script = str(ROOT / "examples" / "deepspeed" / "finetune.py")
-    bin_dir = Path(sys.executable).parent
-    if launcher == "deepspeed":
-        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "4", "--master_port", str(port), script]
-    else:
-        cmd = [str(bin_dir / "torchrun"), "--nproc-per-node", "4", "--master-port", str(port), script]
-    cmd += ["--deepspeed_config", str(ROOT / "configs" / f"ds_mesh_cp_zero{stage}.json"), *SMALL, *args]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd, env = _launcher(launcher, port)
+    cmd += [str(EXAMPLE), *_example_args(stage, *args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = read_result(proc.stdout)
+    return _example_steps(proc.stdout, stage)
+
+
+def torchrun_runs(
+    stage: int, runs: list[tuple[str, ...]], out: Path, port: int
+) -> list[dict[int, tuple[float, float]]]:
+    """The example with each of ``runs``' flags in turn, one after another in the processes of one torchrun launch
+    of 4 CPU processes (launched_runs.py: by path, without the repository on ``PYTHONPATH``); each run's
+    (mesh_cp, reference) loss per step. Torchrun's port is ``port``, run ``i``'s store ``port + 1 + i``."""
+    from tests.integrations.clients import launched_runs
+
+    cmd, env = _launcher("torchrun", port)
+    runs = [(EXAMPLE, _example_args(stage, *args)) for args in runs]
+    ports = range(port + 1, port + 1 + len(runs))
+    outputs = launched_runs(cmd, runs, out, ports, timeout=900, env=env, cwd=ROOT)
+    return [_example_steps(output, stage) for output in outputs]
+
+
+EXAMPLE = ROOT / "examples" / "deepspeed" / "finetune.py"
+
+
+def _launcher(launcher: str, port: int) -> tuple[list[str], dict]:
+    bin_dir = Path(sys.executable).parent
+    if launcher == "deepspeed":
+        cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "4", "--master_port", str(port)]
+    else:
+        cmd = [str(bin_dir / "torchrun"), "--nproc-per-node", "4", "--master-port", str(port)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    return cmd, env
+
+
+def _example_args(stage: int, *args: str) -> list[str]:
+    return ["--deepspeed_config", str(ROOT / "configs" / f"ds_mesh_cp_zero{stage}.json"), *SMALL, *args]
+
+
+def _example_steps(stdout: str, stage: int) -> dict[int, tuple[float, float]]:
+    from examples.common import read_result
+
+    result = read_result(stdout)
     assert result["example"] == "deepspeed" and result["zero_stage"] == stage, result
     assert result["layout"].startswith("DP(1) x CP(2x2)"), result["layout"]
     start = result["first_step"] - 1  # the step a resumed run starts after
@@ -415,14 +445,15 @@ def launch(launcher: str, stage: int, *args: str, port: int) -> dict[int, tuple[
 
 
 def test_example_under_both_launchers_and_resume_equals_not_stopping(tmp_path: Path) -> None:
+    """4 steps under the deepspeed launcher (ZeRO 2); under torchrun (ZeRO 3), one after another in the processes of
+    one launch, 2 steps saving a checkpoint and 4 steps resuming from it."""
     straight = launch("deepspeed", 2, "--steps", "4", port=29621)
     assert sorted(straight) == [1, 2, 3, 4]
     for step, (mesh, ref) in straight.items():
         assert abs(mesh - ref) <= 1e-5, (step, mesh, ref)
     assert straight[4][0] < straight[1][0]  # it learns
-    ckpt = str(tmp_path / "ckpt")
-    first = launch("torchrun", 3, "--steps", "2", "--checkpoint-dir", ckpt, "--save-every", "2", port=29622)
-    resumed = launch("torchrun", 3, "--steps", "4", "--checkpoint-dir", ckpt, "--save-every", "2", port=29623)
+    ckpt = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "2")
+    first, resumed = torchrun_runs(3, [("--steps", "2", *ckpt), ("--steps", "4", *ckpt)], tmp_path / "runs", 29625)
     assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
     for step, losses in (first | resumed).items():
         assert abs(losses[0] - straight[step][0]) <= 1e-5, (step, losses, straight[step])  # ZeRO 3 vs 2

@@ -1,9 +1,10 @@
 """Generation with a sequence-sharded cache (Note [Sharded generation]) against single-process generation.
 
-One spawned group per P (2, 3, 4) runs ``mesh_cp.integrations.hf.generate`` on tiny Llama models, MHA and GQA, with
-a batch of 1 and a batch of 3 prompts of different lengths (left-padded, none a multiple of the CP size): the
-logits of every generated step must equal those of single-process ``model.generate`` with SDPA attention on the
-same prompts within 1e-5 (fp32), and the greedy tokens must be identical, on every rank. Sampling with one seed on
+One gloo group per P (2, 3, 4: the first P ranks of one spawned group of 4) runs
+``mesh_cp.integrations.hf.generate`` on tiny Llama models, MHA and GQA, with a batch of 1 and a batch of 3 prompts
+of different lengths (left-padded, none a multiple of the CP size): the logits of every generated step must equal
+those of single-process ``model.generate`` with SDPA attention on the same prompts within 1e-5 (fp32), and the
+greedy tokens must be identical, on every rank. Sampling with one seed on
 every rank gives the tokens single-process sampling gives with that seed. A stopping criterion on rank 0 only stops
 every rank at the same step, and a streamer on rank 0 receives the tokens.
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mesh_cp.testing import expect_error, spawn_gloo
+from tests.group_sizes import by_group_size, size_results
 
 TOL = 1e-5
 NEW_TOKENS = 6
@@ -67,7 +69,7 @@ class Recorder:
         self.ended = True
 
 
-def run(rank: int, world: int) -> dict:
+def run(group, rank: int, world: int) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.generation.stopping_criteria import StoppingCriteriaList
 
@@ -76,7 +78,7 @@ def run(rank: int, world: int) -> dict:
     from mesh_cp.testing.models import VOCAB, tiny_causal_lms
 
     results: dict = {}
-    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(1, world))
+    mesh = mesh_cp.CPMesh.create(group, tile=(1, world))
     for name in ("llama", "llama-gqa"):
         torch.manual_seed(0)
         reference = AutoModelForCausalLM.from_config(tiny_causal_lms()[name], attn_implementation="sdpa").eval()
@@ -213,9 +215,22 @@ def refusals(model, mesh, ids, mask) -> dict:
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4])
-def results(request) -> list[dict]:
-    return spawn_gloo(run, request.param)
+WORLDS = (2, 3, 4)
+
+
+def worker(rank: int, world: int) -> dict[int, dict]:
+    return by_group_size(WORLDS, run, rank, world)
+
+
+@pytest.fixture(scope="module")
+def spawned() -> list[dict[int, dict]]:
+    """One spawned group of 4 ranks; P = 2 and 3 run on its first P ranks."""
+    return spawn_gloo(worker, max(WORLDS))
+
+
+@pytest.fixture(scope="module", params=WORLDS)
+def results(request, spawned) -> list[dict]:
+    return size_results(spawned, request.param)
 
 
 def test_generate_equals_single_process(results) -> None:

@@ -8,7 +8,8 @@ sliding windows are refused with their reason. Every keyword the attention gets 
 (``is_causal=False``, attention sinks) or refused by name (packed batches, unknown keywords); a model whose
 layers bypass the attention interface is refused; autocast and ``copy.deepcopy`` of an attached model work.
 
-The P = 4 cases share one spawned group (:func:`world4`); each test reads its own section of it.
+The cases share one spawned group of 4 ranks (:func:`spawned`): the P = 4 cases on all of it, each test reading its
+own section (:func:`world4`), then the models at P = 2 on the group of its first 2 ranks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from mesh_cp.core import factorizations  # noqa: E402
 from mesh_cp.core.split import split_documents  # noqa: E402
 from mesh_cp.testing import expect_error, run_sections, section_results, spawn_gloo  # noqa: E402
 from mesh_cp.testing.models import VOCAB, tiny_causal_lms, tiny_config  # noqa: E402
+from tests.group_sizes import by_group_size, size_results  # noqa: E402
 
 TOL = 1e-5
 SEQ = 48
@@ -115,19 +117,21 @@ def compare(model_name: str, config, mesh, attention_mask=None, documents=None, 
     return {f"{model_name} {k}": v for k, v in errors.items()}
 
 
-def hf_worker(rank: int, world: int) -> dict:
+def hf_worker(rank: int, world: int, group=None) -> dict:
+    """The models on ``group`` (the world when ``None``) of ``world`` ranks."""
     import torch.distributed as dist
 
     from mesh_cp.integrations import hf
 
+    group = dist.group.WORLD if group is None else group
     results: dict = {}
     tiles = [(2, 2), (1, 4)] if world == 4 else factorizations(world)
     for tile in tiles:
-        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
+        mesh = mesh_cp.CPMesh.create(group, tile=tile)
         for name, config in tiny_causal_lms().items():
             for key, err in compare(name, config, mesh).items():
                 results[f"{tile[0]}x{tile[1]} {key}"] = err
-    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(2, 2) if world == 4 else (1, world))
+    mesh = mesh_cp.CPMesh.create(group, tile=(2, 2) if world == 4 else (1, world))
     if world == 4:
         right = torch.ones(BATCH, SEQ, dtype=torch.long)
         right[0, SEQ - 11 :] = 0
@@ -254,17 +258,26 @@ def _refusals(mesh, hf) -> dict:
     return checks
 
 
-def world4_worker(rank: int, world: int) -> dict[str, dict]:
-    """Every section in one spawned group."""
+def world4_worker(rank: int, world: int) -> dict[int, dict]:
+    """Every section on the 4 ranks, then the models on the group of the first 2, in one spawned group."""
     import transformers
 
     transformers.logging.set_verbosity_error()
-    return run_sections(WORLD4_SECTIONS, rank, world)
+    return by_group_size((4, 2), _sections_or_models, rank, world)
+
+
+def _sections_or_models(group, rank: int, world: int) -> dict:
+    return run_sections(WORLD4_SECTIONS, rank, world) if world == 4 else hf_worker(rank, world, group)
 
 
 @pytest.fixture(scope="module")
-def world4() -> list[dict[str, dict]]:
+def spawned() -> list[dict[int, dict]]:
     return spawn_gloo(world4_worker, 4)
+
+
+@pytest.fixture(scope="module")
+def world4(spawned) -> list[dict[str, dict]]:
+    return size_results(spawned, 4)
 
 
 section = section_results
@@ -272,7 +285,10 @@ section = section_results
 
 @pytest.mark.parametrize("world", [4, 2])
 def test_hf_models_match_single_process_sdpa(world: int, request: pytest.FixtureRequest) -> None:
-    per_rank = section(request.getfixturevalue("world4"), "models") if world == 4 else spawn_gloo(hf_worker, 2)
+    if world == 4:
+        per_rank = section(request.getfixturevalue("world4"), "models")
+    else:
+        per_rank = size_results(request.getfixturevalue("spawned"), 2)
     for rank, res in enumerate(per_rank):
         assert res, f"rank {rank} ran nothing"
         refusals = {k: v for k, v in res.items() if isinstance(v, (bool, str))}

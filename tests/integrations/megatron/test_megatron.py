@@ -14,8 +14,6 @@ other layouts with the losses of not stopping in those layouts.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -521,27 +519,35 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
     )
 
 
-def torchrun_pretrain(*args: str, port: int, nproc: int = 8) -> dict:
-    """``pretrain_gpt.py`` under torchrun on ``nproc`` CPU processes (configs/megatron_cpu_test.yaml, flags
-    override it), by path and without the repository on ``PYTHONPATH``; its final JSON line, with ``"steps"`` made
-    ``{step: (loss, grad norm)}``."""
+def torchrun_pretrain(runs: list[tuple[str, ...]], out: Path, port: int, nproc: int = 8) -> list[dict]:
+    """``pretrain_gpt.py`` with each of ``runs``' flags in turn (configs/megatron_cpu_test.yaml, the flags override
+    it), one after another in the processes of one torchrun launch on ``nproc`` CPU processes (launched_runs.py: by
+    path, without the repository on ``PYTHONPATH``); each run's final JSON line, with ``"steps"`` made
+    ``{step: (loss, grad norm)}``. Torchrun's port is ``port``, run ``i``'s store ``port + 1 + i``."""
     from examples.common import read_result
+    from tests.integrations.clients import launched_runs
 
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc-per-node", str(nproc), "--master-port", str(port)]
-    cmd += [
-        str(ROOT / "examples" / "megatron" / "pretrain_gpt.py"),
-        "--config",
-        str(ROOT / "configs" / "megatron_cpu_test.yaml"),
-        *args,
+    script = ROOT / "examples" / "megatron" / "pretrain_gpt.py"
+    config = ["--config", str(ROOT / "configs" / "megatron_cpu_test.yaml")]
+    torchrun = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(port),
     ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = read_result(proc.stdout)
-    assert result["example"] == "megatron" and result["world"] == nproc, result
-    pairs = zip(result["losses"], result["grad_norms"], strict=True)
-    return result | {"steps": {result["first_step"] + i: pair for i, pair in enumerate(pairs)}}
+    ports = range(port + 1, port + 1 + len(runs))
+    outputs = launched_runs(
+        torchrun, [(script, [*config, *args]) for args in runs], out, ports, env=env, cwd=ROOT, timeout=900
+    )
+    results = []
+    for output in outputs:
+        result = read_result(output)
+        assert result["example"] == "megatron" and result["world"] == nproc, result
+        pairs = zip(result["losses"], result["grad_norms"], strict=True)
+        results.append(result | {"steps": {result["first_step"] + i: pair for i, pair in enumerate(pairs)}})
+    return results
 
 
 RESHARD_LAYOUTS = {
@@ -570,10 +576,17 @@ def test_pretrain_script_resumes_distributed_checkpoints_in_other_layouts(tmp_pa
     data = ["--data-dir", str(tmp_path / "data"), "--steps", "4", "--save-every", "2"]
     source, *targets = RESHARD_LAYOUTS
     saved = tmp_path / "saved"
-    port = iter(range(29611, 29620))
-    straight = {
-        source: torchrun_pretrain(*RESHARD_LAYOUTS[source], *data, "--checkpoint-dir", str(saved), port=next(port))
-    }
+    runs = {(source, "straight"): (*RESHARD_LAYOUTS[source], *data, "--checkpoint-dir", str(saved))}
+    for target in targets:
+        runs[(target, "straight")] = (*RESHARD_LAYOUTS[target], *data)
+        # Stop after step 2 of the saving run: resume from its checkpoint in the new layout.
+        folder = tmp_path / target.replace(" ", "")
+        folder.mkdir()
+        (folder / "step_2").symlink_to(saved / "step_2", target_is_directory=True)  # written by the first run
+        (folder / "latest").write_text("2")
+        runs[(target, "resumed")] = (*RESHARD_LAYOUTS[target], *data, "--checkpoint-dir", str(folder))
+    results = dict(zip(runs, torchrun_pretrain(list(runs.values()), tmp_path / "runs", port=29611), strict=True))
+    straight = {layout: results[(layout, "straight")] for layout in RESHARD_LAYOUTS}
     losses = straight[source]["steps"]
     assert sorted(losses) == [1, 2, 3, 4] and straight[source]["resumed_from"] is None, straight
     assert losses[4][0] < losses[1][0]  # it learns
@@ -582,12 +595,7 @@ def test_pretrain_script_resumes_distributed_checkpoints_in_other_layouts(tmp_pa
     assert sorted(p.name for p in saved.iterdir()) == ["latest", "step_2", "step_4"]
     assert (saved / "step_2" / "metadata.json").exists()  # Megatron's torch_dist format
     for target in targets:
-        straight[target] = torchrun_pretrain(*RESHARD_LAYOUTS[target], *data, port=next(port))
-        # Stop after step 2 of the saving run: resume from its checkpoint in the new layout.
-        folder = tmp_path / target.replace(" ", "")
-        shutil.copytree(saved / "step_2", folder / "step_2")
-        (folder / "latest").write_text("2")
-        resumed = torchrun_pretrain(*RESHARD_LAYOUTS[target], *data, "--checkpoint-dir", str(folder), port=next(port))
+        resumed = results[(target, "resumed")]
         assert resumed["resumed_from"] == 2 and sorted(resumed["steps"]) == [3, 4], resumed
         for step in (3, 4):
             assert resumed["steps"][step] == pytest.approx(straight[target]["steps"][step], abs=TOL), (target, step)

@@ -1,5 +1,6 @@
 """The TRL example of docs/hf.md runs as written: its code block, given a tiny model, tokenizer, dataset and output
-folder (what the user brings), under ``accelerate launch`` on 4 gloo processes (DP 2 x CP 2), trains 2 steps."""
+folder (what the user brings), under ``accelerate launch`` on 4 gloo processes (DP 2 x CP 2), trains 2 steps. It runs
+in the processes of test_trl.py's launch, after sft_script.py (conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.integrations.accelerate.test_accelerate import ROOT, accelerate_launch  # noqa: E402
+from tests.integrations.accelerate.test_accelerate import ROOT  # noqa: E402
 
 PRELUDE = """
 import sys
@@ -46,11 +47,18 @@ def doc_block() -> str:
     return section.group(1)
 
 
-def test_docs_trl_block_runs(tmp_path: Path) -> None:
-    script = tmp_path / "docs_trl.py"
-    prelude = PRELUDE.format(tests=str(Path(__file__).parent), out=str(tmp_path / "out"))
+def doc_script(folder: Path) -> Path:
+    """The example's code block between :data:`PRELUDE` and :data:`EPILOGUE`, as a script in ``folder`` that writes
+    ``folder/out.rank<R>`` on every rank."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "docs_trl.py"
+    prelude = PRELUDE.format(tests=str(Path(__file__).parent), out=str(folder / "out"))
     script.write_text(prelude + doc_block() + EPILOGUE)
-    accelerate_launch(script, port=29634, cwd=tmp_path)
+    return script
+
+
+def test_docs_trl_block_runs(trl_runs) -> None:
+    _, folder = trl_runs
     for rank in range(4):
-        done = (tmp_path / f"out.rank{rank}").read_text()
+        done = (folder / f"out.rank{rank}").read_text()
         assert done.startswith("trained 2 steps on DP(2) x CP(1x2)"), (rank, done)

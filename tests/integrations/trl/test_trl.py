@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.integrations.clients import ROOT, reference_and_mesh  # noqa: E402
+from tests.integrations.clients import ROOT  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("sft_script.py")
 FP32_CASES = [
@@ -36,9 +36,9 @@ FP32_CASES = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[dict, dict]:
+def runs(trl_runs) -> tuple[dict, dict]:
     """``(reference, mesh)``: case name -> what the trainer reported."""
-    return reference_and_mesh(SCRIPT, tmp_path_factory.mktemp("trl"), port=29632)
+    return trl_runs[0]
 
 
 def _err(a: list[float], b: list[float]) -> float:
