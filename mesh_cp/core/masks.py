@@ -23,7 +23,8 @@ The plan counts, for every block a rank computes, the query-key pairs the mask l
 the intersections of the block's global ranges with each document, :func:`visible_pairs`). A block with no
 pair left in any row of the batch is skipped (no kernel call), one the mask leaves untouched keeps its kind
 (and its fused kernel), and any other becomes ``MaskKind.MASKED``: on a kernel that takes ``segments`` one call
-whose sequences are the block's documents (Note [Block segments]; with a window or split documents, its runs), on
+whose sequences are the block's documents (Note [Block segments]; split documents' parts over laid keys; with a
+window, its runs), on
 the others tiles of :data:`TILE` rows with an explicit mask. The traffic stays as planned: a skipped block saves
 compute, not bytes (every chunk still moves along its ring, since other ranks' blocks of the same chunk may need
 it); ``AttentionPlan.pairs`` counts what is computed. The varlen sequences of tiles and blocks are in

@@ -118,9 +118,15 @@ def block_segments(
     keys lie before every query (the keys after the last query, the later half of a KV chunk, are dropped), one
     segment with no bound; or queries and keys are the same positions (the diagonal), one causal segment, the band
     ``(-1, 0)``. A window bounds the keys from below in global positions, which is no band across the gap between the
-    two halves of a zig-zag chunk: such a block runs as its runs (Note [Tile segments]). So does a block where a
-    document's rows are not one run: a split document has a part in each half of a zig-zag chunk, with other
-    documents' parts between them (Note [Split documents] in :mod:`mesh_cp.core.split`).
+    two halves of a zig-zag chunk: such a block runs as its runs (Note [Tile segments]).
+
+    Where a document's rows are not one run (a split document has a part in each half of a zig-zag chunk, with other
+    documents' parts between them, Note [Split documents] in :mod:`mesh_cp.core.split`), or its keys are not all
+    before its first query, each part of it in the queries (consecutive global positions) is a segment of its own
+    over laid keys (Note [Laid keys] in :mod:`mesh_cp.kernels.varlen`): the parts of its keys wholly before the
+    part, then the part's own positions as the causal diagonal, last; a key part after it is dropped. A key part two
+    query parts see is laid for both. Only a key part that overlaps a query part without being its positions leaves
+    the block to its runs; in the plan's blocks that never happens without a window.
     """
     if mask.window is not None:
         return None
@@ -131,6 +137,36 @@ def block_segments(
 
 @functools.lru_cache(maxsize=4096)
 def _block_segments(mask: AttentionMask, q_ranges, k_ranges, seq_len: int, causal: bool):
+    runs = _run_segments(mask, q_ranges, k_ranges, seq_len, causal)
+    return runs if runs is not None else _laid_segments(mask, q_ranges, k_ranges, seq_len, causal)
+
+
+def _laid_segments(mask: AttentionMask, q_ranges, k_ranges, seq_len: int, causal: bool):
+    """A segment per part of a document in the queries, over its key parts laid end to end (Note [Block
+    segments]); ``None`` where a key part overlaps a query part without being its positions."""
+    rows = []
+    for row in range(mask.rows or 1):
+        segments = []
+        for spans in mask.document_spans(row, seq_len):
+            k_parts = _doc_parts(k_ranges, spans)
+            for q0, q1, g0, g1 in _doc_parts(q_ranges, spans) if k_parts else ():
+                keys, diagonal = [], ()
+                for k0, k1, h0, h1 in k_parts:
+                    if not causal or h1 <= g0:
+                        keys.append((k0, k1))
+                    elif (h0, h1) == (g0, g1):
+                        diagonal = ((k0, k1),)
+                    elif h0 < g1:
+                        return None
+                if keys or diagonal:
+                    segments.append((q0, q1, (*keys, *diagonal), -1, 0 if diagonal else -1))
+        rows.append(tuple(sorted(segments)))
+    return tuple(rows)
+
+
+def _run_segments(mask: AttentionMask, q_ranges, k_ranges, seq_len: int, causal: bool):
+    """A segment per document whose queries and keys are each one run of local rows, its keys before its first query
+    or its diagonal; ``None`` where one is not."""
     rows = []
     for row in range(mask.rows or 1):
         segments = []
@@ -156,15 +192,22 @@ def _block_segments(mask: AttentionMask, q_ranges, k_ranges, seq_len: int, causa
     return tuple(rows)
 
 
-def _doc_rows(ranges: tuple[Range, ...], spans: tuple[Range, ...]):
-    """The local rows (from the block's first row) of the document of ``spans`` among the block's global ``ranges``
-    (in local order) with their global pieces: ``(lo, hi, pieces)``, ``None`` when it has none there, ``False`` when
-    they are not one run of local rows."""
+def _doc_parts(ranges: tuple[Range, ...], spans: tuple[Range, ...]) -> list[tuple[int, int, int, int]]:
+    """The parts of the document of ``spans`` among the block's global ``ranges`` (in local order), each of
+    consecutive global positions: ``(local lo, local hi, global lo, global hi)``, local rows from the block's first."""
     parts, offset = [], 0
     for g0, g1 in ranges:
         for lo, hi in spans_within(spans, g0, g1):
             parts.append((offset + lo - g0, offset + hi - g0, lo, hi))
         offset += g1 - g0
+    return parts
+
+
+def _doc_rows(ranges: tuple[Range, ...], spans: tuple[Range, ...]):
+    """The local rows (from the block's first row) of the document of ``spans`` among the block's global ``ranges``
+    (in local order) with their global pieces: ``(lo, hi, pieces)``, ``None`` when it has none there, ``False`` when
+    they are not one run of local rows."""
+    parts = _doc_parts(ranges, spans)
     if not parts:
         return None
     if any(a[1] != b[0] for a, b in zip(parts, parts[1:], strict=False)):

@@ -23,8 +23,9 @@ A document's parts lie in increasing global order, so "the key is not after the 
 document's own causal order, and :class:`~mesh_cp.core.masks.AttentionMask` takes the layout as its spans plus
 :attr:`~mesh_cp.core.masks.AttentionMask.parts`, the document of each span. Everything that counts pairs, cuts tiles
 or builds segments reads documents through their spans. A half-chunk holds one part of each document, so a tile
-(never across two half-chunks) holds at most one, and a masked block runs as its runs, up to three varlen calls
-(Note [Block segments] in :mod:`mesh_cp.core.segments`). Positions count inside the document (what RoPE needs) and
+(never across two half-chunks) holds at most one, and a masked block is one varlen call whose sequences are the
+parts in its queries, each over the key parts it sees laid end to end (Note [Block segments] in
+:mod:`mesh_cp.core.segments`). Positions count inside the document (what RoPE needs) and
 labels are shifted in the document's order before the tokens move (:func:`mesh_cp.runtime.batch.shard_batch`). A
 window is not taken: it counts tokens inside a document, which global positions no longer do.
 

@@ -10,6 +10,15 @@ query of a segment sees a key; in a batch row the segments' query ranges are sor
 their key ranges. :data:`Segments` holds one tuple per batch row (or one tuple for every row). Queries in no
 segment attend nothing in the tile (``out = 0``, ``lse = -inf``, ``dq = 0``); keys in none get ``dk = dv = 0``.
 
+Note [Laid keys]
+~~~~~~~~~~~~~~~~
+A :data:`LaidSegment` ``(q0, q1, keys, left, right)`` takes as its ``sk`` keys the key ranges ``keys`` (sorted,
+disjoint, non-empty) laid end to end, the band read on that order; the plain form is the laid form of one range.
+Laid segments make one call of a tile whose documents' keys are not one run of rows (a split document's parts,
+Note [Block segments] in :mod:`mesh_cp.core.segments`), and a key may be in several of them: its rows are gathered
+once per segment, and its ``dk``, ``dv`` are the sum of theirs (in fp32, rounded once). A key of a plain segment is
+still in no other plain one.
+
 Note [Varlen windows]
 ~~~~~~~~~~~~~~~~~~~~~
 Read from flash-attn 2.6.3, 2.7.4.post1 and 2.8.3 (``csrc/flash_attn/flash_api.cpp``: ``mha_varlen_fwd``,
@@ -57,7 +66,10 @@ from torch import Tensor
 
 Segment = tuple[int, int, int, int, int, int]
 """``(q0, q1, k0, k1, left, right)``: one varlen sequence of a tile (module docstring)."""
-Segments = tuple[tuple[Segment, ...], ...]
+LaidSegment = tuple[int, int, tuple[tuple[int, int], ...], int, int]
+"""``(q0, q1, keys, left, right)``: one varlen sequence over the key ranges ``keys`` laid end to end (Note [Laid
+keys])."""
+Segments = tuple[tuple[Segment | LaidSegment, ...], ...]
 """One tuple of segments per batch row, or one tuple for every row."""
 
 
@@ -86,15 +98,29 @@ class VarlenPlan:
     """``(B * Sq)`` int64: where each query's row is in the calls' outputs laid end to end (for a query in no
     segment: their total, the row of zeros placed after them)."""
     k_back: Tensor
-    """``(B * Sk)`` int64: the same for the keys' gradients."""
+    """``(m, B * Sk)`` int64: the same for the keys' gradients, one row per time a key is laid (``m`` the most times
+    any key is, Note [Laid keys]; a key laid fewer times points at the row of zeros in the rest)."""
     kv_back: Tensor
-    """``(2 B * Sk)`` int64: :attr:`k_back`, then :attr:`k_back` moved past the keys' gradients and their row of
+    """``(m, 2 B * Sk)`` int64: :attr:`k_back`, then :attr:`k_back` moved past the keys' gradients and their row of
     zeros: ``dk`` and ``dv`` gathered at once from both laid end to end."""
     q_covered: Tensor
     """``(B, 1, Sq)`` boolean: the query is in a segment."""
     whole: tuple[bool, bool] = (False, False)
     """One call takes every query (every key) in order: its rows are the flattened tensor itself, nothing is
     gathered or scattered back on that side."""
+
+
+def laid(segment: Segment | LaidSegment) -> LaidSegment:
+    """``segment`` in the laid form (Note [Laid keys]): a plain segment's keys are one range."""
+    if len(segment) == 6:
+        q0, q1, k0, k1, left, right = segment
+        return q0, q1, ((k0, k1),), left, right
+    return segment
+
+
+def key_count(segment: Segment | LaidSegment) -> int:
+    """The segment's ``sk``: its keys laid end to end."""
+    return sum(k1 - k0 for k0, k1 in laid(segment)[2])
 
 
 def _check_segments(segments: Segments, batch: int, sq: int, sk: int) -> None:
@@ -104,25 +130,49 @@ def _check_segments(segments: Segments, batch: int, sq: int, sk: int) -> None:
     for row, segs in enumerate(segments):
         q_end = k_end = 0
         for seg in segs:
-            if len(seg) != 6 or not all(isinstance(x, int) for x in seg):
-                raise ValueError(f"segment {seg!r} of row {row} is not six ints (q0, q1, k0, k1, left, right)")
-            q0, q1, k0, k1, left, right = seg
-            if not (q_end <= q0 < q1 <= sq and k_end <= k0 < k1 <= sk):
+            if not _well_formed(seg):
+                raise ValueError(
+                    f"segment {seg!r} of row {row} is not six ints (q0, q1, k0, k1, left, right) or "
+                    f"(q0, q1, ((k0, k1), ...), left, right)"
+                )
+            q0, q1, keys, left, right = laid(seg)
+            if not (q_end <= q0 < q1 <= sq and _sorted_ranges(keys, k_end if len(seg) == 6 else 0, sk)):
                 raise ValueError(
                     f"segment {seg!r} of row {row}: query and key ranges must be non-empty, sorted and disjoint, "
-                    f"within the tile's {sq} queries and {sk} keys"
+                    f"within the tile's {sq} queries and {sk} keys (a laid segment's keys: disjoint from each other)"
                 )
             if left < -1 or right < -1:
                 raise ValueError(f"segment {seg!r} of row {row}: window sides are >= 0, or -1 for no bound")
-            if right >= 0 and right < (q1 - q0) - (k1 - k0):  # query 0 would see no key
+            if right >= 0 and right < (q1 - q0) - key_count(seg):  # query 0 would see no key
                 raise ValueError(f"segment {seg!r} of row {row}: its first query sees no key (right < sq - sk)")
-            q_end, k_end = q1, k1
+            q_end, k_end = q1, keys[-1][1] if len(seg) == 6 else k_end
 
 
-def canonical_window(segment: Segment) -> tuple[int, int]:
+def _sorted_ranges(ranges: tuple[tuple[int, int], ...], start: int, stop: int) -> bool:
+    """``ranges`` are non-empty, sorted and disjoint within ``[start, stop)``, and there is one at least."""
+    ends = [start] + [k for r in ranges for k in r] + [stop]
+    pairs = enumerate(zip(ends, ends[1:], strict=False))
+    return bool(ranges) and all(a <= b if i % 2 == 0 else a < b for i, (a, b) in pairs)
+
+
+def _well_formed(seg) -> bool:
+    if not isinstance(seg, tuple) or len(seg) not in (5, 6):
+        return False
+    if len(seg) == 6:
+        return all(isinstance(x, int) for x in seg)
+    ints = (seg[0], seg[1], seg[3], seg[4])
+    keys = seg[2]
+    return (
+        all(isinstance(x, int) for x in ints)
+        and isinstance(keys, tuple)
+        and all(isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, int) for x in r) for r in keys)
+    )
+
+
+def canonical_window(segment: Segment | LaidSegment) -> tuple[int, int]:
     """The window of ``segment`` with each side that bounds nothing in it made ``-1`` (Note [Varlen windows])."""
-    q0, q1, k0, k1, left, right = segment
-    return (-1 if left >= k1 - k0 - 1 else left, -1 if right >= q1 - q0 - 1 else right)
+    q0, q1, _, left, right = laid(segment)
+    return (-1 if left >= key_count(segment) - 1 else left, -1 if right >= q1 - q0 - 1 else right)
 
 
 def flash_max_seqlen_k(window: tuple[int, int], max_q: int, max_k: int) -> int:
@@ -148,21 +198,23 @@ def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int
             groups.setdefault(canonical_window(seg), []).append((b, seg))
     q_parts, k_parts, shapes = [], [], []
     for window, members in groups.items():
-        lengths = [(q1 - q0, k1 - k0) for _, (q0, q1, k0, k1, _, _) in members]
+        lengths = [(s[1] - s[0], key_count(s)) for _, s in members]
         q_parts += [torch.arange(b * sq + s[0], b * sq + s[1]) for b, s in members]
-        k_parts += [torch.arange(b * sk + s[2], b * sk + s[3]) for b, s in members]
+        k_parts += [torch.arange(b * sk + k0, b * sk + k1) for b, s in members for k0, k1 in laid(s)[2]]
         max_q, max_k = max(n for n, _ in lengths), max(n for _, n in lengths)
         shapes.append((window, lengths, max_q, flash_max_seqlen_k(window, max_q, max_k)))
     q_rows, k_rows = (torch.cat(p) if p else torch.zeros(0, dtype=torch.int64) for p in (q_parts, k_parts))
-    q_back, k_back = _inverse(q_rows, batch * sq), _inverse(k_rows, batch * sk)
-    kv_back = torch.cat([k_back, k_back + len(k_rows) + 1])
+    q_back, k_back = _inverse(q_rows, batch * sq)[0], _inverse(k_rows, batch * sk)
+    kv_back = torch.cat([k_back, k_back + len(k_rows) + 1], 1)
     whole = tuple(len(shapes) == 1 and _in_order(r, n) for r, n in ((q_rows, batch * sq), (k_rows, batch * sk)))
     cu = [torch.tensor(lengths).cumsum(0).T for _, lengths, _, _ in shapes]  # (2, n) per call
-    host = torch.cat([q_rows, k_rows, q_back, kv_back, *(_with_zero(c).reshape(-1) for c in cu)])
+    host = torch.cat([q_rows, k_rows, q_back, kv_back.reshape(-1), *(_with_zero(c).reshape(-1) for c in cu)])
     dev = host.to(device)  # the one host-to-device copy
-    views = list(dev.split([len(q_rows), len(k_rows), len(q_back), len(kv_back), *(2 * (c.shape[1] + 1) for c in cu)]))
-    q_rows, k_rows, q_back, kv_back = views[:4]
-    k_back = kv_back[: len(k_back)]
+    sizes = [len(q_rows), len(k_rows), len(q_back), kv_back.numel(), *(2 * (c.shape[1] + 1) for c in cu)]
+    views = list(dev.split(sizes))
+    q_rows, k_rows, q_back = views[:3]
+    kv_back = views[3].reshape(kv_back.shape)
+    k_back = kv_back[:, : k_back.shape[1]]
     calls, q_at, k_at = [], 0, 0
     for (window, lengths, max_q, max_k), flat in zip(shapes, views[4:], strict=True):
         cu_q, cu_k = flat.to(torch.int32).reshape(2, -1)
@@ -184,17 +236,22 @@ def _with_zero(cumsum: Tensor) -> Tensor:
 
 
 def _inverse(rows: Tensor, size: int) -> Tensor:
-    """``(size,)`` int64: the position of each row in ``rows``, ``len(rows)`` for rows not in it."""
-    back = torch.full((size,), len(rows), dtype=torch.int64)
-    back[rows] = torch.arange(len(rows))
+    """``(m, size)`` int64: row ``i`` holds the position of each of ``range(size)`` in ``rows`` at its ``i``-th
+    occurrence there, ``len(rows)`` past its last (``m``: the most occurrences of any, at least 1)."""
+    order = torch.sort(rows, stable=True).indices
+    counts = torch.bincount(rows, minlength=size)
+    starts = torch.cumsum(counts, 0) - counts  # where each row's occurrences begin in the sorted order
+    occurrence = torch.arange(len(rows)) - starts[rows[order]]
+    back = torch.full((max(1, int(counts.max()) if len(rows) else 1), size), len(rows), dtype=torch.int64)
+    back[occurrence, rows[order]] = order
     return back
 
 
 def segments_mask(segments: Segments, sq: int, sk: int, device: torch.device | str | None = None) -> Tensor:
     """``(len(segments), 1, sq, sk)`` boolean: query ``i`` of the tile attends key ``j`` (the dense equivalent of
-    ``segments``, for the reference kernel and for tests). Raises ``ValueError`` for segments that break the
-    contract. Built once per arguments on ``device`` (every layer calls with the same segments: no copy per call);
-    do not write to it."""
+    ``segments``, for the reference kernel and for tests; a query is in one segment, which lays a key at most once,
+    so laid keys have one too). Raises ``ValueError`` for segments that break the contract. Built once per
+    arguments on ``device`` (every layer calls with the same segments: no copy per call); do not write to it."""
     return _segments_mask(segments, sq, sk, None if device is None else torch.device(device))
 
 
@@ -203,15 +260,17 @@ def _segments_mask(segments: Segments, sq: int, sk: int, device: torch.device | 
     _check_segments(segments, len(segments), sq, sk)
     mask = torch.zeros(len(segments), 1, sq, sk, dtype=torch.bool)
     for b, segs in enumerate(segments):
-        for q0, q1, k0, k1, left, right in segs:
-            i, j = torch.arange(q1 - q0)[:, None], torch.arange(k1 - k0)[None, :]
-            offset = i + (k1 - k0) - (q1 - q0)  # bottom-right anchored diagonal
-            seen = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        for seg in segs:
+            q0, q1, keys, left, right = laid(seg)
+            n = key_count(seg)
+            i, j = torch.arange(q1 - q0)[:, None], torch.arange(n)[None, :]
+            offset = i + n - (q1 - q0)  # bottom-right anchored diagonal
+            seen = torch.ones(q1 - q0, n, dtype=torch.bool)
             if left >= 0:
                 seen &= j >= offset - left
             if right >= 0:
                 seen &= j <= offset + right
-            mask[b, 0, q0:q1, k0:k1] = seen
+            mask[b, 0, q0:q1, torch.cat([torch.arange(k0, k1) for k0, k1 in keys])] = seen
     return mask if device is None else mask.to(device)
 
 
@@ -263,8 +322,13 @@ def _flat(t: Tensor) -> Tensor:
 
 
 def _back(parts: list[Tensor], fill: Tensor, back: Tensor, dim: int) -> Tensor:
-    """The calls' outputs laid end to end along ``dim`` with ``fill`` after them, gathered by ``back``."""
-    return torch.cat([*parts, fill], dim).index_select(dim, back)
+    """The calls' outputs laid end to end along ``dim`` with ``fill`` after them, gathered by ``back``; a ``(m, n)``
+    ``back`` sums its ``m`` gathers (Note [Laid keys]), in fp32 when ``m > 1``."""
+    rows = torch.cat([*parts, fill], dim)
+    if back.dim() == 1 or back.shape[0] == 1:
+        return rows.index_select(dim, back.reshape(-1))
+    total = sum(rows.index_select(dim, index).float() for index in back)
+    return total.to(rows.dtype)
 
 
 @functools.lru_cache(maxsize=64)

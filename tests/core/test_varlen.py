@@ -72,7 +72,40 @@ def random_segments(seed: int, rows: int = 2, sq: int = SQ, sk: int = SK, empty_
     return tuple(segments)
 
 
-CASES = {"fixed": FIXED, "random": random_segments(1), "random, empty row": random_segments(4, empty_row=0)}
+# Laid keys (Note [Laid keys]): key ranges laid end to end, a key in several segments (key 1 of row 0 in three), a
+# plain segment among laid ones, causal and left bands read on the laid order.
+LAID = (
+    (
+        (0, 3, ((0, 2), (5, 7)), -1, -1),
+        (3, 6, 1, 4, -1, 0),
+        (6, 10, ((0, 2), (4, 5), (8, 11)), -1, 0),
+        (11, 14, ((3, 4), (6, 10)), 2, -1),
+    ),
+    ((2, 5, ((0, 3), (7, 9)), -1, 0), (5, 9, ((0, 3), (7, 9)), -1, -1)),
+)
+
+CASES = {
+    "fixed": FIXED,
+    "random": random_segments(1),
+    "random, empty row": random_segments(4, empty_row=0),
+    "laid keys": LAID,
+}
+
+
+def laid_rule(segments, sq: int, sk: int) -> torch.Tensor:
+    """:func:`window_rule` with each segment's keys its ranges laid end to end, element by element."""
+    mask = torch.zeros(len(segments), 1, sq, sk, dtype=torch.bool)
+    for b, row in enumerate(segments):
+        for seg in row:
+            q0, q1, keys, left, right = varlen.laid(seg)
+            cols = [c for k0, k1 in keys for c in range(k0, k1)]
+            n, m = q1 - q0, len(cols)
+            for i in range(n):
+                for j, col in enumerate(cols):
+                    mask[b, 0, q0 + i, col] = (left < 0 or j >= i + m - n - left) and (
+                        right < 0 or j <= i + m - n + right
+                    )
+    return mask
 
 
 def test_segments_mask_is_the_flash_attn_window_rule() -> None:
@@ -110,6 +143,33 @@ def test_calls_give_the_segments_mask_under_the_windows_the_cpp_applies() -> Non
     plan = varlen_plan(FIXED, SQ, SK, CPU)
     assert [(c.window, c.max_seqlen_q, c.max_seqlen_k) for c in plan.calls] == [((0, -1), 9, 8), ((2, 0), 2, 6)]
     assert torch.equal(_plan_mask(plan, 2), window_rule(FIXED, SQ, SK))
+
+
+def test_laid_keys_give_the_rule_on_their_order_and_sum_the_gradients_of_a_key() -> None:
+    """Laid segments: the dense mask and the plan's calls (the windows the C++ makes of them) give the window rule
+    read on the laid keys; a key laid three times has three gather rows, the others point at the row of zeros."""
+    want = laid_rule(LAID, SQ, SK)
+    assert torch.equal(segments_mask(LAID, SQ, SK), want)
+    plan = varlen_plan(LAID, SQ, SK, CPU)
+    assert torch.equal(_plan_mask(plan, 2), want)
+    laid = sum(len(c.k_rows) for c in plan.calls)
+    assert plan.k_back.shape == (3, 2 * SK) and plan.kv_back.shape == (3, 4 * SK)
+    assert (plan.k_back[:, 1] < laid).all() and (plan.k_back[:2, 0] < laid).all() and plan.k_back[2, 0] == laid
+    assert (plan.k_back[:, SK + 10] == laid).all()  # key 10 of row 1 is in no segment
+    rows = torch.cat([c.k_rows for c in plan.calls])
+    for slot in range(3):
+        hit = plan.k_back[slot] < laid
+        assert torch.equal(rows[plan.k_back[slot][hit]], torch.arange(2 * SK)[hit])
+    laid_broken = {
+        r"must be non-empty, sorted and disjoint": (((0, 2, ((0, 3), (2, 4)), -1, -1),),),
+        r"is not six ints \(q0, q1, k0, k1, left, right\) or \(q0, q1, \(\(k0, k1\), \.\.\.\), left, right\)": (
+            ((0, 2, ((0, 3, 4),), -1, -1),),
+        ),
+        r"first query sees no key": (((0, 6, ((0, 1), (3, 4)), -1, 1),),),
+    }
+    for message, segments in laid_broken.items():
+        with pytest.raises(ValueError, match=message):
+            varlen_plan(segments, SQ, SK, CPU, batch=1)
 
 
 def test_plan_is_cached_broadcasts_one_row_and_refuses_broken_segments() -> None:
@@ -177,8 +237,9 @@ def make_case(heads: int, kv_heads: int, dim: int, *, seed: int, lse_grad: bool)
 def _covered_keys(segments, batch: int) -> torch.Tensor:
     keys = torch.zeros(batch, SK, dtype=torch.bool)
     for b in range(batch):
-        for _, _, k0, k1, _, _ in segments[b if len(segments) > 1 else 0]:
-            keys[b, k0:k1] = True
+        for seg in segments[b if len(segments) > 1 else 0]:
+            for k0, k1 in varlen.laid(seg)[2]:
+                keys[b, k0:k1] = True
     return keys
 
 

@@ -17,6 +17,7 @@ from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, make_p
 from mesh_cp.core.blocks import ChunkCall
 from mesh_cp.core.layout import local_positions
 from mesh_cp.core.numerics import document_ids, reference_attention, visibility
+from mesh_cp.core.split import split_documents
 from mesh_cp.kernels import Capabilities, get_kernel
 from mesh_cp.runtime.call import AttentionCall
 from mesh_cp.runtime.executors import backward_blocks, forward_blocks
@@ -45,11 +46,13 @@ class RecordingKernel:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
-def packed(lo: int, hi: int, seed: int) -> AttentionMask:
+def packed(lo: int, hi: int, seed: int, split: bool = False) -> AttentionMask:
+    """A row of documents of ``lo`` to ``hi`` tokens filling ``P * L``; with ``split`` laid out per document
+    (Note [Split documents])."""
     rng, lengths = random.Random(seed), []
     while sum(lengths) < P * L:
         lengths.append(min(rng.randint(lo, hi), P * L - sum(lengths)))
-    return AttentionMask.from_lengths([lengths])
+    return split_documents([lengths], seq_len=P * L, world=P)[0] if split else AttentionMask.from_lengths([lengths])
 
 
 def calls_per_rank(tile: tuple[int, int], keywords: set[str], mask: AttentionMask | None = None) -> list[dict]:
@@ -103,16 +106,17 @@ def test_packed_masked_blocks_are_one_call_each_on_segment_kernels(mix) -> None:
     segment_calls = calls_per_rank((4, 4), {"segments"}, mask)
     for r in segment_calls:
         assert len(r["forward"]) == len(r["backward"]) <= r["blocks"], r
+    split = calls_per_rank((4, 4), {"segments"}, packed(*MIXES[mix], seed=len(mix), split=True))
+    for r in split:  # every block holds a part of every document, and is one call
+        assert len(r["forward"]) == len(r["backward"]) == r["blocks"] == r["masked"], r
     tiled = calls_per_rank((4, 4), {"mask"}, mask)
     assert sum(len(r["forward"]) for r in tiled) > 10 * sum(len(r["forward"]) for r in segment_calls)
 
 
 def test_block_segments_see_exactly_the_masked_pairs() -> None:
     """Every masked block's one-call segments, drawn as a dense mask, equal the mask's visibility over the block's
-    global positions (documents, padding; causal zig-zag and contiguous, and full attention), for every rank's blocks;
-    a window gives no one-call segments."""
-    from mesh_cp.kernels.varlen import segments_mask
-
+    global positions (documents, padding; causal zig-zag and contiguous, and full attention; split documents, whose
+    segments lay their key parts end to end), for every rank's blocks; a window gives no one-call segments."""
     rng = random.Random(7)
     world, seq_local = 4, 12
     S = world * seq_local
@@ -123,28 +127,39 @@ def test_block_segments_see_exactly_the_masked_pairs() -> None:
             while pad + sum(lengths) < S - 2:
                 lengths.append(rng.randint(1, S // 2))
             rows.append(lengths[:-1] or [1])
-        mask = AttentionMask.from_lengths(rows, pad_left=[0, 2])
-        ids = document_ids(mask, 2, S)
-        for causal, layout in ((True, "zigzag"), (True, "contiguous"), (False, "contiguous")):
-            shape = AttentionShape(batch=2, seq_local=seq_local, heads=1, kv_heads=1, head_dim=8, itemsize=4)
-            plan = make_plan(Tiling(world, 2, 2), shape, causal=causal, layout=layout, schedule="collective", mask=mask)
-            for rank in range(world):
-                for w in plan.blocks(rank):
-                    if w.kind is not MaskKind.MASKED:
-                        continue
-                    segments = plan.block_segments(w)
-                    assert segments is not None, (trial, causal, layout, w)
-                    (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-                    qp = torch.tensor(local_positions(S, world, w.x, layout)[q0:q1])
-                    kp = torch.tensor(local_positions(S, world, w.y, layout)[k0:k1])
-                    want = visibility(ids, qp, kp, causal=causal, window=None)
-                    got = segments_mask(segments, q1 - q0, k1 - k0)
-                    assert torch.equal(got.expand_as(want), want), (trial, causal, layout, w, segments)
+        cases = [(AttentionMask.from_lengths(rows, pad_left=[0, 2]), ("zigzag", "contiguous"))]
+        cases.append((split_documents(rows, seq_len=S, world=world)[0], ("zigzag",)))
+        for mask, layouts in cases:
+            _check_block_segments(mask, layouts, world, seq_local, trial)
     windowed = AttentionMask.from_lengths([[S]], window=5)
     shape = AttentionShape(batch=1, seq_local=seq_local, heads=1, kv_heads=1, head_dim=8, itemsize=4)
     plan = make_plan(Tiling(world, 2, 2), shape, causal=True, layout="zigzag", schedule="collective", mask=windowed)
     masked = [w for r in range(world) for w in plan.blocks(r) if w.kind is MaskKind.MASKED]
     assert masked and all(plan.block_segments(w) is None for w in masked)
+
+
+def _check_block_segments(
+    mask: AttentionMask, layouts: tuple[str, ...], world: int, seq_local: int, trial: int
+) -> None:
+    from mesh_cp.kernels.varlen import segments_mask
+
+    S = world * seq_local
+    ids = document_ids(mask, 2, S)
+    for causal, layout in [(True, layout) for layout in layouts] + [(False, "contiguous")]:
+        shape = AttentionShape(batch=2, seq_local=seq_local, heads=1, kv_heads=1, head_dim=8, itemsize=4)
+        plan = make_plan(Tiling(world, 2, 2), shape, causal=causal, layout=layout, schedule="collective", mask=mask)
+        for rank in range(world):
+            for w in plan.blocks(rank):
+                if w.kind is not MaskKind.MASKED:
+                    continue
+                segments = plan.block_segments(w)
+                assert segments is not None, (trial, causal, layout, w)
+                (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
+                qp = torch.tensor(local_positions(S, world, w.x, layout)[q0:q1])
+                kp = torch.tensor(local_positions(S, world, w.y, layout)[k0:k1])
+                want = visibility(ids, qp, kp, causal=causal, window=None)
+                got = segments_mask(segments, q1 - q0, k1 - k0)
+                assert torch.equal(got.expand_as(want), want), (trial, causal, layout, w, segments)
 
 
 def test_chunk_call_groups_cover_the_blocks() -> None:
@@ -166,16 +181,20 @@ def test_chunk_call_groups_cover_the_blocks() -> None:
 
 @pytest.mark.parametrize("kernel_name", ["reference", "cpu_flash", "segments_only"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-@pytest.mark.parametrize("packed_rows", [False, True])
+@pytest.mark.parametrize("packed_rows", [None, "packed", "split"])
 def test_chunk_calls_match_single_process_attention(kernel_name, kv_heads, packed_rows) -> None:
     """Every rank's forward and backward through chunk calls (one varlen call on a kernel that takes only segments, as
     the flash kernels do; group by group on ``reference`` and ``cpu_flash``, which take masks) and, with packed
-    documents and padding, masked blocks (one call of segments on the segments-only kernel, tiles with a mask on the
-    others), assembled over all ranks as the collectives would,
-    against single-process attention of the whole sequence: out, lse and dq, dk, dv (fp64)."""
+    documents and padding (or split documents), masked blocks (one call of segments on the segments-only kernel, a
+    split one's key parts laid end to end; tiles with a mask on the others), assembled over all ranks as the
+    collectives would, against single-process attention of the whole sequence: out, lse and dq, dk, dv (fp64)."""
     world, tile, seq_local, heads, dim = 8, (2, 4), 10, 4, 16
     S = world * seq_local
-    mask = AttentionMask.from_lengths([[13, 30, 20, 17], [5, 40, 31]], pad_left=[0, 4]) if packed_rows else None
+    mask = {
+        None: None,
+        "packed": AttentionMask.from_lengths([[13, 30, 20, 17], [5, 40, 31]], pad_left=[0, 4]),
+        "split": split_documents([[13, 30, 20, 17], [5, 40, 31]], seq_len=S, world=world)[0],
+    }[packed_rows]
     shape = AttentionShape(batch=2, seq_local=seq_local, heads=heads, kv_heads=kv_heads, head_dim=dim, itemsize=8)
     plan = make_plan(Tiling(world, *tile), shape, causal=True, layout="zigzag", schedule="collective", mask=mask)
     gen = torch.Generator().manual_seed(kv_heads)

@@ -78,19 +78,26 @@ def split_mask(rng: random.Random, seq: int, world: int) -> AttentionMask:
 
 def segments_dense(segments: tuple, sq: int, sk: int) -> torch.Tensor:
     """``(B, 1, Sq, Sk)`` boolean of flash-attn varlen sequences with windows (bottom-right aligned, ``-1``: no
-    bound), asserting the contract that every query of a sequence sees a key."""
+    bound), asserting the contract that every query of a sequence sees a key. A sequence of five,
+    ``(q0, q1, key ranges, left, right)``, reads the band on its key ranges laid end to end; no key is laid twice in
+    it and no query is in two sequences."""
     mask = torch.zeros(len(segments), 1, sq, sk, dtype=torch.bool)
     for b, row in enumerate(segments):
-        for q0, q1, k0, k1, left, right in row:
-            i, j = torch.arange(q1 - q0)[:, None], torch.arange(k1 - k0)[None, :]
-            shift = (k1 - k0) - (q1 - q0)
-            seen = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        for seg in row:
+            q0, q1, *keys, left, right = seg
+            keys = [tuple(keys)] if len(keys) == 2 else list(keys[0])
+            cols = [c for k0, k1 in keys for c in range(k0, k1)]
+            assert len(set(cols)) == len(cols) and not mask[b, 0, q0:q1].any(), seg
+            i, j = torch.arange(q1 - q0)[:, None], torch.arange(len(cols))[None, :]
+            shift = len(cols) - (q1 - q0)
+            seen = torch.ones(q1 - q0, len(cols), dtype=torch.bool)
             if left >= 0:
                 seen &= j >= i + shift - left
             if right >= 0:
                 seen &= j <= i + shift + right
-            assert seen.any(1).all(), (q0, q1, k0, k1, left, right)
-            mask[b, 0, q0:q1, k0:k1] = seen
+            assert seen.any(1).all(), seg
+            for c, col in enumerate(cols):
+                mask[b, 0, q0:q1, col] = seen[:, c]
     return mask
 
 
