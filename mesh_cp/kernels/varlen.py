@@ -323,12 +323,12 @@ def _flat(t: Tensor) -> Tensor:
 
 def _back(parts: list[Tensor], fill: Tensor, back: Tensor, dim: int) -> Tensor:
     """The calls' outputs laid end to end along ``dim`` with ``fill`` after them, gathered by ``back``; a ``(m, n)``
-    ``back`` sums its ``m`` gathers (Note [Laid keys]), in fp32 when ``m > 1``."""
+    ``back`` sums its ``m`` gathers (Note [Laid keys]), in fp32 (fp64 for fp64) when ``m > 1``."""
     rows = torch.cat([*parts, fill], dim)
     if back.dim() == 1 or back.shape[0] == 1:
         return rows.index_select(dim, back.reshape(-1))
-    total = sum(rows.index_select(dim, index).float() for index in back)
-    return total.to(rows.dtype)
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    return sum(rows.index_select(dim, index).to(acc) for index in back).to(rows.dtype)
 
 
 @functools.lru_cache(maxsize=64)

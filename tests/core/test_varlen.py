@@ -435,3 +435,45 @@ def test_cuda_sdpa_masked_tiles_are_exact_on_emulated_ops(dtype: torch.dtype) ->
                 dtype,
                 g.shape,
             )
+
+
+def _call_attention(call: varlen.VarlenCall, q, k, v, scale: float):
+    """One varlen call on its rows ``(total, H, D)`` by the windows the C++ makes (:func:`flash_window`), in the
+    inputs' dtype with autograd: ``out (total_q, H, D)``, ``lse (H, total_q)``."""
+    mask = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool)
+    cu_q, cu_k = call.cu_seqlens_q.tolist(), call.cu_seqlens_k.tolist()
+    for n in range(len(cu_q) - 1):
+        sq, sk = cu_q[n + 1] - cu_q[n], cu_k[n + 1] - cu_k[n]
+        mask[cu_q[n] : cu_q[n + 1], cu_k[n] : cu_k[n + 1]] = flash_window(
+            sq, sk, call.max_seqlen_k, False, *call.window
+        )
+    out, lse = dense_attention(q[None], k[None], v[None], mask[None, None], scale, None)
+    return out[0], lse[0]
+
+
+def test_laid_keys_gradients_are_the_sum_over_their_sequences_in_fp64() -> None:
+    """:func:`varlen.forward` and :func:`varlen.backward` over :data:`LAID` with exact (fp64) calls equal fp64
+    autograd over the dense mask: a key laid in several sequences gets the sum of their ``dk, dv``."""
+    q, k, v, do, _ = make_case(4, 2, 16, seed=11, lse_grad=False)
+    plan, scale = varlen_plan(LAID, SQ, SK, CPU), 0.3
+
+    def forward_run(call, qs, ks, vs):
+        out, lse = _call_attention(call, qs, ks, vs, scale)
+        return out.detach(), lse.detach()
+
+    def backward_run(call, dos, qs, ks, vs, outs, lses):
+        leaves = [t.clone().requires_grad_() for t in (qs, ks, vs)]
+        out, _ = _call_attention(call, *leaves, scale)
+        (out * dos).sum().backward()
+        return tuple(leaf.grad for leaf in leaves)
+
+    out, lse = varlen.forward(q, k, v, plan, forward_run)
+    dq, dk, dv = varlen.backward(do, q, k, v, out, lse, plan, backward_run)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = dense_attention(*leaves, segments_mask(LAID, SQ, SK), scale, None)
+    (want_out * do).sum().backward()
+    torch.testing.assert_close(out, want_out.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse.detach(), rtol=1e-12, atol=1e-12)
+    for got, leaf in zip((dq, dk, dv), leaves, strict=True):
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-12)
