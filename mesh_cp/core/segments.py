@@ -26,6 +26,22 @@ from mesh_cp.core.options import Layout
 
 Segment = tuple[int, int, int, int, int, int]
 """``(q0, q1, k0, k1, left, right)``: one flash-attn varlen sequence of a tile (Note [Tile segments])."""
+LaidSegment = tuple[int, int, tuple[Range, ...], int, int]
+"""``(q0, q1, keys, left, right)``: one varlen sequence over the key ranges ``keys`` laid end to end (Note [Laid
+keys] in :mod:`mesh_cp.kernels.varlen`)."""
+
+
+def laid(segment: Segment | LaidSegment) -> LaidSegment:
+    """``segment`` in the laid form (Note [Laid keys]): a plain segment's keys are one range."""
+    if len(segment) == 6:
+        q0, q1, k0, k1, left, right = segment
+        return q0, q1, ((k0, k1),), left, right
+    return segment
+
+
+def key_count(segment: Segment | LaidSegment) -> int:
+    """The segment's ``sk``: its keys laid end to end."""
+    return sum(k1 - k0 for k0, k1 in laid(segment)[2])
 
 
 def tile_segments(

@@ -64,13 +64,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-Segment = tuple[int, int, int, int, int, int]
-"""``(q0, q1, k0, k1, left, right)``: one varlen sequence of a tile (module docstring)."""
-LaidSegment = tuple[int, int, tuple[tuple[int, int], ...], int, int]
-"""``(q0, q1, keys, left, right)``: one varlen sequence over the key ranges ``keys`` laid end to end (Note [Laid
-keys])."""
+from mesh_cp.core.segments import LaidSegment, Segment, key_count, laid
+
 Segments = tuple[tuple[Segment | LaidSegment, ...], ...]
-"""One tuple of segments per batch row, or one tuple for every row."""
+"""One tuple of segments per batch row, or one tuple for every row (:data:`~mesh_cp.core.segments.Segment`: module
+docstring; :data:`~mesh_cp.core.segments.LaidSegment`: Note [Laid keys])."""
 
 
 @dataclass(frozen=True)
@@ -108,19 +106,6 @@ class VarlenPlan:
     whole: tuple[bool, bool] = (False, False)
     """One call takes every query (every key) in order: its rows are the flattened tensor itself, nothing is
     gathered or scattered back on that side."""
-
-
-def laid(segment: Segment | LaidSegment) -> LaidSegment:
-    """``segment`` in the laid form (Note [Laid keys]): a plain segment's keys are one range."""
-    if len(segment) == 6:
-        q0, q1, k0, k1, left, right = segment
-        return q0, q1, ((k0, k1),), left, right
-    return segment
-
-
-def key_count(segment: Segment | LaidSegment) -> int:
-    """The segment's ``sk``: its keys laid end to end."""
-    return sum(k1 - k0 for k0, k1 in laid(segment)[2])
 
 
 def _check_segments(segments: Segments, batch: int, sq: int, sk: int) -> None:

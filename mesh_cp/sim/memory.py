@@ -13,6 +13,7 @@ from typing import Literal
 from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind
 from mesh_cp.core.options import Phase, check_option
 from mesh_cp.core.plan import AttentionPlan
+from mesh_cp.core.segments import key_count
 
 Backend = Literal["gloo", "nccl"]
 BACKENDS: tuple[str, ...] = ("gloo", "nccl")
@@ -47,14 +48,15 @@ HELD = ("q,k,v", "out", "lse", "dout", "dlse")
 
 def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: Phase, gpu: bool = False) -> int:
     """Outputs and temporaries of one kernel call. CPU flash kernel (``gpu=False``): forward its output and the
-    merge's weighted copy; backward dq, dk, dv and the kernel's own out; GQA adds the K, V repeated to every head.
-    CUDA fused kernels in bf16 (``gpu=True``, measured with scripts/bench_rank.py on an H100, docs/performance.md):
-    no repeated K, V (native GQA), a masked block's varlen call adds its gathered rows, and the backward adds six
-    chunks of its rows (the fp32 temporaries of
-    ``rowsum(dO * O)``'s construction and of the dq accumulation). A :class:`ChunkCall` adds its keys laid end to end
-    (Note [One call per Q chunk]): those of its largest row group, as a kernel without ``segments`` holds them (with
-    ``segments`` all groups' keys are held together, at most about 1.5 times more for a zig-zag chunk); on CPU its
-    forward holds those keys repeated to every head beside them (GQA), twice a block's share."""
+        merge's weighted copy; backward dq, dk, dv and the kernel's own out; GQA adds the K, V repeated to every head.
+        CUDA fused kernels in bf16 (``gpu=True``, measured with scripts/bench_rank.py on an H100, docs/performance.md):
+        no repeated K, V (native GQA), a masked block's varlen call adds its gathered rows (a split block's laid keys
+    counted as often as they are laid), and the backward adds six
+        chunks of its rows (the fp32 temporaries of
+        ``rowsum(dO * O)``'s construction and of the dq accumulation). A :class:`ChunkCall` adds its keys laid end to end
+        (Note [One call per Q chunk]): those of its largest row group, as a kernel without ``segments`` holds them (with
+        ``segments`` all groups' keys are held together, at most about 1.5 times more for a zig-zag chunk); on CPU its
+        forward holds those keys repeated to every head beside them (GQA), twice a block's share."""
     if w is None:
         return 0
     s = plan.mesh_shape
@@ -68,11 +70,23 @@ def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: P
         rk, keys = (w.kv_rows[1] - w.kv_rows[0]) / s.seq_local, 0
     gqa = rk if s.kv_heads != s.heads and not gpu else 0.0
     if gpu and isinstance(w, BlockWork) and w.kind is MaskKind.MASKED:
-        keys = int(rk * plan.chunk_bytes()[1] + 2 * rq * q_bytes)  # a varlen call's gathered rows and its output's
+        laid = _laid_keys(plan, w)
+        gathered = rk if laid is None else laid / s.seq_local
+        keys = int(gathered * plan.chunk_bytes()[1] + 2 * rq * q_bytes)  # a varlen call's gathered rows and output's
     if phase == "forward":
         expanded = gqa * q_bytes // (1 if isinstance(w, ChunkCall) else 2)  # K, V repeated to every head
         return keys + int(rq * (q_bytes + s.chunk_elems * s.acc_itemsize) + expanded)
     return keys + int((2 * rq + 2 * rk + 1.5 * gqa + (6 * rq if gpu else 0)) * q_bytes)
+
+
+def _laid_keys(plan: AttentionPlan, w: BlockWork) -> float | None:
+    """Key rows per batch row that a masked block's varlen call gathers when its segments lay keys end to end (split
+    documents, Note [Block segments]): a key part two query parts see is gathered twice. ``None`` for a block whose
+    segments are plain (its key rows, at most) or that runs as its runs."""
+    segments = plan.block_segments(w)
+    if segments is None or all(len(seg) == 6 for row in segments for seg in row):
+        return None
+    return sum(key_count(seg) for row in segments for seg in row) / len(segments)
 
 
 def _units(plan: AttentionPlan) -> dict[str, int]:
