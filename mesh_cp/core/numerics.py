@@ -103,12 +103,14 @@ def widened(x: Tensor, dtype: torch.dtype, other: torch.dtype) -> Tensor:
     """``x`` as an operand, beside one of dtype ``other``, of an elementwise op that must compute in ``dtype``: ``x``
     itself when type promotion gives ``dtype`` (the op converts ``x`` as it reads it, to the values ``x.to(dtype)``
     holds, without that copy), else ``x.to(dtype)``."""
-    return x if _promoted(x.dtype, other) == dtype else x.to(dtype)
+    promoted = torch.promote_types(x.dtype, other) if torch.compiler.is_compiling() else _promoted(x.dtype, other)
+    return x if promoted == dtype else x.to(dtype)
 
 
 @functools.lru_cache(maxsize=64)
 def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """``torch.promote_types(a, b)``, looked up (the op goes through the dispatcher)."""
+    """``torch.promote_types(a, b)``, looked up (the op goes through the dispatcher; a compiled caller calls it, as
+    Dynamo traces through the cache)."""
     return torch.promote_types(a, b)
 
 

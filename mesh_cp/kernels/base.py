@@ -51,6 +51,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from mesh_cp.core.numerics import acc_dtype, widened
+from mesh_cp.kernels.fused import Fused
 
 if TYPE_CHECKING:
     from mesh_cp.kernels.varlen import Segments
@@ -243,7 +244,13 @@ def out_for_delta(do: Tensor, delta: Tensor) -> Tensor:
     delta_t = delta.transpose(1, 2).unsqueeze(-1)
     coef = torch.where(zero, torch.where(delta_t == 0, 0, math.nan), delta_t / m)
     coef = coef / (u * u).sum(-1, keepdim=True).add_(zero)
+    if torch.compiler.is_compiling():  # one pass: the product is rounded to do's dtype as it is stored
+        return (u * coef).to(do.dtype)
     return torch.mul(u, coef, out=torch.empty_like(do))
+
+
+_out_for_delta = Fused(out_for_delta)
+""":func:`out_for_delta` in one pass where it compiles (Note [Fused passes] in :mod:`mesh_cp.kernels.fused`)."""
 
 
 def _exponent_range(dtype: torch.dtype) -> tuple[int, int]:
@@ -286,7 +293,7 @@ def fused_backward_inputs(
     if lse_grad:
         return with_delta_column(do, q, k, v, delta, multiple=multiple)
     padded = round_up(q.shape[-1], multiple)
-    return tuple(pad_head_dim(t, padded) for t in (do, q, k, v, out_for_delta(do, delta)))
+    return tuple(pad_head_dim(t, padded) for t in (do, q, k, v, _out_for_delta(do, delta)))
 
 
 def backward_by_parts(

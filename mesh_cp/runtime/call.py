@@ -24,10 +24,11 @@ from torch import Tensor
 
 from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, RowGroup, first_writes
 from mesh_cp.core.layout import local_positions
-from mesh_cp.core.numerics import acc_dtype, merge_, visibility
+from mesh_cp.core.numerics import acc_dtype, visibility
 from mesh_cp.core.plan import AttentionPlan
 from mesh_cp.kernels import capabilities_of, takes
 from mesh_cp.kernels.base import BlockKernel
+from mesh_cp.kernels.fused import merge_
 from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.runtime.mesh import CPMesh
 

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.blocks import BlockWork, ChunkCall, first_writes
-from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
+from mesh_cp.core.numerics import acc_dtype, attention_delta
+from mesh_cp.kernels.fused import merge_
 from mesh_cp.runtime.call import AttentionCall, Saved, accumulate, accumulator, plan_cache, write_rows
 from mesh_cp.runtime.comm import all_gather, all_to_all
 from mesh_cp.runtime.mesh import CPMesh

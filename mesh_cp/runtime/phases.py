@@ -12,9 +12,10 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.blocks import BlockWork, ChunkCall
-from mesh_cp.core.numerics import acc_dtype, attention_delta, merge_
+from mesh_cp.core.numerics import acc_dtype, attention_delta
 from mesh_cp.core.schedule import RingStep
 from mesh_cp.kernels import takes
+from mesh_cp.kernels.fused import merge_
 from mesh_cp.runtime.call import by_segments
 from mesh_cp.runtime.comm import ring_step
 
