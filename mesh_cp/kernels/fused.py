@@ -58,6 +58,8 @@ class Fused:
         try:
             with _dynamo_config().patch(recompile_limit=RECOMPILES):
                 return self.compiled(first, *args)
+        except torch.OutOfMemoryError:  # the eager function would run out too: not a failure of the compile
+            raise
         except Exception as err:  # noqa: BLE001 - any failure of the compiled path falls back, once, with its reason
             if type(err).__name__ == "FailOnRecompileLimitHit":  # the signatures compiled so far still run compiled
                 return self.fn(first, *args)

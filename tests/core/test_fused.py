@@ -141,3 +141,16 @@ def test_a_call_under_a_dispatch_mode_runs_eagerly_and_keeps_the_compiled_path(c
     assert fused.merge_.compiled is None and fused.merge_.failed is None
     fused.merge_(o_acc[:, 2:7], lse_acc[:, :, 2:7], o_new, lse_new)
     assert fused.merge_.compiled is not None and fused.merge_.failed is None
+
+
+def test_running_out_of_memory_is_raised_not_taken_for_a_failed_compile(monkeypatch) -> None:
+    monkeypatch.setenv(fused.ENV, "1")
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    f = fused.Fused(numerics.merge_)
+    monkeypatch.setattr(f, "compiled", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        f(*merge_case(1, 5, 8))
+    assert f.failed is None
