@@ -121,7 +121,7 @@ def block_segments(
     world: int,
     layout: Layout,
     causal: bool,
-) -> tuple[tuple[Segment, ...], ...] | None:
+) -> tuple[tuple[Segment | LaidSegment, ...], ...] | None:
     """A ``MASKED`` block (local rows ``q[1]`` of Q chunk ``q[0]``, ``k[1]`` of KV chunk ``k[0]``) as the varlen
     sequences of one call, per batch row of ``mask``, in the block's local rows; ``None`` where it takes more than
     one call (then :func:`mesh_cp.core.masks.block_tiles` with ``size=0`` gives its runs).

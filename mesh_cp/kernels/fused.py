@@ -12,9 +12,10 @@ On CUDA each runs as one ``torch.compile``'d function (Inductor fuses the chain)
 signature with dynamic shapes, so new row counts do not recompile; up to :data:`RECOMPILES` signatures each (the
 accumulators' and the partials' dtypes, views or whole tensors, a batch of one), beyond which a call of a new one
 runs eagerly. Elsewhere they run eagerly: on CPU the compile
-takes seconds in every process, which the sizes run there do not pay back. A compile or a compiled call that fails
-(no Triton, an unsupported GPU) is logged once with its reason, and the eager function runs from then on in that
-process; a call under a ``TorchDispatchMode`` (a FLOP counter, emulated ops) runs eagerly, as ``torch.compile``
+takes seconds in every process, which the sizes run there do not pay back. A compile that fails (no Triton, an
+unsupported GPU: an error of Dynamo's, raised before the compiled code writes anything) is logged once with its
+reason, and the eager function runs from then on in that process; any other error (out of memory, a caller's bad
+shapes) is raised as the eager function would raise it; a call under a ``TorchDispatchMode`` (a FLOP counter, emulated ops) runs eagerly, as ``torch.compile``
 does not run under one. The environment variable ``MESH_CP_FUSED`` overrides the choice: ``0`` runs them eagerly everywhere, ``1``
 compiles them on every device (how the tests check the compiled functions on CPU).
 """
@@ -55,14 +56,14 @@ class Fused:
             return self.fn(first, *args)
         if self.compiled is None:
             self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+
         try:
             with _dynamo_config().patch(recompile_limit=RECOMPILES):
                 return self.compiled(first, *args)
-        except torch.OutOfMemoryError:  # the eager function would run out too: not a failure of the compile
-            raise
-        except Exception as err:  # noqa: BLE001 - any failure of the compiled path falls back, once, with its reason
-            if type(err).__name__ == "FailOnRecompileLimitHit":  # the signatures compiled so far still run compiled
-                return self.fn(first, *args)
+        except FailOnRecompileLimitHit:  # raised before anything runs; the signatures compiled so far stay compiled
+            return self.fn(first, *args)
+        except TorchDynamoException as err:  # the compile failed, before the compiled code wrote anything
             self.failed = f"{type(err).__name__}: {err}"[:2000]
             logger.warning(
                 "mesh_cp: %s runs eagerly from now on (Note [Fused passes]): its compiled version failed: %s "

@@ -177,7 +177,7 @@ def varlen_plan(segments: Segments, sq: int, sk: int, device: torch.device, batc
 def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int) -> VarlenPlan:
     _check_segments(segments, batch, sq, sk)
     rows = segments * batch if len(segments) == 1 else segments
-    groups: dict[tuple[int, int], list[tuple[int, Segment]]] = {}
+    groups: dict[tuple[int, int], list[tuple[int, Segment | LaidSegment]]] = {}
     for b, segs in enumerate(rows):
         for seg in segs:
             groups.setdefault(canonical_window(seg), []).append((b, seg))
@@ -312,8 +312,10 @@ def _back(parts: list[Tensor], fill: Tensor, back: Tensor, dim: int) -> Tensor:
     rows = torch.cat([*parts, fill], dim)
     if back.dim() == 1 or back.shape[0] == 1:
         return rows.index_select(dim, back.reshape(-1))
-    acc = torch.promote_types(rows.dtype, torch.float32)
-    return sum(rows.index_select(dim, index).to(acc) for index in back).to(rows.dtype)
+    total = rows.index_select(dim, back[0]).to(torch.promote_types(rows.dtype, torch.float32))
+    for index in back[1:]:
+        total += rows.index_select(dim, index)
+    return total.to(rows.dtype)
 
 
 @functools.lru_cache(maxsize=64)

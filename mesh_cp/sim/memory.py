@@ -48,15 +48,15 @@ HELD = ("q,k,v", "out", "lse", "dout", "dlse")
 
 def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: Phase, gpu: bool = False) -> int:
     """Outputs and temporaries of one kernel call. CPU flash kernel (``gpu=False``): forward its output and the
-        merge's weighted copy; backward dq, dk, dv and the kernel's own out; GQA adds the K, V repeated to every head.
-        CUDA fused kernels in bf16 (``gpu=True``, measured with scripts/bench_rank.py on an H100, docs/performance.md):
-        no repeated K, V (native GQA), a masked block's varlen call adds its gathered rows (a split block's laid keys
-    counted as often as they are laid), and the backward adds six
-        chunks of its rows (the fp32 temporaries of
-        ``rowsum(dO * O)``'s construction and of the dq accumulation). A :class:`ChunkCall` adds its keys laid end to end
-        (Note [One call per Q chunk]): those of its largest row group, as a kernel without ``segments`` holds them (with
-        ``segments`` all groups' keys are held together, at most about 1.5 times more for a zig-zag chunk); on CPU its
-        forward holds those keys repeated to every head beside them (GQA), twice a block's share."""
+    merge's weighted copy; backward dq, dk, dv and the kernel's own out; GQA adds the K, V repeated to every head.
+    CUDA fused kernels in bf16 (``gpu=True``, measured with scripts/bench_rank.py on an H100, docs/performance.md):
+    no repeated K, V (native GQA), a masked block's varlen call adds its gathered rows (a split block's laid keys as
+    often as they are laid, and in backward the fp32 sum of their dk, dv, Note [Laid keys]), and the backward adds
+    six chunks of its rows (the fp32 temporaries of ``rowsum(dO * O)``'s construction and of the dq accumulation). A
+    :class:`ChunkCall` adds its keys laid end to end (Note [One call per Q chunk]): those of its largest row group,
+    as a kernel without ``segments`` holds them (with ``segments`` all groups' keys are held together, at most about
+    1.5 times more for a zig-zag chunk); on CPU its forward holds those keys repeated to every head beside them
+    (GQA), twice a block's share."""
     if w is None:
         return 0
     s = plan.mesh_shape
@@ -73,6 +73,8 @@ def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: P
         laid = _laid_keys(plan, w)
         gathered = rk if laid is None else laid / s.seq_local
         keys = int(gathered * plan.chunk_bytes()[1] + 2 * rq * q_bytes)  # a varlen call's gathered rows and output's
+        if laid is not None and phase == "backward":  # the fp32 sum of the laid keys' dk, dv
+            keys += int(rk * plan.chunk_bytes()[1] // s.itemsize * s.acc_itemsize)
     if phase == "forward":
         expanded = gqa * q_bytes // (1 if isinstance(w, ChunkCall) else 2)  # K, V repeated to every head
         return keys + int(rq * (q_bytes + s.chunk_elems * s.acc_itemsize) + expanded)

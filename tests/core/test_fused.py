@@ -66,7 +66,7 @@ def test_compiled_passes_equal_the_eager_ones(compiled) -> None:
         assert got.dtype == want.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0)  # one bf16 rounding apart at most
         torch.testing.assert_close(numerics.attention_delta(do, got), delta, rtol=2e-2, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])  # one per function, one more for B = 1
+    assert 2 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])  # one per function (+1: B = 1)
 
 
 def test_eager_on_cpu_by_default_and_a_bad_setting_is_refused(monkeypatch) -> None:
@@ -89,7 +89,7 @@ def test_a_failing_compiled_pass_falls_back_once_and_says_why(monkeypatch, caplo
 
     def broken(*args):
         calls.append(len(args))
-        raise RuntimeError("no working Triton")
+        raise torch._dynamo.exc.BackendCompilerFailed(broken, RuntimeError("no working Triton"), None)
 
     f = fused.Fused(numerics.merge_)
     monkeypatch.setattr(f, "compiled", broken)
@@ -101,7 +101,7 @@ def test_a_failing_compiled_pass_falls_back_once_and_says_why(monkeypatch, caplo
             got, got_lse = o_acc.clone(), lse_acc.clone()
             f(got[:, 2:7], got_lse[:, :, 2:7], o_new, lse_new)
             assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
-    assert calls == [4] and f.failed == "RuntimeError: no working Triton"
+    assert calls == [4] and f.failed.startswith("BackendCompilerFailed") and "no working Triton" in f.failed
     warnings = [r.getMessage() for r in caplog.records if "runs eagerly" in r.getMessage()]
     assert len(warnings) == 1 and "merge_" in warnings[0] and "no working Triton" in warnings[0], warnings
 
@@ -143,14 +143,23 @@ def test_a_call_under_a_dispatch_mode_runs_eagerly_and_keeps_the_compiled_path(c
     assert fused.merge_.compiled is not None and fused.merge_.failed is None
 
 
-def test_running_out_of_memory_is_raised_not_taken_for_a_failed_compile(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), RuntimeError("Triton Error")]
+)
+def test_an_error_of_the_compiled_code_is_raised_not_taken_for_a_failed_compile(monkeypatch, error) -> None:
+    """Out of memory, or a kernel that fails after others wrote into the accumulators: raised as it is, without the
+    eager merge run over what the compiled code may have merged already."""
     monkeypatch.setenv(fused.ENV, "1")
 
-    def out_of_memory(*args):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    def merges_then_fails(*args):
+        numerics.merge_(*args)
+        raise error
 
     f = fused.Fused(numerics.merge_)
-    monkeypatch.setattr(f, "compiled", out_of_memory)
-    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
-        f(*merge_case(1, 5, 8))
-    assert f.failed is None
+    monkeypatch.setattr(f, "compiled", merges_then_fails)
+    o_acc, lse_acc, o_new, lse_new = merge_case(1, 5, 8)
+    want, want_lse = o_acc.clone(), lse_acc.clone()
+    numerics.merge_(want[:, 2:7], want_lse[:, :, 2:7], o_new, lse_new)
+    with pytest.raises(type(error), match=str(error)[:20]):
+        f(o_acc[:, 2:7], lse_acc[:, :, 2:7], o_new, lse_new)
+    assert f.failed is None and torch.equal(o_acc, want) and torch.equal(lse_acc, want_lse)  # merged once
