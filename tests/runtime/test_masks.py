@@ -18,13 +18,14 @@ import zlib
 
 import pytest
 import torch
-import torch.distributed as dist
 
+import mesh_cp
 from mesh_cp.core import AttentionMask, factorizations
 from mesh_cp.core.split import split_documents
 from mesh_cp.kernels import Capabilities
 from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.testing import spawn_gloo
+from tests.group_sizes import by_group_size, size_results
 from tests.runtime.reference import errors_against_reference
 
 TOL = 1e-5
@@ -133,13 +134,21 @@ def kernels(world: int) -> tuple[str, ...]:
     return ("auto", "segments") if world != 8 else ("auto",)
 
 
-def masks_worker(rank: int, world: int) -> dict:
+WORLDS = (4, 6, 8)
+
+
+def masks_worker(rank: int, world: int) -> dict[int, dict]:
+    """Every P of :data:`WORLDS` on the first P ranks of one spawned group."""
     import mesh_cp.core.masks
 
     mesh_cp.core.masks.TILE = 3  # masked blocks of 4 and 8 rows cut into tiles of every kind: full, causal, masked
+    return by_group_size(WORLDS, mask_cases, rank, world)
+
+
+def mask_cases(group, rank: int, world: int) -> dict:
     results: dict = {}
     for tile in factorizations(world):
-        mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=tile)
+        mesh = mesh_cp.CPMesh.create(group, tile=tile)
         for name, case in cases(world, seed=world).items():
             for schedule, kernel in itertools.product(("overlap", "collective"), kernels(world)):
                 key = f"P{world} {tile[0]}x{tile[1]} {schedule} {kernel} {name}"
@@ -148,9 +157,15 @@ def masks_worker(rank: int, world: int) -> dict:
     return results
 
 
-@pytest.fixture(scope="module", params=[4, 6, 8])
-def mask_results(request) -> tuple[int, list[dict]]:
-    return request.param, spawn_gloo(masks_worker, request.param)
+@pytest.fixture(scope="module")
+def spawned() -> list[dict[int, dict]]:
+    """One spawned group of max(WORLDS) ranks; each P runs on its first P ranks."""
+    return spawn_gloo(masks_worker, max(WORLDS))
+
+
+@pytest.fixture(scope="module", params=WORLDS)
+def mask_results(request, spawned) -> tuple[int, list[dict]]:
+    return request.param, size_results(spawned, request.param)
 
 
 def test_masked_attention_matches_single_process_reference(mask_results) -> None:
