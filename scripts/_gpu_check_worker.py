@@ -533,7 +533,21 @@ def mesh_checks(job: Job, section: str, rank: int, device: torch.device) -> list
 
                 label = f"{tile[0]}x{tile[1]}" + (f" head_parallel={u}" if u > 1 else "")
                 cases.append(Case(section, f"{job.label} P={p} {label} {dtype_name} {schedule}", attention))
+    cases.append(Case(section, f"{job.label} fused passes", lambda: fused_verdict(device)))
     return cases
+
+
+def fused_verdict(device: torch.device) -> Verdict:
+    """After the attention cases: the LSE merge ran compiled, as it does on CUDA (Note [Fused passes] in
+    mesh_cp/kernels/fused.py), not fallen back to the eager function; SKIP where it runs eagerly."""
+    from mesh_cp.kernels import fused
+
+    if not fused.compiles(device):
+        raise Skip(f"the merge runs eagerly on {device.type} (Note [Fused passes]; MESH_CP_FUSED=1 compiles it)")
+    merge = fused.merge_
+    if merge.failed is not None:
+        return Verdict(False, f"fell back to the eager merge: {merge.failed}")
+    return Verdict(merge.compiled is not None, "compiled" if merge.compiled is not None else "never called")
 
 
 def mask_modes(seq: int, chunk: int) -> dict[str, tuple[bool, tuple[list[int], int | None, bool] | None]]:
