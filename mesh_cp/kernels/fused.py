@@ -11,13 +11,15 @@ the rows: about 18 bytes per element for the merge and 50 for ``out_for_delta``,
 On CUDA each runs as one ``torch.compile``'d function (Inductor fuses the chain), compiled once per dtype
 signature with dynamic shapes, so new row counts do not recompile; up to :data:`RECOMPILES` signatures each (the
 accumulators' and the partials' dtypes, views or whole tensors, a batch of one), beyond which a call of a new one
-runs eagerly. Elsewhere they run eagerly: on CPU the compile
-takes seconds in every process, which the sizes run there do not pay back. A compile that fails (no Triton, an
-unsupported GPU: an error of Dynamo's, raised before the compiled code writes anything) is logged once with its
-reason, and the eager function runs from then on in that process; any other error (out of memory, a caller's bad
-shapes) is raised as the eager function would raise it; a call under a ``TorchDispatchMode`` (a FLOP counter, emulated ops) runs eagerly, as ``torch.compile``
-does not run under one. The environment variable ``MESH_CP_FUSED`` overrides the choice: ``0`` runs them eagerly everywhere, ``1``
-compiles them on every device (how the tests check the compiled functions on CPU).
+runs eagerly. Elsewhere they run eagerly: on CPU the compile takes seconds in every process, which the sizes run
+there do not pay back. A call under a ``TorchDispatchMode`` (a FLOP counter, emulated ops) runs eagerly too, as
+``torch.compile`` does not run under one.
+
+A compile that fails (no Triton, an unsupported GPU: an error of Dynamo's, raised before the compiled code writes
+anything) is logged once with its reason, and the eager function runs from then on in that process; any other error
+(out of memory, a caller's bad shapes) is raised as the eager function would raise it. The environment variable
+``MESH_CP_FUSED`` overrides the choice: ``0`` runs them eagerly everywhere, ``1`` compiles them on every device (how
+the tests check the compiled functions on CPU).
 """
 
 from __future__ import annotations
