@@ -30,14 +30,16 @@ FIXED = (((0, 9, 0, 3, 0, -1), (10, 12, 5, 11, 2, 0)), ())
 
 def window_rule(segments, sq: int, sk: int) -> torch.Tensor:
     """The docstring rule of flash_attn_varlen_func, element by element: query ``i`` of a sequence sees key ``j``
-    iff ``i + sk - sq - left <= j <= i + sk - sq + right`` (``-1``: no bound on that side)."""
+    iff ``i + sk - sq - left <= j <= i + sk - sq + right`` (``-1``: no bound on that side); a sequence of five,
+    ``(q0, q1, key ranges, left, right)``, reads ``j`` on its key ranges laid end to end (Note [Laid keys])."""
     mask = torch.zeros(len(segments), 1, sq, sk, dtype=torch.bool)
     for b, row in enumerate(segments):
-        for q0, q1, k0, k1, left, right in row:
-            n, m = q1 - q0, k1 - k0
+        for q0, q1, *keys, left, right in row:
+            cols = [c for k0, k1 in ([keys] if len(keys) == 2 else keys[0]) for c in range(k0, k1)]
+            n, m = q1 - q0, len(cols)
             for i in range(n):
-                for j in range(m):
-                    mask[b, 0, q0 + i, k0 + j] = (left < 0 or j >= i + m - n - left) and (
+                for j, col in enumerate(cols):
+                    mask[b, 0, q0 + i, col] = (left < 0 or j >= i + m - n - left) and (
                         right < 0 or j <= i + m - n + right
                     )
     return mask
@@ -92,22 +94,6 @@ CASES = {
 }
 
 
-def laid_rule(segments, sq: int, sk: int) -> torch.Tensor:
-    """:func:`window_rule` with each segment's keys its ranges laid end to end, element by element."""
-    mask = torch.zeros(len(segments), 1, sq, sk, dtype=torch.bool)
-    for b, row in enumerate(segments):
-        for seg in row:
-            q0, q1, keys, left, right = varlen.laid(seg)
-            cols = [c for k0, k1 in keys for c in range(k0, k1)]
-            n, m = q1 - q0, len(cols)
-            for i in range(n):
-                for j, col in enumerate(cols):
-                    mask[b, 0, q0 + i, col] = (left < 0 or j >= i + m - n - left) and (
-                        right < 0 or j <= i + m - n + right
-                    )
-    return mask
-
-
 def test_segments_mask_is_the_flash_attn_window_rule() -> None:
     for seed in range(60):
         segments = random_segments(seed, rows=3, empty_row=seed % 4 if seed % 4 < 3 else None)
@@ -148,7 +134,7 @@ def test_calls_give_the_segments_mask_under_the_windows_the_cpp_applies() -> Non
 def test_laid_keys_give_the_rule_on_their_order_and_sum_the_gradients_of_a_key() -> None:
     """Laid segments: the dense mask and the plan's calls (the windows the C++ makes of them) give the window rule
     read on the laid keys; a key laid three times has three gather rows, the others point at the row of zeros."""
-    want = laid_rule(LAID, SQ, SK)
+    want = window_rule(LAID, SQ, SK)
     assert torch.equal(segments_mask(LAID, SQ, SK), want)
     plan = varlen_plan(LAID, SQ, SK, CPU)
     assert torch.equal(_plan_mask(plan, 2), want)
