@@ -270,7 +270,7 @@ class _Attachment:
     @torch.compiler.disable(reason="mesh_cp's per-forward checks read host state; they run eagerly")
     def before_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the attached model: check ``position_ids``, start the layer count. A step of decoding
-        over a :class:`~mesh_cp.integrations.hf.generation.ShardedKVCache` that holds tokens feeds every rank the same
+        over a :class:`~mesh_cp.integrations.hf.shard_cache.ShardedKVCache` that holds tokens feeds every rank the same
         new tokens at their own positions (Note [Sharded generation]): not a shard, so not checked as one."""
         self.called.clear()
         cache = given_cache(kwargs)

@@ -17,17 +17,6 @@ keeps (padding), each rank over its shard, combined by one all-gather per mesh l
 with the same logits, so greedy search and sampling (the same seed on every rank) pick the same tokens everywhere.
 :func:`generate` also makes every stopping decision the same on all ranks (any rank's stop stops all: a rank that
 stopped alone would leave the others waiting in the all-gather) and hands a streamer to rank 0 only.
-
-Note [Static shard cache]
-~~~~~~~~~~~~~~~~~~~~~~~~~
-Each layer's shard is allocated once, at the prefill, with a fixed capacity: the prompt's slots, then
-``ceil(max_new_tokens / P)`` slots for new columns (the rank that takes the first new column takes the most).
-Decoding writes the columns a rank owns into its next slots in place (slice assignment at a position held on the
-host, which the host knows without reading the device), and the attention reads the whole capacity, its empty
-slots at column ``-1`` hidden by the mask: no shape grows from token to token, no tensor is reallocated and no
-value is read back from the device, so the step's shapes are static (what CUDA graphs need). A column beyond the
-capacity raises on every rank at the same step, naming the capacity and the fix. The cost: the empty slots are
-read too, at most ``ceil(max_new_tokens / P)`` per rank.
 """
 
 from __future__ import annotations
@@ -39,136 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from mesh_cp.integrations.hf.compat import CACHE_KEYWORDS, cache_keyword
 from mesh_cp.integrations.hf.masks import CacheMask
+from mesh_cp.integrations.hf.shard_cache import ShardedKVCache
 from mesh_cp.runtime.batch import shard_batch
 from mesh_cp.runtime.decode import decode_attn_func
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.sharding import position_ids
-
-
-class ShardedLayer(CacheLayerMixin):
-    """This rank's shard of one layer's K/V cache, preallocated (Note [Static shard cache]): ``keys, values (B, Hkv,
-    C, D)`` of a fixed capacity ``C`` and the batch column of each slot, ``columns (C,)`` (``-1``: a slot nobody sees,
-    such as an empty one or the padding added to fit the mesh); the first :attr:`length` slots are filled."""
-
-    is_sliding = False
-    is_croppable = False
-    supports_early_init = False
-
-    def __init__(self, rank: int, world: int) -> None:
-        super().__init__()
-        self.rank, self.world = rank, world
-        self.columns: Tensor | None = None
-        self.seen = 0
-        """Columns of the batch processed so far, by all ranks together."""
-        self.length = 0
-        """Slots of this rank filled so far (host-side: no read of the device)."""
-        self.prefill_columns: Tensor | None = None
-        """Set by :func:`prefill` for its forward: the columns of this rank's shard."""
-        self.prefill_length = 0
-        self.max_new_tokens = 0
-        """Set by :func:`prefill`: the columns decoding may feed, which sizes the slots left after the prompt's."""
-
-    @property
-    def capacity(self) -> int:
-        """Slots of the shard: the prompt's, then ``ceil(max_new_tokens / world)`` for new columns (0 before the
-        prefill)."""
-        return 0 if self.columns is None else self.columns.numel()
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        if self.prefill_columns is None:
-            raise ValueError("the prefill of a ShardedKVCache must be its first update, with the shard's columns")
-        self.dtype, self.device = key_states.dtype, key_states.device
-        batch, heads, _, _ = key_states.shape
-        slots = self.prefill_columns.numel() + -(-self.max_new_tokens // self.world)
-        # Zeros, not empty: an unfilled slot's value is multiplied by its probability 0, which must not make a nan.
-        self.keys = key_states.new_zeros(batch, heads, slots, key_states.shape[-1])
-        self.values = value_states.new_zeros(batch, value_states.shape[1], slots, value_states.shape[-1])
-        self.columns = torch.full((slots,), -1, dtype=torch.long, device=key_states.device)
-        self.is_initialized = True
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Prefill: keep this rank's shard and return it (the mesh attends the shards). Decode: write the new
-        columns this rank owns into the next slots, and return the whole preallocated shard."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.prefill_columns is not None:
-            columns, self.prefill_columns = self.prefill_columns, None
-            if self.seen or columns.numel() != key_states.shape[2]:
-                raise ValueError("the prefill of a ShardedKVCache must be its first update, with the shard's columns")
-            self._write(key_states, value_states, columns)
-            self.seen = self.prefill_length
-            return key_states, value_states
-        new = key_states.shape[2]
-        self._check_room(new)
-        # Column c goes to rank (c - prefill_length) % world: the owned new columns are a strided slice and a range
-        # made on the device (how many is known on the host), so nothing is copied from the host or read back.
-        first = (self.rank - (self.seen - self.prefill_length)) % self.world
-        if first < new:
-            index = torch.arange(self.seen + first, self.seen + new, self.world, device=self.columns.device)
-            self._write(key_states[:, :, first :: self.world], value_states[:, :, first :: self.world], index)
-        self.seen += new
-        return self.keys, self.values
-
-    def _write(self, keys: Tensor, values: Tensor, columns: Tensor) -> None:
-        """Copy entries into the next free slots, in place."""
-        end = self.length + keys.shape[2]
-        self.keys[:, :, self.length : end] = keys
-        self.values[:, :, self.length : end] = values
-        self.columns[self.length : end] = columns
-        self.length = end
-
-    def _check_room(self, new: int) -> None:
-        """Refuse ``new`` columns that would overflow the slots of any rank (the first rank takes the most: every
-        rank checks the same arithmetic, so all raise at the same step, none left waiting in a collective)."""
-        fed = self.seen + new - self.prefill_length
-        if -(-fed // self.world) > -(-self.max_new_tokens // self.world):
-            raise ValueError(
-                f"the ShardedKVCache is full: its capacity is {self.capacity} slots per rank (the prompt's "
-                f"{self.capacity - -(-self.max_new_tokens // self.world)} and max_new_tokens={self.max_new_tokens} "
-                f"over {self.world} ranks), and decoding has fed {fed} columns; prefill with a larger max_new_tokens "
-                "(mesh_cp.integrations.hf.prefill(..., max_new_tokens=N), or pass max_new_tokens to hf.generate)"
-            )
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class ShardedKVCache(Cache):
-    """A transformers ``Cache`` holding this rank's shard of every layer's K/V (Note [Sharded generation]). Build it
-    with :func:`prefill`; give it to ``model.generate(cache=...)`` (``past_key_values=`` before transformers 5.24) (or use :func:`generate`)."""
-
-    def __init__(self, mesh: CPMesh, num_layers: int) -> None:
-        super().__init__(layers=[ShardedLayer(mesh.rank, mesh.size) for _ in range(num_layers)])
-        self.mesh = mesh
-
-    @property
-    def decoding(self) -> bool:
-        """The prompt is in: model calls now feed new tokens to every rank alike."""
-        return all(layer.seen > 0 for layer in self.layers)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(
-            "beam search reorders the cache's rows; a ShardedKVCache supports greedy and sampling"
-        )
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("a ShardedKVCache cannot be cropped (assisted decoding rolls the cache back)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError(
-            f"num_return_sequences / num_beams {repeats} repeat the cache's rows; prefill the repeated prompts instead"
-        )
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -210,10 +78,14 @@ def prefill(
     sharded = shard_batch(ids, mesh=mesh, attention_mask=keep, device=next(model.parameters()).device)
     columns = position_ids(length + extra, mesh=mesh, layout="zigzag", device=sharded.input_ids.device) - extra
     columns = torch.where(columns >= 0, columns, -1)
-    cache = ShardedKVCache(mesh, len(modules))
+    # The entries each row sees: real prompt tokens, not the mesh's padding nor the row's own (Note [Static shard cache]).
+    prompt = mask[:, :length].to(columns.device, torch.bool)
+    seen = (columns >= 0) & prompt.gather(1, columns.clamp_min(0).expand(batch, -1))
+    cache = ShardedKVCache(mesh, len(modules), prompt_mask=prompt)
     budget = new_token_budget(model, width, {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens})
     for layer in cache.layers:
-        layer.prefill_columns, layer.prefill_length, layer.max_new_tokens = columns, length, budget
+        layer.prefill_columns, layer.prefill_seen, layer.prefill_length = columns, seen, length
+        layer.max_new_tokens = budget
     for module in modules:
         module.mesh_cp_cache = cache
     # The prefill's logits are not used (generate runs the last column): keep one per row, not (B, S / P, vocab).
@@ -274,14 +146,16 @@ def _check_same_rng(model: torch.nn.Module, mesh: CPMesh) -> None:
 
 
 class _SyncedStop(StoppingCriteria):
-    """Any rank's stopping decision for a row, on every rank (an all-reduce MAX over the mesh)."""
+    """Any rank's stopping decision for a row, on every rank (an all-reduce MAX over the mesh); raises there if a step's
+    mask dropped a generated column (Note [Static shard cache])."""
 
-    def __init__(self, criteria: StoppingCriteriaList, group: dist.ProcessGroup) -> None:
-        self.criteria, self.group = criteria, group
+    def __init__(self, criteria: StoppingCriteriaList, group: dist.ProcessGroup, cache: ShardedKVCache) -> None:
+        self.criteria, self.group, self.cache = criteria, group, cache
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         done = self.criteria(input_ids, scores, **kwargs).to(torch.int32)
         dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.group)
+        self.cache.raise_if_mask_dropped()
         return done.bool()
 
 
@@ -312,7 +186,7 @@ def generate(
         _check_same_rng(model, mesh)
     budget = new_token_budget(model, input_ids.shape[1], generate_kwargs)
     cache = prefill(model, input_ids, attention_mask, mesh=mesh, max_new_tokens=budget)
-    stops = _SyncedStop(stopping_criteria or StoppingCriteriaList(), mesh.group)
+    stops = _SyncedStop(stopping_criteria or StoppingCriteriaList(), mesh.group, cache)
     return model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -364,12 +238,16 @@ def decode_attention(
     if v.shape[-1] != q.shape[-1]:
         raise NotImplementedError(f"value head dim {v.shape[-1]} != query head dim {q.shape[-1]} in decoding")
     batch, new = q.shape[:2]
-    q_columns = torch.arange(layer.seen - new, layer.seen, device=q.device).expand(batch, new)
-    seen = (layer.columns >= 0).expand(batch, -1)
-    if mask.padding is not None:
-        seen = seen & mask.padding.to(q.device, torch.bool).index_select(1, layer.columns.clamp_min(0))
-    k_positions = torch.where(seen, layer.columns.expand(batch, -1), -1)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    if new == 1:  # the lengths form (Note [Static shard cache])
+        if index == 0:
+            cache.check_mask(mask.padding, new)
+        return decode_attn_func(q, k, v, mesh=cache.mesh, k_lengths=layer.lengths, softmax_scale=scale), None
+    q_columns = torch.arange(layer.seen - new, layer.seen, device=q.device).expand(batch, new)
+    seen = layer.columns >= 0
+    if mask.padding is not None:
+        seen = seen & mask.padding.to(q.device, torch.bool).gather(1, layer.columns.clamp_min(0))
+    k_positions = torch.where(seen, layer.columns, -1)
     out = decode_attn_func(
         q, k, v, mesh=cache.mesh, q_positions=q_columns, k_positions=k_positions, softmax_scale=scale
     )

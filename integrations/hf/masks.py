@@ -78,7 +78,7 @@ class _MaskNote:
 
 class CacheMask:
     """What :func:`mesh_cp_mask` returns for queries over a cache: the batch's 2-D padding mask (``None``: none),
-    for the decode attention of a :class:`~mesh_cp.integrations.hf.generation.ShardedKVCache` (Note [Sharded
+    for the decode attention of a :class:`~mesh_cp.integrations.hf.shard_cache.ShardedKVCache` (Note [Sharded
     generation]), or the reason it cannot be used (any other cache, a mask beyond causal and padding)."""
 
     __slots__ = ("padding", "refusal")

@@ -242,3 +242,56 @@ class CudaFlashKernel(CudaOnlyKernel):
             scale=scale,
         )
         return dq.transpose(1, 2)[..., :dim], dk.transpose(1, 2)[..., :dim], dv.transpose(1, 2)[..., :dim]
+
+
+PAGE = 256
+"""Rows of a page of a paged K/V cache: ``mha_varlen_fwd`` takes pages of a multiple of 256 rows."""
+
+
+def decode_reasons(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
+    """Every reason :func:`decode_forward` cannot run a step of ``dtype`` and ``head_dim`` on ``device`` (empty: it
+    can; Note [Flash decode] in :mod:`mesh_cp.runtime.decode`)."""
+    reasons = list(CudaFlashKernel.capabilities.not_supported_reasons(device, dtype, head_dim))
+    if head_dim % HEAD_DIM_MULTIPLE:
+        reasons.append(f"head_dim {head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} (the cache would be padded)")
+    if torch.version.hip:
+        reasons.append("PyTorch's flash kernel on ROCm has other limits; not offered there")
+    available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    if not available():
+        reasons.append("this PyTorch build has no flash attention kernel")
+    missing = sorted({"seqused_k", "block_table"} - _op_parameters())
+    if missing:
+        reasons.append(f"torch {torch.__version__}: aten._flash_attention_forward takes no {missing}")
+    if device.type == "cuda" and not torch.version.hip and _capability(device) < (8, 0):
+        reasons.append(f"FlashAttention needs compute capability >= 8.0 (Ampere), got {_capability(device)}")
+    return tuple(reasons)
+
+
+@functools.lru_cache(maxsize=16)
+def _decode_tables(batch: int, slots: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """``cu_seqlens_q``, ``cu_seqlens_k`` (int32) and the block table of one query per row over one page per row,
+    built once per shape (no call writes them)."""
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+    return cu_q, cu_q * slots, table
+
+
+def decode_forward(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, *, scale: float) -> tuple[Tensor, Tensor]:
+    """One query per row over a paged cache, in place (Note [Flash decode] in :mod:`mesh_cp.runtime.decode`): ``q
+    (B, Hq, D)``; ``k, v (B, C, Hkv, D)``, any strides but the last (a ``.transpose(1, 2)`` view of ``(B, Hkv, C,
+    D)`` storage), ``C`` a multiple of :data:`PAGE`; ``lengths (B,)`` int32: row ``b`` attends its first
+    ``lengths[b]`` entries. Returns ``out (B, Hq, D)`` in ``q``'s dtype and ``lse (B, Hq)`` fp32; a row of length 0
+    gets ``0`` and ``-inf``."""
+    batch, slots = k.shape[:2]
+    if slots % PAGE or k.stride(-1) != 1 or v.stride(-1) != 1 or lengths.dtype != torch.int32:
+        raise ValueError(
+            f"a flash decode step reads pages of a multiple of {PAGE} rows with a contiguous last dim and int32 "
+            f"lengths; got {slots} rows, strides {k.stride()} / {v.stride()}, lengths {lengths.dtype}"
+        )
+    cu_q, cu_k, table = _decode_tables(batch, slots, q.device)
+    # One page per row: the kernel reads row b's keys at k[table[b, 0]], the first seqused_k[b] of them.
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, 1, slots, 0.0, False, False, scale=scale, seqused_k=lengths, block_table=table
+    )
+    empty = (lengths == 0)[:, None]  # the kernel's lse of a row that sees nothing is not -inf
+    return out.masked_fill(empty[..., None], 0.0), lse.transpose(0, 1).masked_fill(empty, float("-inf"))

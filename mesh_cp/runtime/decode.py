@@ -10,7 +10,9 @@ part of the cache (any ``L``, 0 included, different on every rank); ``q_position
 (B, L)`` are the sequence positions of the queries and of the cache entries, ``-1`` for an entry that holds
 nothing (padding, a slot not filled yet). A query attends the entries at positions ``0 <= p <= its own``: causal
 over the cache and among the ``k`` new tokens, each row with its own length. Every rank returns the whole ``(B, k,
-Hq, D)`` result in ``q``'s dtype (combined in fp32).
+Hq, D)`` result in ``q``'s dtype (combined in fp32). A static cache passes its shard in the lengths form instead:
+``k_lengths (B,)`` int32, the first ``k_lengths[b]`` entries of row ``b`` are its cache, all before the one new
+query of the row (Note [Flash decode]).
 
 Note [Decode local step]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -20,7 +22,7 @@ cuBLAS's fp32 output for fp16/bf16 on CUDA, else the input dtype's product cast)
 step, ``(B, Hq, k, L)``, ``D / (k G)`` times smaller than ``K``; masked, its ``lse`` and probabilities ``exp(s - lse)``
 are taken in place, and ``probabilities.to(V's dtype) @ V`` is the output (fp32 results again). No copy of ``K`` or
 ``V`` is made when the shard is a ``.transpose(1, 2)`` view of a ``(B, Hkv, L, D)`` tensor (the layout of
-transformers' caches and of :class:`~mesh_cp.integrations.hf.generation.ShardedKVCache`) or ``B = 1``; a
+transformers' caches and of :class:`~mesh_cp.integrations.hf.shard_cache.ShardedKVCache`) or ``B = 1``; a
 contiguous ``(B, L, Hkv, D)`` shard of ``B > 1`` is copied once in its dtype (the batched product needs one
 stride per batch). Rows that see no entry give ``out = 0, lse = -inf``.
 
@@ -30,10 +32,27 @@ It is also the default on CUDA: the fused block kernels parallelise over blocks 
 has ``k G`` rows per K/V head, one block, so ``cuda_sdpa`` (memory-efficient attention with a bias) ran 1.7 to 14
 times slower than this step on an H200 at 8K to 128K cached tokens, where cuBLAS spreads the products over the
 shard.
+
+Note [Flash decode]
+~~~~~~~~~~~~~~~~~~~
+FlashAttention 2's varlen forward with a paged cache is a flash-decode kernel: with a ``block_table`` it always
+takes the split-KV path (``mha_varlen_fwd``: ``if (paged_KV || seqlenq_ngroups_swapped)`` sets the splits by
+the SMs' occupancy), so one query per row spreads over the whole GPU in one launch, and ``seqused_k`` says how
+many of a page's rows are filled. PyTorch's ``aten._flash_attention_forward`` takes both (``seqused_k``,
+``block_table``). A static shard cache in the lengths form is exactly that: each row's page is its ``(C, Hkv, D)``
+slice of the ``(B, Hkv, C, D)`` storage read through its strides (page ``b`` of ``k.transpose(1, 2)``, stride
+``Hkv C D`` between pages, ``D`` between rows, ``C D`` between heads; ``C`` a multiple of 256), its filled entries
+first. :func:`decode_attn_func` in the lengths form runs :func:`mesh_cp.kernels.cuda_flash.decode_forward` on
+CUDA when it can (fp16/bf16, a head dim that is a multiple of 8 up to 256, sm80+, a PyTorch whose op takes both
+keywords, ``C`` a multiple of 256; ``kernel="auto"`` logs the reasons once where it cannot) and the step of
+Note [Decode local step] otherwise: no copy of the shard either way, one kernel launch instead of about twenty,
+and the shapes stay static. A row of length 0 gets ``out = 0`` and ``lse = -inf``, as the merge takes them.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Literal
 
 import torch
@@ -42,10 +61,12 @@ from torch.distributed import ProcessGroup
 
 from mesh_cp.core.decode import DecodeReduction
 from mesh_cp.core.numerics import acc_dtype
-from mesh_cp.kernels import KernelName, resolve_kernel, takes
+from mesh_cp.kernels import KernelName, cuda_flash, resolve_kernel, takes
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.runtime.comm import all_gather
 from mesh_cp.runtime.mesh import CPMesh
+
+logger = logging.getLogger("mesh_cp")
 
 
 def reduction_groups(mesh: CPMesh | ProcessGroup) -> tuple[tuple[ProcessGroup, ...], DecodeReduction]:
@@ -69,20 +90,32 @@ def decode_attn_func(
     v: Tensor,
     *,
     mesh: CPMesh | ProcessGroup,
-    q_positions: Tensor,
-    k_positions: Tensor,
+    q_positions: Tensor | None = None,
+    k_positions: Tensor | None = None,
+    k_lengths: Tensor | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     kernel: KernelName | Literal["auto"] | BlockKernel | None = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of the replicated queries ``q`` over the cache whose shards the ranks of ``mesh`` hold (module
-    docstring); ``return_lse`` also gives the ``(B, Hq, k)`` fp32 log-sum-exp over the whole cache. Inference only
-    (run it under ``torch.no_grad()``). ``kernel`` computes the local part (:func:`decode_kernel`). One all-gather
-    per level of ``mesh`` combines the parts: one per call over a process group or a ``1 x P`` mesh."""
-    _check_inputs(q, k, v, q_positions, k_positions)
-    block = decode_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    docstring), in the positions form (``q_positions``, ``k_positions``) or the lengths form (``k_lengths`` alone,
+    one new token per row: Note [Flash decode]); ``return_lse`` also gives the ``(B, Hq, k)`` fp32 log-sum-exp over
+    the whole cache. Inference only (run it under ``torch.no_grad()``). ``kernel`` computes the local part
+    (:func:`decode_kernel`; in the lengths form ``"auto"`` is the flash decode kernel where it runs, and
+    ``"cuda_flash"`` names it). One all-gather per level of ``mesh`` combines the parts: one per call over a process
+    group or a ``1 x P`` mesh."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = local_attention(block, q, k, v, q_positions, k_positions, scale)
+    if k_lengths is not None:
+        if q_positions is not None or k_positions is not None:
+            raise ValueError("pass the cache in one form: k_lengths alone, or q_positions and k_positions")
+        _check_lengths(q, k, v, k_lengths)
+        out, lse = lengths_attention(kernel, q, k, v, k_lengths, scale)
+    else:
+        if q_positions is None or k_positions is None:
+            raise ValueError("decode_attn_func needs q_positions and k_positions, or k_lengths (Note [Flash decode])")
+        _check_inputs(q, k, v, q_positions, k_positions)
+        block = decode_kernel(kernel, q.device, q.dtype, q.shape[-1])
+        out, lse = local_attention(block, q, k, v, q_positions, k_positions, scale)
     out, lse = combine(out, lse, mesh)
     return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
 
@@ -98,6 +131,48 @@ def decode_kernel(
     if not takes(block, "mask"):
         raise ValueError(f"kernel {block.name!r} takes no mask; decoding needs one: use kernel='auto' or None")
     return block
+
+
+def lengths_attention(
+    kernel: KernelName | Literal["auto"] | BlockKernel | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """:func:`local_attention` of the lengths form (Note [Flash decode]): ``q (B, 1, Hq, D)`` over the first
+    ``lengths[b]`` entries of each row of ``k, v (B, C, Hkv, D)``; ``(out (B, 1, Hq, D), lse (B, Hq, 1))`` in fp32
+    (fp64 for fp64 inputs). The flash decode kernel for ``"auto"`` where it runs (:func:`flash_decode_reasons`) or
+    ``"cuda_flash"`` (which raises with the reasons where it cannot), else the positions form's step."""
+    reasons = flash_decode_reasons(q, k)
+    if kernel == "cuda_flash" and reasons:
+        raise NotImplementedError(f"the flash decode kernel cannot run this step: {'; '.join(reasons)}")
+    if kernel in ("auto", None, "cuda_flash") and not reasons:
+        out, lse = cuda_flash.decode_forward(q[:, 0], k, v, lengths, scale=scale)
+        acc = acc_dtype(q.dtype)
+        return out[:, None].to(acc), lse[..., None].to(acc)
+    if kernel in ("auto", None):
+        _log_no_flash_decode(reasons)
+    slots = torch.arange(k.shape[1], device=k.device)
+    k_positions = torch.where(slots < lengths[:, None], 0, -1)  # every entry of the prefix is seen by the query
+    q_positions = torch.zeros(q.shape[0], 1, dtype=torch.long, device=q.device)
+    return local_attention(
+        decode_kernel(kernel, q.device, q.dtype, q.shape[-1]), q, k, v, q_positions, k_positions, scale
+    )
+
+
+def flash_decode_reasons(q: Tensor, k: Tensor) -> tuple[str, ...]:
+    """Every reason the flash decode kernel cannot run a lengths-form step over ``k`` (empty: it can)."""
+    reasons = list(cuda_flash.decode_reasons(q.device, q.dtype, q.shape[-1]))
+    if k.shape[1] % cuda_flash.PAGE:
+        reasons.append(f"the shard's {k.shape[1]} slots are not a multiple of {cuda_flash.PAGE} (a page)")
+    return tuple(reasons)
+
+
+@functools.cache
+def _log_no_flash_decode(reasons: tuple[str, ...]) -> None:
+    logger.info("mesh_cp: decoding with the local step, not the flash decode kernel: %s", "; ".join(reasons))
 
 
 def visibility(q_positions: Tensor, k_positions: Tensor) -> Tensor:
@@ -198,7 +273,7 @@ def merge_pieces(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     return out, top + torch.log(total)
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, k_positions: Tensor) -> None:
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(
             "decode_attn_func is for inference: call it under torch.no_grad() (its all-gathers have no gradient)"
@@ -208,11 +283,30 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, k_positi
             f"q must be (B, k, Hq, D) and k, v (B, L, Hkv, D) of one shape; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
             f"v {tuple(v.shape)}"
         )
-    batch, new, heads, dim = q.shape
+    batch, _, heads, dim = q.shape
     if k.shape[0] != batch or k.shape[3] != dim or heads % k.shape[2]:
         raise ValueError(
             f"k {tuple(k.shape)} does not fit q {tuple(q.shape)}: same batch and head dim, and Hq a multiple of Hkv"
         )
+
+
+def _check_lengths(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> None:
+    _check_shapes(q, k, v)
+    if q.shape[1] != 1:
+        raise ValueError(
+            f"the lengths form takes one new token per row, got q {tuple(q.shape)} ({q.shape[1]} new tokens); pass "
+            "q_positions and k_positions for several (causal among them)"
+        )
+    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (q.shape[0],) or lengths.device != q.device:
+        raise ValueError(
+            f"k_lengths must be a (B,) = ({q.shape[0]},) int32 tensor on {q.device}, got {tuple(lengths.shape)} "
+            f"{lengths.dtype} on {lengths.device}"
+        )
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, k_positions: Tensor) -> None:
+    _check_shapes(q, k, v)
+    batch, new = q.shape[:2]
     if tuple(q_positions.shape) != (batch, new) or tuple(k_positions.shape) != (batch, k.shape[1]):
         raise ValueError(
             f"q_positions {tuple(q_positions.shape)} must be (B, k) = {(batch, new)} and k_positions "

@@ -148,6 +148,7 @@ def static_cache(model, reference, mesh) -> dict:
     from mesh_cp.debug import CommCounter
     from mesh_cp.integrations import hf
     from mesh_cp.integrations.hf.compat import cache_keyword
+    from mesh_cp.kernels.base import round_up
     from mesh_cp.runtime.decode import reduction_groups
     from mesh_cp.testing.models import VOCAB
 
@@ -171,18 +172,34 @@ def static_cache(model, reference, mesh) -> dict:
         "tokens": torch.equal(got.sequences, want.sequences),
         "storages": {tuple(step[i][:3] for step in probe.steps) == (probe.steps[0][i][:3],) * len(probe.steps)
                      for i in range(len(cache.layers))},
-        "capacity": (probe.steps[0][0][2][2], prompt_slots + -(-NEW_TOKENS // mesh.size)),
+        "capacity": (probe.steps[0][0][2][2], round_up(prompt_slots + -(-NEW_TOKENS // mesh.size), 256)),
         "filled": probe.steps[-1][0][3] - prompt_slots,
+        "prefix": [prefix_layout(layer) for layer in cache.layers],
         "collectives": ({r.op for r in counter.records}, len(counter.records), calls),
         "bytes": (counter.bytes_sent(), calls * reduction_groups(mesh)[1].bytes_sent(shape)),
     }  # fmt: skip
     small = hf.prefill(model, ids, mask, mesh=mesh, max_new_tokens=2)
     expect_error(
         results, "overflow", ValueError,
-        rf"capacity is {prompt_slots + -(-2 // mesh.size)} slots per rank .*max_new_tokens=2.*prefill with a larger",
+        rf"holds {-(-2 // mesh.size)} new columns per rank \(max_new_tokens=2 over {mesh.size} ranks\).*prefill with a "
+        "larger",
         lambda: model.generate(input_ids=ids, attention_mask=mask, **{cache_keyword(model): small}, **options),
     )  # fmt: skip
+    other = hf.prefill(model, ids, mask, mesh=mesh, max_new_tokens=NEW_TOKENS)
+    expect_error(
+        results, "other mask", ValueError, r"must be the prompt's mask that prefill was given, then ones",
+        lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(mask), **{cache_keyword(model): other},
+                               **options),
+    )  # fmt: skip
     return results
+
+
+def prefix_layout(layer) -> bool:
+    """Each row's entries are its first ``lengths[b]`` slots (columns >= 0 there, -1 after), each column held once,
+    and the row's entries are the prompt's real tokens and the new columns: no padding slot."""
+    columns, lengths = layer.columns, layer.lengths.long()
+    slots = torch.arange(columns.shape[1])
+    return bool(((columns >= 0) == (slots < lengths[:, None])).all())
 
 
 def refusals(model, mesh, ids, mask) -> dict:
@@ -272,32 +289,41 @@ def test_static_cache_in_place_one_collective_and_overflow(results) -> None:
         assert ops == {"all_gather"} and count == calls, (rank, got)  # one per layer and token
         assert got["bytes"][0] == got["bytes"][1], (rank, got)
         assert got["overflow"] is True, (rank, got["overflow"])
+        assert got["other mask"] is True, (rank, got["other mask"])
+        assert got["prefix"] == [True] * len(got["prefix"]), (rank, got["prefix"])
 
 
 def test_shard_layers_fill_in_place_and_refuse_the_same_column() -> None:
-    from mesh_cp.integrations.hf.generation import ShardedLayer
+    from mesh_cp.integrations.hf.shard_cache import ShardedLayer
 
     world, prompt, budget, batch, heads, dim = 3, 5, 6, 2, 2, 4
     layers = [ShardedLayer(rank, world) for rank in range(world)]
-    for rank, layer in enumerate(layers):  # two prompt columns each, one rank holding a padding slot (-1)
+    for rank, layer in enumerate(layers):  # two prompt columns each; rank 0 holds a padding slot (-1), row 1 pads 0
         columns = torch.tensor([[0, 5], [1, 4], [2, 3]][rank]) if rank else torch.tensor([-1, 0])
-        layer.prefill_columns, layer.prefill_length, layer.max_new_tokens = columns, prompt, budget
-        layer.update(torch.zeros(batch, heads, 2, dim), torch.zeros(batch, heads, 2, dim))
+        seen = (columns >= 0) & (columns[None] != torch.tensor([[-2], [0]]))
+        layer.prefill_columns, layer.prefill_seen, layer.prefill_length = columns, seen, prompt
+        layer.max_new_tokens = budget
+        layer.update(*(columns.float()[None, None, :, None].expand(batch, heads, 2, dim) for _ in "kv"))
     where = [(ly.keys.data_ptr(), ly.values.data_ptr(), ly.columns.data_ptr()) for ly in layers]
     seen = prompt
     for new in (1, 3, 2):  # budget columns in all
         keys = torch.arange(seen, seen + new, dtype=torch.float32)[None, None, :, None].expand(batch, heads, -1, dim)
         for layer in layers:
             out_k, out_v = layer.update(keys, -keys)
-            assert out_k is layer.keys and tuple(out_k.shape) == (batch, heads, 2 + budget // world, dim)
+            assert out_k is layer.keys and tuple(out_k.shape) == (batch, heads, 256, dim)
         seen += new
     assert [(ly.keys.data_ptr(), ly.values.data_ptr(), ly.columns.data_ptr()) for ly in layers] == where
-    held = sorted(c for ly in layers for c in ly.columns[2:].tolist() if c >= 0)
-    assert held == list(range(prompt, prompt + budget)), held
+    for row, skipped in ((0, set()), (1, {0})):  # every column the row sees, once, at the front of some shard
+        held = sorted(c for ly in layers for c in ly.columns[row, : int(ly.lengths[row])].tolist())
+        assert held == sorted(set(range(prompt + budget)) - skipped), (row, held)
     for layer in layers:
-        filled = layer.columns[2 : layer.length]
-        assert torch.equal(layer.keys[0, 0, 2 : layer.length, 0], filled.float())
-        assert torch.equal(layer.values[0, 1, 2 : layer.length, 0], -filled.float())
+        for row in range(batch):
+            length = int(layer.lengths[row])
+            filled = layer.columns[row, :length].float()
+            assert (layer.columns[row, length:] == -1).all()
+            assert torch.equal(layer.keys[row, 0, :length, 0], filled), (row, layer.keys[row, 0, :length, 0])
+            new = filled >= prompt
+            assert torch.equal(layer.values[row, 1, :length, 0][new], -filled[new])
     for layer in layers:  # the next column fits no longer on rank 0: every rank refuses it
-        with pytest.raises(ValueError, match=r"capacity is 4 slots per rank \(the prompt's 2 and max_new_tokens=6"):
+        with pytest.raises(ValueError, match=r"holds 2 new columns per rank \(max_new_tokens=6 over 3 ranks\)"):
             layer.update(keys[:, :, :1], keys[:, :, :1])
