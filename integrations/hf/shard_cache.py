@@ -29,8 +29,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from mesh_cp.kernels.base import round_up
-from mesh_cp.kernels.cuda_flash import PAGE
+from mesh_cp.runtime.decode import cache_slots
 from mesh_cp.runtime.mesh import CPMesh
 
 
@@ -71,7 +70,7 @@ class ShardedLayer(CacheLayerMixin):
             raise ValueError("the prefill of a ShardedKVCache must be its first update, with the shard's columns")
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, heads, _, _ = key_states.shape
-        slots = round_up(self.prefill_columns.numel() + -(-self.max_new_tokens // self.world), PAGE)
+        slots = cache_slots(self.prefill_columns.numel() + -(-self.max_new_tokens // self.world))
         # Zeros, not empty: an unfilled slot's value is multiplied by its probability 0, which must not make a nan.
         self.keys = key_states.new_zeros(batch, heads, slots, key_states.shape[-1])
         self.values = value_states.new_zeros(batch, value_states.shape[1], slots, value_states.shape[-1])

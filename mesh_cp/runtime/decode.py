@@ -162,6 +162,12 @@ def lengths_attention(
     )
 
 
+def cache_slots(entries: int) -> int:
+    """The slots of a static shard cache for ``entries``: rounded up to a page of the flash decode kernel (Note [Flash
+    decode])."""
+    return -(-entries // cuda_flash.PAGE) * cuda_flash.PAGE
+
+
 def flash_decode_reasons(q: Tensor, k: Tensor) -> tuple[str, ...]:
     """Every reason the flash decode kernel cannot run a lengths-form step over ``k`` (empty: it can)."""
     reasons = list(cuda_flash.decode_reasons(q.device, q.dtype, q.shape[-1]))
