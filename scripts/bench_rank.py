@@ -22,10 +22,11 @@ in ``mesh_cp/core/balance.py``) and a table of every packed row's busiest rank's
 it adds each packed row split over the ranks (``packed long split``, ...; Note [Split documents]).
 
 Decode rows: per step, rank 0's part of Tree-Attention decoding of one query over a cache of ``S = P L``
-tokens (:func:`mesh_cp.runtime.decode.local_attention` over its ``L``-token shard, then a ``merge_`` in fp32
-standing for the combine; its all-gather needs a process group and is not timed), against the same
-attention over the whole cache in one process, both with what ``decode_attn_func`` runs by default
-(:func:`mesh_cp.runtime.decode.decode_kernel` of ``"auto"``: the step of Note [Decode local step]).
+tokens in the lengths form of a static cache (:func:`mesh_cp.runtime.decode.lengths_attention` over its
+``L``-token shard: the flash decode kernel of Note [Flash decode] where it runs, else the step of Note [Decode
+local step]; then a ``merge_`` in fp32 standing for the combine; its all-gather needs a process group and is not
+timed), against the same form over the whole cache in one process (on a GPU, a single-process flash decode); and
+the rank's part in the positions form (the local step), for comparison.
 
 Times are the best of ``--repeats`` runs after one warm-up, with ``torch.cuda.synchronize()`` around each on CUDA.
 
@@ -50,7 +51,13 @@ from mesh_cp.core.numerics import acc_dtype, attention_delta, document_ids, merg
 from mesh_cp.core.split import split_documents
 from mesh_cp.kernels import capabilities_of, resolve_kernel
 from mesh_cp.runtime.call import AttentionCall
-from mesh_cp.runtime.decode import decode_kernel, local_attention
+from mesh_cp.runtime.decode import (
+    cache_slots,
+    decode_kernel,
+    flash_decode_reasons,
+    lengths_attention,
+    local_attention,
+)
 from mesh_cp.runtime.executors import backward_blocks, forward_blocks
 from mesh_cp.sim.memory import compute_bytes
 
@@ -241,38 +248,55 @@ def single_call(args, kernel, heads: int, kv_heads: int, pairs: int) -> dict:
 
 
 def decode_row(args, L: int, heads: int, kv_heads: int) -> dict:
-    """One decode step: rank 0's local attention over its ``L``-token shard + merge, against one process."""
+    """One decode step: rank 0's part over its ``L``-token shard + merge, against one process over the whole cache,
+    both in the lengths form of a static cache (Note [Flash decode]); and rank 0's part in the positions form."""
     device, dtype, dim = args.device, args.dtype, args.head_dim
     context = args.world * L
     gen = torch.Generator(device).manual_seed(args.seed + 2)
     q = torch.randn((1, 1, heads, dim), generator=gen, device=device, dtype=dtype)
-    k_all, v_all = (torch.randn((1, context, kv_heads, dim), generator=gen, device=device, dtype=dtype) for _ in "kv")
-    positions = torch.arange(context, device=device)[None]
+
+    def static_cache(entries: int):  # (1, Hkv, C, D) storage read as (1, C, Hkv, D), its first entries filled
+        shape = (1, kv_heads, cache_slots(entries), dim)
+        k, v = (torch.randn(shape, generator=gen, device=device, dtype=dtype).transpose(1, 2) for _ in "kv")
+        return k, v, torch.full((1,), entries, dtype=torch.int32, device=device)
+
+    k_shard, v_shard, used = static_cache(L)
+    k_all, v_all, used_all = static_cache(context)
+    positions = torch.arange(L, device=device)[None]
     q_pos = torch.full((1, 1), context, device=device)
-    k_shard, v_shard, p_shard = k_all[:, :L], v_all[:, :L], positions[:, :L]
     scale, acc = dim**-0.5, acc_dtype(dtype)
-    block = decode_kernel("auto", device, dtype, dim)
 
-    def rank_step():
-        out, lse = local_attention(block, q, k_shard, v_shard, q_pos, p_shard, scale)
-        o_acc = torch.zeros((1, 1, heads, dim), dtype=acc, device=device)
-        lse_acc = torch.full((1, heads, 1), float("-inf"), dtype=acc, device=device)
-        merge_(o_acc, lse_acc, out, lse)
-        return o_acc
+    def merged(step):
+        def run():
+            out, lse = step()
+            o_acc = torch.zeros((1, 1, heads, dim), dtype=acc, device=device)
+            lse_acc = torch.full((1, heads, 1), float("-inf"), dtype=acc, device=device)
+            merge_(o_acc, lse_acc, out, lse)
+            return o_acc
 
+        return run
+
+    local = decode_kernel("auto", device, dtype, dim)
     with torch.no_grad():
         repeats = max(args.repeats, 20)
-        t_rank, _ = timed(rank_step, repeats, device)
-        t_one, _ = timed(lambda: local_attention(block, q, k_all, v_all, q_pos, positions, scale), repeats, device)
+        t_rank, _ = timed(merged(lambda: lengths_attention("auto", q, k_shard, v_shard, used, scale)), repeats, device)
+        t_one, _ = timed(lambda: lengths_attention("auto", q, k_all, v_all, used_all, scale), repeats, device)
+        t_local, _ = timed(
+            merged(lambda: local_attention(local, q, k_shard[:, :L], v_shard[:, :L], q_pos, positions, scale)),
+            repeats,
+            device,
+        )
     return {
         "kind": "decode",
         "L": L,
         "heads": heads,
         "kv_heads": kv_heads,
         "context": context,
+        "kernel": "local step" if flash_decode_reasons(q, k_shard) else "flash decode",
         "rank_ms": t_rank * 1e3,
         "single_ms": t_one * 1e3,
         "ratio": t_rank / t_one,
+        "local_step_ms": t_local * 1e3,
     }
 
 
@@ -308,15 +332,16 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             )
     lines += [
         "",
-        f"Decode, one query per step, {meta['decode_kernel']} (rank: local attention + merge; all-gather not timed)",
+        "Decode, one query per step, the lengths form (rank: its shard + merge; all-gather not timed; one process: "
+        "the whole cache), and the rank's part in the positions form (local step)",
         "",
-        "| L | heads | context | rank ms/step | one process ms/step | rank / one process |",
-        "|---|---|---|---|---|---|",
+        "| L | heads | context | kernel | rank ms/step | one process ms/step | rank / one process | local step ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in decode:
         lines.append(
-            f"| {r['L']:,} | {r['heads']}:{r['kv_heads']} | {r['context']:,} | {r['rank_ms']:.3f} | "
-            f"{r['single_ms']:.3f} | {r['ratio']:.3f} |"
+            f"| {r['L']:,} | {r['heads']}:{r['kv_heads']} | {r['context']:,} | {r['kernel']} | {r['rank_ms']:.3f} | "
+            f"{r['single_ms']:.3f} | {r['ratio']:.3f} | {r['local_step_ms']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -382,7 +407,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "head_dim": args.head_dim,
         "kernel": kernel.name,
         "masked_kernel": masked_kernel.name,
-        "decode_kernel": getattr(decode_kernel("auto", args.device, args.dtype, args.head_dim), "name", "decode_step"),
         "doc_scale": args.doc_scale,
         "repeats": args.repeats,
         "seed": args.seed,

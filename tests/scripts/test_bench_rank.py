@@ -59,4 +59,5 @@ def test_bench_rank_quick(tmp_path: Path) -> None:
             assert r["pairs"] < train[(L, (heads, kv_heads), "causal")]["pairs"]
     for r in decode.values():
         assert r["context"] == WORLD * L
-        assert r["rank_ms"] > 0 and r["single_ms"] > 0 and r["ratio"] > 0
+        assert r["rank_ms"] > 0 and r["single_ms"] > 0 and r["ratio"] > 0 and r["local_step_ms"] > 0
+        assert r["kernel"] == "local step"  # the flash decode kernel runs on CUDA only
