@@ -242,6 +242,50 @@ def kernel_rows(opts: Options) -> list[Row]:
     return rows
 
 
+DECODE_SHAPES = (("MHA 8:8 d128", 8, 8, 128, 512, (0, 7, 512)), ("GQA 8:2 d64", 8, 2, 64, 256, (255, 1, 100)))
+"""Flash decode cases: label, heads, K/V heads, head dim, slots per row, each row's filled slots."""
+
+
+def flash_decode_rows(opts: Options) -> list[Row]:
+    """The flash decode kernel (Note [Flash decode] in ``mesh_cp/runtime/decode.py``) over a static cache read in
+    place, one query per row, against fp64 over each row's filled slots (a row of none and a full row included), with
+    the positions form's local step in the same dtype as the plain reference of flash-attn's rule."""
+    from mesh_cp.runtime.decode import flash_decode_reasons, lengths_attention, local_attention
+
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for label, heads, kv_heads, dim, slots, lengths in DECODE_SHAPES:
+            case = f"flash decode {DTYPE_NAMES[dtype]} {label}"
+            if not selected(opts, case):
+                continue
+
+            def check(heads=heads, kv_heads=kv_heads, dim=dim, slots=slots, lengths=lengths, dtype=dtype) -> Verdict:
+                gen = torch.Generator(opts.device).manual_seed(dim + heads)
+                q = torch.randn(len(lengths), 1, heads, dim, generator=gen, device=opts.device, dtype=dtype)
+                shape = (len(lengths), kv_heads, slots, dim)
+                k, v = (torch.randn(shape, generator=gen, device=opts.device, dtype=dtype) for _ in "kv")
+                k, v = k.transpose(1, 2), v.transpose(1, 2)  # the (B, Hkv, C, D) cache read in place
+                used = torch.tensor(lengths, dtype=torch.int32, device=opts.device)
+                why = flash_decode_reasons(q, k)
+                if why:
+                    raise Skip("; ".join(why))
+                with torch.no_grad():
+                    out, lse = lengths_attention("cuda_flash", q, k, v, used, dim**-0.5)
+                    positions = torch.where(torch.arange(slots, device=opts.device) < used[:, None], 0, -1)
+                    zeros = torch.zeros(len(lengths), 1, dtype=torch.long, device=opts.device)
+                    plain = local_attention(None, q, k, v, zeros, positions, dim**-0.5)
+                    gold = local_attention(None, q.double(), k.double(), v.double(), zeros, positions, dim**-0.5)
+                finite = torch.isfinite(gold[1])
+                if not torch.equal(finite, torch.isfinite(lse)):
+                    return Verdict(False, "lse is not -inf exactly where a row has no entry", math.inf)
+                got = {"out": out, "lse": lse[finite]}
+                return judge(got, {"out": gold[0], "lse": gold[1][finite]}, {"out": plain[0], "lse": plain[1][finite]},
+                             dtype)  # fmt: skip
+
+            rows.append(run_case("kernels", case, check, opts.device))
+    return rows
+
+
 def failed_row(section: str, case: str, err: Exception) -> Row:
     return Row(section, case, FAIL, describe_error(err), 0.0, math.inf)
 
@@ -685,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     steps: list[tuple[str, Callable[[], list[Row]]]] = []
     if "kernels" in opts.sections:
-        steps.append(("kernels", lambda: kernel_rows(opts)))
+        steps.append(("kernels", lambda: kernel_rows(opts) + flash_decode_rows(opts)))
     steps.append(("skipped", lambda: skipped_jobs_rows(opts)))
     for job in spawned_jobs(opts):
         steps.append((job.label, lambda job=job: run_job(job, opts.job_timeout_s)))
