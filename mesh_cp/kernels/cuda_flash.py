@@ -42,6 +42,7 @@ import functools
 
 import torch
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
 from mesh_cp.kernels import varlen
 from mesh_cp.kernels.base import (
@@ -289,9 +290,20 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, *, scale: f
             f"lengths; got {slots} rows, strides {k.stride()} / {v.stride()}, lengths {lengths.dtype}"
         )
     cu_q, cu_k, table = _decode_tables(batch, slots, q.device)
-    # One page per row: the kernel reads row b's keys at k[table[b, 0]], the first seqused_k[b] of them.
+    # One page per row: the kernel reads row b's keys at k[table[b, 0]], the first seqused_k[b] of them. A row of
+    # none reads one (its result is replaced below): the kernel's write for an empty row lands on another row's lse.
+    extra = {"num_splits": 1} if _splits_corrupt(batch, q.shape[1], k.shape[2]) else {}
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, 1, slots, 0.0, False, False, scale=scale, seqused_k=lengths, block_table=table
-    )
-    empty = (lengths == 0)[:, None]  # the kernel's lse of a row that sees nothing is not -inf
+        q, k, v, cu_q, cu_k, 1, slots, 0.0, False, False, scale=scale, seqused_k=lengths.clamp_min(1),
+        block_table=table, **extra,
+    )  # fmt: skip
+    empty = (lengths == 0)[:, None]
     return out.masked_fill(empty[..., None], 0.0), lse.transpose(0, 1).masked_fill(empty, float("-inf"))
+
+
+def _splits_corrupt(batch: int, heads: int, kv_heads: int) -> bool:
+    """Whether the kernel's own choice of splits would write wrong rows (Note [Flash decode]): PyTorch 2.13 (which
+    first passes ``num_splits`` to FlashAttention 2) picks several for a paged call, whose combine then writes every
+    row over the first unless the query heads were swapped in (GQA, one query per row)."""
+    swapped = heads > kv_heads
+    return batch > 1 and not swapped and TorchVersion(torch.__version__) >= "2.13.0.dev0"

@@ -47,6 +47,16 @@ CUDA when it can (fp16/bf16, a head dim that is a multiple of 8 up to 256, sm80+
 keywords, ``C`` a multiple of 256; ``kernel="auto"`` logs the reasons once where it cannot) and the step of
 Note [Decode local step] otherwise: no copy of the shard either way, one kernel launch instead of about twenty,
 and the shapes stay static. A row of length 0 gets ``out = 0`` and ``lse = -inf``, as the merge takes them.
+
+Two faults of PyTorch 2.13's copy, read in its ``flash_api.cpp`` and FlashAttention's kernels (not worked around
+by PyTorch at the time of writing; pytorch/pytorch#194167) are kept away from: with ``num_splits`` left to the
+kernel (2.13 is the first to pass it to FlashAttention 2), a paged call without the GQA swap (MHA, or any call
+with ``Hq = Hkv``) of more than one row can pick several splits, whose combine writes every row's output at the
+first row's place; and a sequence of ``seqused_k = 0`` writes its ``+inf`` lse at a padded index, another row's
+entry in the unpadded ``(H, total_q)`` statistics. So such calls pass ``num_splits=1`` (one split per row and head:
+no split-KV for MHA batches, the GQA swap and single rows keep it), and an empty row reads one entry, its result
+replaced by ``0`` and ``-inf``. 2.12 takes ``block_table`` but refuses ``num_splits`` for FlashAttention 2 and
+does not split a paged call on its own.
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ page]`` through the key tensor's own strides, reads only the first ``seqused_k[b
 total_q)`` fp32 statistics. Through it, :func:`mesh_cp.kernels.cuda_flash.decode_forward` over a ``(B, Hkv, C, D)``
 cache read as its ``.transpose(1, 2)`` view must equal an fp64 softmax over each row's first ``lengths[b]`` entries
 (fp16 and bf16, MHA and GQA, a row of length 0, a full row, unfilled slots holding large values) and the lengths
-form's other step (the positions form's local step), and the lengths form refuses what it cannot take by name.
+form's other step (the positions form's local step), and the lengths form refuses what it cannot take by name. The
+emulation also does what PyTorch 2.13's kernels do wrong (Note [Flash decode]): an unswapped call of several rows
+left to pick its own splits leaves rows unwritten, and an empty row's lse lands on another row's; the call must
+steer clear of both (the test fails without either guard).
 """
 
 from __future__ import annotations
@@ -45,15 +48,19 @@ def _paged_fwd(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
     assert cum_seq_q.dtype == cum_seq_k.dtype == torch.int32 and cum_seq_k.shape == (batch + 1,)
     assert seqused_k is not None and seqused_k.dtype == torch.int32 and seqused_k.shape == (batch,)
     assert seqused_k.is_contiguous() and dropout_p == 0.0 and not return_debug_mask and alibi_slopes is None
-    assert window_size_left in (None, -1) and window_size_right in (None, -1) and num_splits in (None, 0)
+    assert window_size_left in (None, -1) and window_size_right in (None, -1) and num_splits in (None, 0, 1)
     assert query.shape[1] % key.shape[2] == 0 and query.shape[2] == key.shape[3] <= 256 and key.shape[3] % 8 == 0
     group = query.shape[1] // key.shape[2]
+    swapped = max_q == 1 and group > 1  # seqlenq_ngroups_swapped: the GQA heads of one query as its rows
     cu_q, used, table = cum_seq_q.tolist(), seqused_k.tolist(), block_table.tolist()
     out = torch.zeros_like(query)
     lse = torch.full((query.shape[1], query.shape[0]), float("inf"))  # a query that sees nothing
+    empty = []
     for b in range(batch):
         n = used[b]
         assert 0 <= n <= max_k and n <= page * len(table[b]), (n, max_k)
+        if n == 0:
+            empty.append(b)
         if n == 0 or cu_q[b] == cu_q[b + 1]:
             continue
         rows = [(table[b][i // page], i % page) for i in range(n)]
@@ -66,6 +73,12 @@ def _paged_fwd(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
             raise AssertionError("a causal paged call is not emulated")
         lse[:, cu_q[b] : cu_q[b + 1]] = torch.logsumexp(s, -1).float()
         out[cu_q[b] : cu_q[b + 1]] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), values).to(query.dtype)
+    # PyTorch 2.13's faults (Note [Flash decode]): several splits of an unswapped call write every row at row 0's
+    # place, leaving the others unwritten; an empty sequence writes +inf at a padded index of the unpadded lse.
+    if num_splits in (None, 0) and not swapped and batch > 1:
+        out[cu_q[1] :] = float("nan")
+    for b in empty:
+        lse.view(-1)[b * query.shape[1] : (b + 1) * query.shape[1]] = float("inf")
     rng = torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
     return out, lse, *rng, torch.empty(0, dtype=query.dtype)
 
@@ -167,3 +180,15 @@ def test_named_kernel_names_every_reason_on_cpu() -> None:
     q, k, v, used = cache(2, (4, 2), 12, 256, [3, 0], torch.float32, seed=3)
     with pytest.raises(NotImplementedError, match=r"cannot run this step: .*float32.*multiple of 8"):
         lengths_attention("cuda_flash", q, k, v, used, 1.0)
+
+
+@pytest.mark.parametrize(
+    "version, batch, heads, want",
+    [("2.13.0", 2, (4, 4), True), ("2.13.0.dev20260501", 3, (8, 8), True), ("2.12.1", 2, (4, 4), False),
+     ("2.13.0", 1, (4, 4), False), ("2.13.0", 4, (8, 2), False)],
+)  # fmt: skip
+def test_one_split_only_where_the_kernels_own_splits_would_corrupt_rows(monkeypatch, version, batch, heads, want):
+    """2.12 refuses ``num_splits`` for FlashAttention 2 (and does not split a paged call itself); from 2.13 an
+    unswapped call of several rows must pass ``num_splits=1``."""
+    monkeypatch.setattr(torch, "__version__", version)
+    assert cuda_flash._splits_corrupt(batch, *heads) is want
