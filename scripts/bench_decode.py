@@ -88,9 +88,13 @@ def merge(acc: tuple, part: tuple) -> tuple:
     return w1 * o1 + w2 * o2, lse
 
 
-def ring_decode_attn_func(q, k, v, *, mesh, q_positions, k_positions, softmax_scale=None):
+def ring_decode_attn_func(q, k, v, *, mesh, q_positions=None, k_positions=None, k_lengths=None, softmax_scale=None):
     """:func:`mesh_cp.decode_attn_func`'s result by Ring Attention: the shards ``(B, L, Hkv, D)`` (any lengths)
-    go around all ranks of ``mesh``'s CP group, each rank merging every shard's result; no reduction."""
+    go around all ranks of ``mesh``'s CP group, each rank merging every shard's result; no reduction. The lengths
+    form is taken as its positions (every entry of a row's prefix seen by its one query)."""
+    if k_lengths is not None:
+        k_positions = torch.where(torch.arange(k.shape[1], device=k.device) < k_lengths[:, None], 0, -1)
+        q_positions = torch.zeros(q.shape[0], 1, dtype=torch.long, device=q.device)
     group = getattr(mesh, "group", mesh)
     world, rank = group.size(), group.rank()
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
@@ -184,15 +188,16 @@ def run_sharded(model, mesh, ids, mask, new_tokens: int) -> dict:
     cache = prefill(model, ids, mask, mesh=mesh, max_new_tokens=new_tokens)
     prefill_s = time.perf_counter() - start
     # generate writes the new columns into the preallocated slots: keep the prefilled state to decode again (the
-    # slots it filled are hidden again by their column, -1).
-    prefilled = [(layer.columns.clone(), layer.seen, layer.length) for layer in cache.layers]
+    # slots it filled are past the rows' lengths again, their column -1).
+    prefilled = [(layer.columns.clone(), layer.lengths.clone(), layer.seen, layer.length) for layer in cache.layers]
     dist.barrier()
     start = time.perf_counter()
     out = _generate(model, ids, mask, cache, new_tokens)
     decode_s = time.perf_counter() - start
     kv_bytes = _kv_bytes(cache)
-    for layer, (columns, seen, length) in zip(cache.layers, prefilled, strict=True):
+    for layer, (columns, lengths, seen, length) in zip(cache.layers, prefilled, strict=True):
         layer.columns.copy_(columns)
+        layer.lengths.copy_(lengths)
         layer.seen, layer.length = seen, length
     dist.barrier()
     with CommCounter() as counter:
