@@ -146,16 +146,14 @@ def _check_same_rng(model: torch.nn.Module, mesh: CPMesh) -> None:
 
 
 class _SyncedStop(StoppingCriteria):
-    """Any rank's stopping decision for a row, on every rank (an all-reduce MAX over the mesh); raises there if a step's
-    mask dropped a generated column (Note [Static shard cache])."""
+    """Any rank's stopping decision for a row, on every rank (an all-reduce MAX over the mesh)."""
 
-    def __init__(self, criteria: StoppingCriteriaList, group: dist.ProcessGroup, cache: ShardedKVCache) -> None:
-        self.criteria, self.group, self.cache = criteria, group, cache
+    def __init__(self, criteria: StoppingCriteriaList, group: dist.ProcessGroup) -> None:
+        self.criteria, self.group = criteria, group
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         done = self.criteria(input_ids, scores, **kwargs).to(torch.int32)
         dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.group)
-        self.cache.raise_if_mask_dropped()
         return done.bool()
 
 
@@ -186,8 +184,8 @@ def generate(
         _check_same_rng(model, mesh)
     budget = new_token_budget(model, input_ids.shape[1], generate_kwargs)
     cache = prefill(model, input_ids, attention_mask, mesh=mesh, max_new_tokens=budget)
-    stops = _SyncedStop(stopping_criteria or StoppingCriteriaList(), mesh.group, cache)
-    return model.generate(
+    stops = _SyncedStop(stopping_criteria or StoppingCriteriaList(), mesh.group)
+    out = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
         **{cache_keyword(model): cache},
@@ -195,6 +193,8 @@ def generate(
         streamer=streamer if mesh.rank == 0 else None,
         **generate_kwargs,
     )
+    cache.raise_if_mask_dropped()  # Note [Static shard cache]: one read, after decoding
+    return out
 
 
 _NOT_IN_DECODING = {

@@ -19,8 +19,8 @@ step, naming the capacity and the fix.
 The lengths form holds when the steps' padding mask is the prompt's, then ones: ``generate`` extends the mask
 with ones. The first one-token step reads the mask once (one read per ``generate``) and compares it with the
 prefill's; every later step checks its new column on the device and keeps the verdict, which
-:func:`generate`'s stopping check reads with the decisions it already reads, raising there at the step that broke
-it; a mask that differs raises at the first step, naming the fix.
+:func:`~mesh_cp.integrations.hf.generation.generate` reads once when decoding ends, raising instead of returning
+the sequences; a mask that differs from the prompt's raises at the first step, naming the fix.
 """
 
 from __future__ import annotations
@@ -160,13 +160,13 @@ class ShardedKVCache(Cache):
 
     def check_mask(self, padding: Tensor | None, new: int) -> None:
         """Refuse a step whose padding mask the lengths form would not apply (Note [Static shard cache]): at the first
-        one-token step, one read comparing it with the prompt's; later, the new columns' on the device, read by
-        :func:`generate`'s stopping check (:meth:`raise_if_mask_dropped`)."""
+        one-token step, one read comparing it with the prompt's; later, the new columns' on the device, read once after
+        decoding by :func:`~mesh_cp.integrations.hf.generation.generate` (:meth:`raise_if_mask_dropped`)."""
         if padding is None:
-            padding = torch.ones(1, 1, dtype=torch.bool)
-            if self.prompt_mask is None or bool(self.prompt_mask.all()) or self.mask_checked:
+            if self.mask_checked or self.prompt_mask is None or bool(self.prompt_mask.all()):
                 self.mask_checked = True
                 return
+            padding = torch.ones(1, 1, dtype=torch.bool)
         padding = padding.to(torch.bool)
         if not self.mask_checked:
             prompt = self.prompt_mask
@@ -183,7 +183,7 @@ class ShardedKVCache(Cache):
         self.mask_kept = kept if self.mask_kept is None else self.mask_kept & kept
 
     def raise_if_mask_dropped(self) -> None:
-        """Raise if a new column was dropped by the mask (read with the stopping decisions)."""
+        """Raise if a decoding step's mask dropped a new column (one read)."""
         if self.mask_kept is not None and not bool(self.mask_kept):
             raise ValueError(
                 "a decoding step's attention mask dropped a generated column; a ShardedKVCache decodes with the "

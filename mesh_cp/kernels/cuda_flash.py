@@ -263,6 +263,9 @@ def decode_reasons(device: torch.device, dtype: torch.dtype, head_dim: int) -> t
     missing = sorted({"seqused_k", "block_table"} - _op_parameters())
     if missing:
         reasons.append(f"torch {torch.__version__}: aten._flash_attention_forward takes no {missing}")
+    active = getattr(getattr(torch.nn, "attention", None), "current_flash_attention_impl", lambda: None)()
+    if active is not None:
+        reasons.append(f"flash attention implementation {active!r} is active (the paged call is FlashAttention 2's)")
     if device.type == "cuda" and not torch.version.hip and _capability(device) < (8, 0):
         reasons.append(f"FlashAttention needs compute capability >= 8.0 (Ampere), got {_capability(device)}")
     return tuple(reasons)

@@ -327,3 +327,28 @@ def test_shard_layers_fill_in_place_and_refuse_the_same_column() -> None:
     for layer in layers:  # the next column fits no longer on rank 0: every rank refuses it
         with pytest.raises(ValueError, match=r"holds 2 new columns per rank \(max_new_tokens=6 over 3 ranks\)"):
             layer.update(keys[:, :, :1], keys[:, :, :1])
+
+
+def test_the_steps_mask_must_be_the_prompts_then_ones() -> None:
+    """The lengths form applies the prompt's padding, then every new column (Note [Static shard cache]): a first
+    step's mask that differs from the prefill's raises then, a step that drops a new column raises when read."""
+    from types import SimpleNamespace
+
+    from mesh_cp.integrations.hf.shard_cache import ShardedKVCache
+
+    prompt = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    mesh = SimpleNamespace(rank=0, size=1)
+    ones = torch.ones(2, 1, dtype=torch.long)
+    cache = ShardedKVCache(mesh, 1, prompt_mask=prompt)
+    cache.check_mask(torch.cat([prompt.long(), ones], 1), 1)
+    cache.check_mask(torch.cat([prompt.long(), ones, ones], 1), 1)
+    cache.raise_if_mask_dropped()  # nothing dropped
+    cache.check_mask(torch.cat([prompt.long(), ones, ones, torch.tensor([[1], [0]])], 1), 1)
+    with pytest.raises(ValueError, match=r"dropped a generated column"):
+        cache.raise_if_mask_dropped()
+    for padding in (None, torch.ones(2, 4, dtype=torch.long), torch.cat([prompt.long(), 1 - ones], 1)):
+        with pytest.raises(ValueError, match=r"must be the prompt's mask that prefill was given, then ones"):
+            ShardedKVCache(mesh, 1, prompt_mask=prompt).check_mask(padding, 1)
+    unpadded = ShardedKVCache(mesh, 1, prompt_mask=torch.ones(2, 3, dtype=torch.bool))
+    unpadded.check_mask(None, 1)
+    assert unpadded.mask_checked and unpadded.mask_kept is None
