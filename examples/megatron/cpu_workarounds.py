@@ -7,6 +7,9 @@ its RoPE module moves its frequencies to CUDA. On CPU the example uses instead:
   ``get_data_parallel_group(with_context_parallel=True)``, the global gradient norm and clipping. On GPU use
   Megatron's DDP with ``calculate_per_token_loss=True`` (it then sums) and its optimizer.
 - :func:`use_cpu_rotary_embedding`: the one CPU workaround for the model itself (RoPE).
+- :func:`cpu_thd_partition`: Megatron's ``get_thd_batch_on_this_cp_rank`` calls TransformerEngine's
+  ``thd_get_partitioned_indices`` (a CUDA kernel); on CPU it gets the same indices from
+  :func:`mesh_cp.core.split.thd_partitioned_indices`.
 
 The step pieces used on every device (``shard_batch``, ``loss_share``, ``global_token_count``) are installed:
 :mod:`mesh_cp.integrations.megatron.training`. Import this module as ``examples.megatron.cpu_workarounds``
@@ -15,12 +18,19 @@ The step pieces used on every device (``shard_batch``, ``loss_share``, ``global_
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import megatron.core.utils as megatron_utils
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from torch import Tensor
+
+from mesh_cp.core.split import thd_partitioned_indices
 
 
 def reduce_gradients_cpu(model: torch.nn.Module) -> None:
@@ -90,3 +100,22 @@ def use_cpu_rotary_embedding(model: torch.nn.Module) -> torch.nn.Module:
             module.__class__ = _CPURotaryEmbedding
             module.inv_freq = module.inv_freq.to(device)
     return model
+
+
+@contextlib.contextmanager
+def cpu_thd_partition() -> Iterator[None]:
+    """CPU workaround: inside, ``megatron.core.utils.get_thd_batch_on_this_cp_rank`` partitions THD batches with
+    :func:`mesh_cp.core.split.thd_partitioned_indices` (TransformerEngine's ``thd_partition_indices_kernel``, on the
+    host) instead of TransformerEngine, which is CUDA-only. On GPU install TransformerEngine and do not use it."""
+
+    def indices(cu_seqlens_padded: Tensor, total: int, world: int, rank: int) -> Tensor:
+        found = thd_partitioned_indices(cu_seqlens_padded.tolist(), int(total), world, rank)
+        return torch.tensor(found, dtype=torch.int32, device=cu_seqlens_padded.device)
+
+    saved = megatron_utils.tex, megatron_utils.is_te_min_version
+    megatron_utils.tex = SimpleNamespace(thd_get_partitioned_indices=indices)
+    megatron_utils.is_te_min_version = lambda version, check_equality=True: True
+    try:
+        yield
+    finally:
+        megatron_utils.tex, megatron_utils.is_te_min_version = saved

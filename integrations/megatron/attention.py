@@ -22,6 +22,7 @@ from mesh_cp.core.layout import local_positions
 from mesh_cp.core.masks import AttentionMask
 from mesh_cp.integrations.megatron.heads import CP_COMM_TYPES, comm_type_head_parallel
 from mesh_cp.integrations.megatron.mesh import build_mesh
+from mesh_cp.integrations.megatron.packed import PackedDocuments
 from mesh_cp.runtime.device_checks import check_on_device
 from mesh_cp.runtime.mesh import CPMesh
 
@@ -260,6 +261,8 @@ class MeshCoreAttention(MegatronModule):
                 f"{[t.name for t in SUPPORTED_MASK_TYPES]} (padding and arbitrary masks are not supported)"
             )
         causal = mask_type == AttnMaskType.causal
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._forward_thd(query, key, value, attention_mask, causal, packed_seq_params)
         if attention_mask is not None:
             self._check_mask(attention_mask, causal, query.shape[0], query.shape[1])
         mask = self.documents(packed_seq_params, query.shape[0] * self.mesh.size, query.shape[1])
@@ -270,6 +273,32 @@ class MeshCoreAttention(MegatronModule):
         # Megatron's zig-zag over the CP group is mesh_cp's, with or without head-parallel ranks.
         out = mesh_cp.mesh_attn_func(q, k, v, mesh=self.mesh, layout="zigzag", **options)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, causal: bool, params) -> Tensor:
+        """``query [t, heads, d]``, ``key/value [t, kv_heads, d]`` in TransformerEngine's THD layout (this CP rank's
+        parts ``r`` and ``2CP-1-r`` of every padded document, Note [THD layout] in :mod:`mesh_cp.core.split`) ->
+        ``[t, heads * d]``: reordered into the split layout, attended over the mesh, and back."""
+        if attention_mask is not None:
+            raise NotImplementedError(
+                f"an attention_mask of shape {tuple(attention_mask.shape)} with qkv_format='thd': the documents of "
+                "packed_seq_params are the mask; pass attention_mask=None"
+            )
+        if self.window is not None:
+            raise NotImplementedError(
+                f"a window of {self.window} tokens with qkv_format='thd': mesh_cp takes windows over packed rows "
+                "laid out as one sequence (qkv_format='sbhd'), not over split documents"
+            )
+        mask, order, back = self.documents.thd(params, self.mesh, query.device, causal)
+        rows = query.shape[0]
+        if order.numel() != rows:
+            raise ValueError(
+                f"qkv_format='thd' query of {rows} tokens on this CP rank, but cu_seqlens_q_padded gives "
+                f"{order.numel()} (its last entry over the CP size {self.mesh.size})"
+            )
+        q, k, v = (t.index_select(0, order)[None] for t in (query, key, value))
+        options = {"causal": causal, "softmax_scale": self.softmax_scale, "mask": mask}
+        out = mesh_cp.mesh_attn_func(q, k, v, mesh=self.mesh, layout="zigzag", **options)
+        return out[0].index_select(0, back).reshape(rows, -1)
 
     def _check_mask(self, mask: Tensor, causal: bool, seq_local: int, batch: int) -> None:
         """Accept only the mask the mesh applies anyway: Megatron's causal mask (``True`` = masked) for
@@ -291,66 +320,6 @@ def _layer_window(config: TransformerConfig, layer_number: int, attn_mask_type: 
             f"windows under causal attention only"
         )
     return None if left < 0 else left + 1
-
-
-class PackedDocuments:
-    """The documents of a packed row from ``packed_seq_params`` (read once per tensor, shared by the layers).
-
-    mesh_cp shards a packed row as one sequence: the row ``[s, 1]`` (``qkv_format="sbhd"``) is cut into
-    zig-zag chunks by ``get_batch_on_this_cp_rank`` like any other, whatever the document lengths, and
-    ``cu_seqlens_q`` (equal to ``cu_seqlens_kv``) gives the documents' global boundaries; tokens past the last
-    boundary are padding. ``max_seqlen_q = max_seqlen_kv`` is the row's length (Megatron sizes RoPE from it; RoPE
-    at global positions is exact within a document, since it depends on the distance between tokens only). ``qkv_format="thd"`` is TransformerEngine's layout (every document padded to a
-    multiple of ``2 * CP`` and cut on its own) and is refused.
-    """
-
-    def __init__(self) -> None:
-        self._last: tuple[weakref.ref, int, AttentionMask] | None = None
-
-    def __call__(self, params, seq: int, batch: int) -> AttentionMask | None:
-        if params is None:
-            return None
-        if params.qkv_format == "thd":
-            raise NotImplementedError(
-                "packed_seq_params with qkv_format='thd' is TransformerEngine's CP layout (each document padded to a "
-                "multiple of 2*CP and split on its own); mesh_cp shards the packed row as one sequence: pass the row "
-                "as [s, 1] with qkv_format='sbhd' and cu_seqlens_q = cu_seqlens_kv over the whole row"
-            )
-        cu = params.cu_seqlens_q
-        if self._last is not None and self._last[0]() is cu and self._last[1] == cu._version:
-            return self._last[2]
-        mask = _packed_mask(params, seq, batch)
-        self._last = (weakref.ref(cu), cu._version, mask)
-        return mask
-
-
-def _packed_mask(params, seq: int, batch: int) -> AttentionMask:
-    """The :class:`~mesh_cp.core.AttentionMask` of ``packed_seq_params`` of a ``[seq, batch=1]`` row."""
-    if batch != 1 or params.qkv_format not in (None, "sbhd"):
-        raise NotImplementedError(
-            f"packed_seq_params (qkv_format {params.qkv_format!r}) for a batch of {batch}: mesh_cp takes one packed "
-            f"row ([s, 1], qkv_format='sbhd')"
-        )
-    fields = {
-        n: getattr(params, n) for n in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    }
-    values = {
-        n: None if t is None else [int(x) for x in t.tolist()] for n, t in fields.items()
-    }  # one host read per step
-    bounds = values["cu_seqlens_q"]
-    if bounds is None or any(v is not None and v != bounds for v in values.values()):
-        raise NotImplementedError(
-            f"packed_seq_params {values}: mesh_cp needs cu_seqlens_q, with cu_seqlens_kv (and any *_padded) equal to it"
-        )
-    if bounds[0] != 0 or bounds[-1] > seq or any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
-        raise ValueError(f"cu_seqlens_q {bounds} must rise from 0 to at most the row's {seq} tokens")
-    lengths = (params.max_seqlen_q, params.max_seqlen_kv)
-    if any(n is not None and n != seq for n in lengths):
-        raise ValueError(
-            f"max_seqlen_q/kv {lengths}: with qkv_format='sbhd' Megatron sizes RoPE from them, so they must be the "
-            f"packed row's length {seq} (the row is one sequence of global positions), not the longest document"
-        )
-    return AttentionMask(documents=(tuple(zip(bounds, bounds[1:], strict=False)),))
 
 
 def _refuse_unsupported(

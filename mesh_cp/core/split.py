@@ -32,6 +32,18 @@ window is not taken: it counts tokens inside a document, which global positions 
 The ``n mod 2P`` longer parts of a document go to the half-chunks with the fewest tokens so far (the lowest index
 first), so the half-chunks' fills never differ by more than one token and the longest is
 ``ceil(total / 2P)``: the split row fits wherever the packed row fits.
+
+Note [THD layout]
+~~~~~~~~~~~~~~~~~
+TransformerEngine's THD format for context parallelism (what Megatron's ``get_thd_batch_on_this_cp_rank`` hands
+each rank, through ``thd_get_partitioned_indices``) pads every document to a multiple of ``2P`` (``cu_seqlens_padded``),
+cuts it into ``2P`` equal parts and gives rank ``r`` parts ``r`` and ``2P-1-r`` of every document, in the order
+``[d0 part r, d0 part 2P-1-r, d1 part r, ...]``. With parts of equal length and the padded documents filling the row,
+the split layout of the padded documents holds the same tokens on every rank: half-chunk ``h`` is part ``h`` of
+every document in turn, with no padding, so rank ``r`` holds ``[d0 part r, d1 part r, ..., d0 part 2P-1-r, ...]``.
+Only the local order differs: :func:`thd_layout` gives, per rank, the THD position of each of its tokens in the
+split layout's order (one ``index_select`` each way around the attention). A document's padding is the end of the
+document there: no real token of it attends the padding (it comes later), and the padding's rows carry no loss.
 """
 
 from __future__ import annotations
@@ -91,3 +103,45 @@ def _split_row(lengths: list[int], seq_len: int, pieces: int) -> tuple[tuple[Ran
             at += count
         source.extend(next(padding) for _ in range(size - fill[h]))
     return tuple(spans), tuple(docs), source
+
+
+def thd_partitioned_indices(cu_seqlens_padded: Sequence[int], total: int, world: int, rank: int) -> list[int]:
+    """The packed row's positions that rank ``rank`` of ``world`` holds in TransformerEngine's THD layout, in its
+    local order (what ``tex.thd_get_partitioned_indices(cu_seqlens_padded, total, world, rank)`` returns; Note [THD
+    layout])."""
+    bounds = [int(b) for b in cu_seqlens_padded]
+    _check_thd(bounds, total, world)
+    out = []
+    for start, stop in zip(bounds, bounds[1:], strict=False):
+        part = (stop - start) // (2 * world)
+        for piece in (rank, 2 * world - 1 - rank):
+            out.extend(range(start + piece * part, start + (piece + 1) * part))
+    return out
+
+
+def thd_layout(cu_seqlens_padded: Sequence[int], *, world: int) -> tuple[AttentionMask, list[list[int]]]:
+    """The split layout of a THD row (Note [THD layout]): its :class:`AttentionMask` (the padded documents, split) and,
+    per rank, ``order``: the THD local position of each token of the rank's split-layout shard, in that shard's
+    order (``shard = thd_tokens[order]``)."""
+    bounds = [int(b) for b in cu_seqlens_padded]
+    total = bounds[-1]
+    _check_thd(bounds, total, world)
+    lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    mask, (source,) = split_documents([lengths], seq_len=total, world=world)
+    half = total // (2 * world)
+    orders = []
+    for rank in range(world):
+        where = {packed: j for j, packed in enumerate(thd_partitioned_indices(bounds, total, world, rank))}
+        mine = [g for h in (rank, 2 * world - 1 - rank) for g in range(h * half, (h + 1) * half)]
+        orders.append([where[source[g]] for g in mine])
+    return mask, orders
+
+
+def _check_thd(bounds: list[int], total: int, world: int) -> None:
+    lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total or any(n < 1 or n % (2 * world) for n in lengths):
+        raise ValueError(
+            f"cu_seqlens_padded {bounds} must rise from 0 to the row's {total} tokens in documents padded to a "
+            f"multiple of 2*CP = {2 * world} (got lengths {lengths}): pad every document to a multiple of {2 * world} "
+            "and the row to their sum"
+        )

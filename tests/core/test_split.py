@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import bisect
 import importlib.util
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, make_plan
 from mesh_cp.core.balance import rank_pairs
 from mesh_cp.core.layout import chunk_ranges
-from mesh_cp.core.split import split_documents
+from mesh_cp.core.split import split_documents, thd_layout, thd_partitioned_indices
 from mesh_cp.kernels import Capabilities
 from mesh_cp.runtime.call import AttentionCall
 
@@ -151,3 +152,44 @@ def test_split_layout_and_pairs(world_tile, per_half: int, lengths: list[int]) -
 def test_bad_input_is_refused_with_the_fix(call, error, message: str) -> None:
     with pytest.raises(error, match=message):
         call()
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.sampled_from([1, 2, 3, 4]), parts=st.lists(st.integers(1, 4), min_size=1, max_size=5))
+def test_thd_layout_holds_transformer_engines_tokens_in_the_split_order(world: int, parts: list[int]) -> None:
+    """Note [THD layout]: the partition is TransformerEngine's kernel's, and ``thd_layout``'s order puts exactly those
+    tokens in the split layout's order of the same documents (every local token once)."""
+    lengths = [2 * world * n for n in parts]
+    bounds = [0, *[sum(lengths[: i + 1]) for i in range(len(lengths))]]
+    total = bounds[-1]
+    mask, orders = thd_layout(bounds, world=world)
+    split_mask, (source,) = split_documents([lengths], seq_len=total, world=world)
+    assert mask == split_mask
+    for rank in range(world):
+        te = thd_partitioned_indices(bounds, total, world, rank)
+        assert te == _thd_partition_indices_kernel(bounds, total, world, rank)
+        split_positions = [g for lo, hi in chunk_ranges(total, world, rank, "zigzag") for g in range(lo, hi)]
+        assert [te[j] for j in orders[rank]] == [source[g] for g in split_positions]
+        assert sorted(orders[rank]) == list(range(total // world))
+
+
+def _thd_partition_indices_kernel(cu_seqlens: list[int], total_tokens: int, world_size: int, rank: int) -> list[int]:
+    """TransformerEngine's ``thd_partition_indices_kernel`` (``common/fused_attn/context_parallel.cu``), one thread
+    per local token, line by line."""
+    cu_seqlens_s = [seqlen // world_size for seqlen in cu_seqlens]
+    output = []
+    for token_id in range(total_tokens // world_size):
+        seq_id = bisect.bisect_right(cu_seqlens_s, token_id) - 1  # binary_search: the last entry <= token_id
+        seq_len = cu_seqlens_s[seq_id + 1] - cu_seqlens_s[seq_id]
+        index = token_id - cu_seqlens_s[seq_id]
+        offset = rank if index < seq_len // 2 else (world_size - 1) * 2 - rank
+        index += cu_seqlens_s[seq_id] * world_size + seq_len // 2 * offset
+        output.append(index)
+    return output
+
+
+def test_thd_layout_refuses_unpadded_documents() -> None:
+    with pytest.raises(ValueError, match=r"padded to a multiple of 2\*CP = 4 \(got lengths \[4, 6\]\)"):
+        thd_layout([0, 4, 10], world=2)
+    with pytest.raises(ValueError, match=r"rise from 0 to the row's 12 tokens"):
+        thd_partitioned_indices([0, 4, 8], 12, 2, 0)

@@ -30,9 +30,11 @@ VOCAB = 128
 SEQ = 32
 GLOBAL_BATCH = 4
 STEPS = 3
-POSITION_EMBEDDINGS = ("learned_absolute", "rope", "rope, packed rows, window on layer 1")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "rope, packed rows, window on layer 1", "rope, thd rows")
 DOCUMENTS = (1, 7, 3, 12, 6)
 """Document lengths of every packed row (29 of 32 tokens; the rest is padding)."""
+THD_DOCUMENTS = (6, 13, 5)
+"""Document lengths of every THD row, each padded to a multiple of 2 * CP = 8: 8, 16 and 8, the row's 32 tokens."""
 LAYOUTS = ((2, 2, (1, 2), 1), (1, 4, (2, 2), 1), (2, 4, (2, 2), 1), (2, 4, (2, 1), 2))
 """(TP, CP, tile, head_parallel) on 8 ranks; DP = 8 / (TP * CP). head_parallel 2: the head-parallel x mesh hybrid
 through Megatron's
@@ -75,7 +77,7 @@ def train(position_embedding: str, tp: int, cp: int, tile, head_parallel: int = 
     from mesh_cp.integrations.megatron import training
 
     layout = mcp.MeshLayout.from_parallel_state(tile=tile, head_parallel=head_parallel)
-    packed = "packed" in position_embedding
+    packed, thd = "packed" in position_embedding, "thd" in position_embedding
     overrides = {"window_size": (4, 0), "window_attn_skip_freq": 2} if packed else {}  # layer 1 sees 5 keys
     if head_parallel > 1:
         sizes = [head_parallel, cp // head_parallel]
@@ -86,7 +88,7 @@ def train(position_embedding: str, tp: int, cp: int, tile, head_parallel: int = 
         transformer_layer_spec=layout.layer_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
-        position_embedding_type="rope" if packed else position_embedding,
+        position_embedding_type="rope" if packed or thd else position_embedding,
     )
     cpu_workarounds.use_cpu_rotary_embedding(model)
     # SGD with momentum: Adam would turn roundoff-sized gradients into full-size steps.
@@ -97,11 +99,13 @@ def train(position_embedding: str, tp: int, cp: int, tile, head_parallel: int = 
     for tokens in _global_batches():
         rows = tokens[dp_rank * per_replica : (dp_rank + 1) * per_replica]
         total = torch.zeros((), dtype=torch.float64)
-        for batch, params in _micro_batches(rows, packed, training, ps.get_context_parallel_group()):
+        cp_group = ps.get_context_parallel_group()
+        batches = _thd_micro_batches(rows, cp_group) if thd else _micro_batches(rows, packed, training, cp_group)
+        for batch, params in batches:
             per_token = model(
                 batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=params
             )
-            count = training.global_token_count(batch["loss_mask"] * (len(rows) if packed else 1))  # same in every row
+            count = training.global_token_count(batch["loss_mask"] * (len(rows) if packed or thd else 1))  # per row
             loss = training.loss_share(per_token, batch["loss_mask"], count)
             loss.backward()
             total += loss.detach().double()
@@ -132,6 +136,64 @@ def _micro_batches(rows: torch.Tensor, packed: bool, training, cp_group):
     )
     for row in rows:
         yield training.shard_batch(row[None], cp_group=cp_group, loss_mask=loss_mask), params
+
+
+def _thd_micro_batches(rows: torch.Tensor, cp_group):
+    """One THD row at a time, sharded by Megatron's ``get_thd_batch_on_this_cp_rank`` (TransformerEngine's partition
+    on CPU: ``cpu_thd_partition``): each document padded to a multiple of 8, positions restarting in each."""
+    from megatron.core.utils import get_thd_batch_on_this_cp_rank
+
+    from examples.megatron import cpu_workarounds
+
+    padded = [-(-n // 8) * 8 for n in THD_DOCUMENTS]
+    starts = torch.tensor([0, *padded]).cumsum(0)
+    cu_padded = starts.to(torch.int32)
+    cu = torch.tensor([0, *THD_DOCUMENTS]).cumsum(0).to(torch.int32)
+    loss_mask, positions = torch.zeros(1, SEQ), torch.zeros(1, SEQ, dtype=torch.long)
+    for start, n, width in zip(starts.tolist(), THD_DOCUMENTS, padded, strict=False):
+        loss_mask[0, start : start + n - 1] = 1  # no label across a document's end, none in its padding
+        positions[0, start : start + width] = torch.arange(width)
+    for row in rows:
+        batch = {"tokens": row[None, :SEQ], "labels": row[None, 1 : SEQ + 1], "loss_mask": loss_mask.clone(),
+                 "position_ids": positions.clone()}  # fmt: skip
+        with cpu_workarounds.cpu_thd_partition():
+            yield get_thd_batch_on_this_cp_rank(
+                batch, cu, cu_padded, torch.tensor([max(padded)]), cp_size=cp_group.size(), cp_rank=cp_group.rank()
+            )
+
+
+def _thd_attention_vs_sdpa() -> float:
+    """MeshCoreAttention on one rank with a THD row (padded documents, queries in THD order) against causal SDPA
+    over each document's real tokens."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mesh_cp.integrations import megatron as mcp
+
+    attn = mcp.MeshCoreAttention(
+        config=_config(1, 1), layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+        mesh_provider=mcp.MeshProvider(tile=(1, 1)),
+    )  # fmt: skip
+    padded = [-(-n // 8) * 8 for n in THD_DOCUMENTS]
+    cu_padded = torch.tensor([0, *padded]).cumsum(0).to(torch.int32)
+    cu = torch.tensor([0, *THD_DOCUMENTS]).cumsum(0).to(torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded, max_seqlen_q=max(padded), max_seqlen_kv=max(padded),
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(SEQ, 4, 16, generator=gen)
+    k, v = torch.randn(2, SEQ, 2, 16, generator=gen)
+    out = attn(q, k, v, None, packed_seq_params=params).reshape(SEQ, 4, 16)
+    err = 0.0
+    for start, n in zip(cu_padded.tolist(), THD_DOCUMENTS, strict=False):
+        rows = slice(start, start + n)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(t[rows].transpose(0, 1).double() for t in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))),
+            is_causal=True,
+        )
+        err = max(err, (out[rows].double() - ref.transpose(0, 1)).abs().max().item())
+    return err
 
 
 def _packed_attention_vs_sdpa() -> float:
@@ -175,6 +237,7 @@ def reference_worker(rank: int, world: int) -> dict:
     ps.initialize_model_parallel()
     results = {"attention vs sdpa": _attention_vs_sdpa(), "mask checks": _mask_checks()}
     results["packed attention vs sdpa"] = _packed_attention_vs_sdpa()
+    results["thd attention vs sdpa"] = _thd_attention_vs_sdpa()
     for pos in POSITION_EMBEDDINGS:
         run = train(pos, 1, 1, (1, 1))
         run.pop("model")
@@ -379,8 +442,22 @@ def _checks(rank: int, world: int) -> dict:
         out,
         "packed thd",
         NotImplementedError,
-        r"qkv_format='thd' is TransformerEngine's CP layout",
+        r"qkv_format='thd' needs cu_seqlens_q",
         lambda: attn(q, k, k, None, packed_seq_params=PackedSeqParams(qkv_format="thd")),
+    )
+    unpadded = torch.tensor([0, 6, 32], dtype=torch.int32)
+    expect_error(
+        out,
+        "thd unpadded",
+        ValueError,
+        r"documents padded to a multiple of 2\*CP = 8 \(got lengths \[6, 26\]\)",
+        lambda: attn(
+            q,
+            k,
+            k,
+            None,
+            packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=unpadded, cu_seqlens_kv=unpadded),
+        ),
     )
     expect_error(
         out,
@@ -458,6 +535,7 @@ def mesh_results(reference) -> list[dict]:
 def test_reference_attention_is_sdpa(reference) -> None:
     assert reference["attention vs sdpa"] <= TOL
     assert reference["packed attention vs sdpa"] <= TOL
+    assert reference["thd attention vs sdpa"] <= TOL
     assert reference["rope"]["losses"][-1] < reference["rope"]["losses"][0]
 
 
@@ -505,7 +583,7 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
             k: v for k, v in res.items() if isinstance(v, bool | str) and k not in ("layout str", "--spec loss finite")
         }
         failed = {k: v for k, v in refusals.items() if v is not True}
-        assert len(refusals) == 18 and not failed, failed
+        assert len(refusals) == 19 and not failed, failed
         cp_ranks = [rank % 2 + 2 * c for c in range(4)]  # TP2 x CP4: head groups of CP ranks {0, 1} and {2, 3}
         first = rank // 2 // 2 * 2
         assert res["a2a+p2p mesh"] == (2, (1, 2), cp_ranks[first : first + 2]), res["a2a+p2p mesh"]

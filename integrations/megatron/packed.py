@@ -1,0 +1,103 @@
+"""The documents of Megatron's ``packed_seq_params``: packed rows laid out as one sequence (``sbhd``) or
+TransformerEngine's THD layout (Note [THD layout] in :mod:`mesh_cp.core.split`)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor
+
+from mesh_cp.core.masks import AttentionMask
+from mesh_cp.core.split import thd_layout
+from mesh_cp.runtime.mesh import CPMesh
+
+
+class PackedDocuments:
+    """The documents of a packed row from ``packed_seq_params`` (read once per tensor, shared by the layers).
+
+    mesh_cp shards a packed row as one sequence: the row ``[s, 1]`` (``qkv_format="sbhd"``) is cut into
+    zig-zag chunks by ``get_batch_on_this_cp_rank`` like any other, whatever the document lengths, and
+    ``cu_seqlens_q`` (equal to ``cu_seqlens_kv``) gives the documents' global boundaries; tokens past the last
+    boundary are padding. ``max_seqlen_q = max_seqlen_kv`` is the row's length (Megatron sizes RoPE from it; RoPE
+    at global positions is exact within a document, since it depends on the distance between tokens only).
+    ``qkv_format="thd"`` is TransformerEngine's layout (every document padded to a multiple of ``2 * CP`` and cut on
+    its own, ``get_thd_batch_on_this_cp_rank``), taken as split documents (Note [THD layout] in
+    :mod:`mesh_cp.core.split`; :meth:`thd`).
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[weakref.ref, int, AttentionMask] | None = None
+        self._last_thd: tuple[weakref.ref, int, tuple] | None = None
+
+    def thd(self, params, mesh: CPMesh, device: torch.device, causal: bool) -> tuple[AttentionMask, Tensor, Tensor]:
+        """A THD row's split-layout mask, and this rank's ``order`` (THD rows in the split layout's order) and
+        ``back`` (its inverse) on ``device`` (Note [THD layout] in :mod:`mesh_cp.core.split`); read once per tensor
+        of boundaries."""
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        if cu is None:
+            raise NotImplementedError("packed_seq_params with qkv_format='thd' needs cu_seqlens_q (and _padded)")
+        if self._last_thd is not None and self._last_thd[0]() is cu and self._last_thd[1] == cu._version:
+            return self._last_thd[2]
+        found = _thd_layout(params, mesh, device, causal)
+        self._last_thd = (weakref.ref(cu), cu._version, found)
+        return found
+
+    def __call__(self, params, seq: int, batch: int) -> AttentionMask | None:
+        if params is None:
+            return None
+        cu = params.cu_seqlens_q
+        if self._last is not None and self._last[0]() is cu and self._last[1] == cu._version:
+            return self._last[2]
+        mask = _packed_mask(params, seq, batch)
+        self._last = (weakref.ref(cu), cu._version, mask)
+        return mask
+
+
+def _thd_layout(params, mesh: CPMesh, device: torch.device, causal: bool) -> tuple[AttentionMask, Tensor, Tensor]:
+    """:meth:`PackedDocuments.thd` uncached: one host read of the boundaries."""
+    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+    values = {n: None if getattr(params, n) is None else [int(x) for x in getattr(params, n).tolist()] for n in names}
+    real, padded = values["cu_seqlens_q"], values["cu_seqlens_q_padded"] or values["cu_seqlens_q"]
+    if real is None or values["cu_seqlens_kv"] != real or (values["cu_seqlens_kv_padded"] or real) != padded:
+        raise NotImplementedError(
+            f"packed_seq_params {values}: mesh_cp needs cu_seqlens_kv equal to cu_seqlens_q (self-attention), and "
+            "cu_seqlens_kv_padded equal to cu_seqlens_q_padded"
+        )
+    if not causal and real != padded:
+        raise NotImplementedError(
+            f"qkv_format='thd' without a causal mask over padded documents ({real} padded to {padded}): a query "
+            "would see its document's padding; pad no document, or use attn_mask_type causal"
+        )
+    mask, orders = thd_layout(padded, world=mesh.size)
+    order = torch.tensor(orders[mesh.rank], device=device)
+    return mask, order, torch.argsort(order)
+
+
+def _packed_mask(params, seq: int, batch: int) -> AttentionMask:
+    """The :class:`~mesh_cp.core.AttentionMask` of ``packed_seq_params`` of a ``[seq, batch=1]`` row."""
+    if batch != 1 or params.qkv_format not in (None, "sbhd"):
+        raise NotImplementedError(
+            f"packed_seq_params (qkv_format {params.qkv_format!r}) for a batch of {batch}: mesh_cp takes one packed "
+            f"row ([s, 1], qkv_format='sbhd')"
+        )
+    fields = {
+        n: getattr(params, n) for n in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+    }
+    values = {
+        n: None if t is None else [int(x) for x in t.tolist()] for n, t in fields.items()
+    }  # one host read per step
+    bounds = values["cu_seqlens_q"]
+    if bounds is None or any(v is not None and v != bounds for v in values.values()):
+        raise NotImplementedError(
+            f"packed_seq_params {values}: mesh_cp needs cu_seqlens_q, with cu_seqlens_kv (and any *_padded) equal to it"
+        )
+    if bounds[0] != 0 or bounds[-1] > seq or any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"cu_seqlens_q {bounds} must rise from 0 to at most the row's {seq} tokens")
+    lengths = (params.max_seqlen_q, params.max_seqlen_kv)
+    if any(n is not None and n != seq for n in lengths):
+        raise ValueError(
+            f"max_seqlen_q/kv {lengths}: with qkv_format='sbhd' Megatron sizes RoPE from them, so they must be the "
+            f"packed row's length {seq} (the row is one sequence of global positions), not the longest document"
+        )
+    return AttentionMask(documents=(tuple(zip(bounds, bounds[1:], strict=False)),))
