@@ -239,9 +239,9 @@ def decode_attention(
         raise NotImplementedError(f"value head dim {v.shape[-1]} != query head dim {q.shape[-1]} in decoding")
     batch, new = q.shape[:2]
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    if new == 1:  # the lengths form (Note [Static shard cache])
-        if index == 0:
-            cache.check_mask(mask.padding, new)
+    if index == 0:  # what the lengths form takes for granted, this step's and later ones' (Note [Static shard cache])
+        cache.check_mask(mask.padding, new)
+    if new == 1:
         return decode_attn_func(q, k, v, mesh=cache.mesh, k_lengths=layer.lengths, softmax_scale=scale), None
     q_columns = torch.arange(layer.seen - new, layer.seen, device=q.device).expand(batch, new)
     seen = layer.columns >= 0

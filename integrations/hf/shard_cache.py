@@ -152,7 +152,7 @@ class ShardedKVCache(Cache):
         super().__init__(layers=[ShardedLayer(mesh.rank, mesh.size) for _ in range(num_layers)])
         self.mesh = mesh
         self.prompt_mask = prompt_mask
-        """``(B, T - 1)`` bool: the prompt columns each row keeps (the prefill's mask)."""
+        """``(B, T - 1)`` bool: the prompt columns each row keeps (the prefill's mask; ``None``: all)."""
         self.mask_checked = False
         """The first one-token step compared the steps' mask with :attr:`prompt_mask` (Note [Static shard cache])."""
         self.mask_kept: Tensor | None = None
@@ -162,21 +162,26 @@ class ShardedKVCache(Cache):
         """Refuse a step whose padding mask the lengths form would not apply (Note [Static shard cache]): at the first
         one-token step, one read comparing it with the prompt's; later, the new columns' on the device, read once after
         decoding by :func:`~mesh_cp.integrations.hf.generation.generate` (:meth:`raise_if_mask_dropped`)."""
+        fix = "prefill and generate with the same attention_mask"
         if padding is None:
-            if self.mask_checked or self.prompt_mask is None or bool(self.prompt_mask.all()):
-                self.mask_checked = True
-                return
-            padding = torch.ones(1, 1, dtype=torch.bool)
+            if not self.mask_checked and self.prompt_mask is not None and not bool(self.prompt_mask.all()):
+                raise ValueError(
+                    f"a decoding step without an attention mask, but prefill's masks padding (its {tuple(self.prompt_mask.shape)} "
+                    f"mask has zeros): {fix}"
+                )
+            self.mask_checked = True
+            return
         padding = padding.to(torch.bool)
         if not self.mask_checked:
             prompt = self.prompt_mask
-            width = prompt.shape[1]
-            got = padding[:, :width].to(prompt.device)
-            if got.shape != prompt.shape or not torch.equal(got, prompt) or not bool(padding[:, width:].all()):
+            width = 0 if prompt is None else prompt.shape[1]  # no prompt mask: every prompt column kept
+            got = padding[:, :width].to(padding.device if prompt is None else prompt.device)
+            same = prompt is None or (got.shape == prompt.shape and torch.equal(got, prompt))
+            if not same or not bool(padding[:, width:].all()):
                 raise ValueError(
                     "the attention mask of a decoding step must be the prompt's mask that prefill was given, then "
                     f"ones (what generate passes); got {padding.shape[1]} columns that differ from prefill's "
-                    f"{tuple(prompt.shape)} mask: prefill and generate with the same attention_mask"
+                    f"{None if prompt is None else tuple(prompt.shape)} mask: {fix}"
                 )
             self.mask_checked = True
         kept = padding[:, -new:].all()

@@ -187,7 +187,7 @@ def static_cache(model, reference, mesh) -> dict:
     )  # fmt: skip
     other = hf.prefill(model, ids, mask, mesh=mesh, max_new_tokens=NEW_TOKENS)
     expect_error(
-        results, "other mask", ValueError, r"must be the prompt's mask that prefill was given, then ones",
+        results, "other mask", ValueError, r"prefill's masks padding .*: prefill and generate with the same attention_mask",
         lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(mask), **{cache_keyword(model): other},
                                **options),
     )  # fmt: skip
@@ -346,9 +346,14 @@ def test_the_steps_mask_must_be_the_prompts_then_ones() -> None:
     cache.check_mask(torch.cat([prompt.long(), ones, ones, torch.tensor([[1], [0]])], 1), 1)
     with pytest.raises(ValueError, match=r"dropped a generated column"):
         cache.raise_if_mask_dropped()
-    for padding in (None, torch.ones(2, 4, dtype=torch.long), torch.cat([prompt.long(), 1 - ones], 1)):
+    for padding in (torch.ones(2, 4, dtype=torch.long), torch.cat([prompt.long(), 1 - ones], 1)):
         with pytest.raises(ValueError, match=r"must be the prompt's mask that prefill was given, then ones"):
             ShardedKVCache(mesh, 1, prompt_mask=prompt).check_mask(padding, 1)
+    with pytest.raises(ValueError, match=r"without an attention mask, but prefill's masks padding"):
+        ShardedKVCache(mesh, 1, prompt_mask=prompt).check_mask(None, 1)
     unpadded = ShardedKVCache(mesh, 1, prompt_mask=torch.ones(2, 3, dtype=torch.bool))
     unpadded.check_mask(None, 1)
     assert unpadded.mask_checked and unpadded.mask_kept is None
+    several = ShardedKVCache(mesh, 1, prompt_mask=prompt)  # a step of 3 new columns, one dropped, then one of 1
+    with pytest.raises(ValueError, match=r"then ones"):
+        several.check_mask(torch.cat([prompt.long(), ones, 1 - ones, ones], 1), 3)
