@@ -28,7 +28,7 @@ class PackedDocuments:
 
     def __init__(self) -> None:
         self._last: tuple[weakref.ref, int, AttentionMask] | None = None
-        self._last_thd: tuple[weakref.ref, int, tuple] | None = None
+        self._last_thd: tuple[weakref.ref, int, tuple, tuple] | None = None
 
     def thd(self, params, mesh: CPMesh, device: torch.device, causal: bool) -> tuple[AttentionMask, Tensor, Tensor]:
         """A THD row's split-layout mask, and this rank's ``order`` (THD rows in the split layout's order) and
@@ -37,10 +37,11 @@ class PackedDocuments:
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         if cu is None:
             raise NotImplementedError("packed_seq_params with qkv_format='thd' needs cu_seqlens_q (and _padded)")
-        if self._last_thd is not None and self._last_thd[0]() is cu and self._last_thd[1] == cu._version:
-            return self._last_thd[2]
+        last = self._last_thd
+        if last is not None and last[0]() is cu and last[1] == cu._version and last[2] == (mesh, device, causal):
+            return last[3]
         found = _thd_layout(params, mesh, device, causal)
-        self._last_thd = (weakref.ref(cu), cu._version, found)
+        self._last_thd = (weakref.ref(cu), cu._version, (mesh, device, causal), found)
         return found
 
     def __call__(self, params, seq: int, batch: int) -> AttentionMask | None:
@@ -63,6 +64,12 @@ def _thd_layout(params, mesh: CPMesh, device: torch.device, causal: bool) -> tup
         raise NotImplementedError(
             f"packed_seq_params {values}: mesh_cp needs cu_seqlens_kv equal to cu_seqlens_q (self-attention), and "
             "cu_seqlens_kv_padded equal to cu_seqlens_q_padded"
+        )
+    sizes = [(b - a, d - c) for a, b, c, d in zip(real, real[1:], padded, padded[1:], strict=False)]
+    if len(real) != len(padded) or any(not 0 < n <= width for n, width in sizes):
+        raise ValueError(
+            f"cu_seqlens_q {real} does not fit cu_seqlens_q_padded {padded}: one entry per document in each, every "
+            "document at least one token and at most its padded length"
         )
     if not causal and real != padded:
         raise NotImplementedError(

@@ -445,6 +445,16 @@ def _checks(rank: int, world: int) -> dict:
         r"qkv_format='thd' needs cu_seqlens_q",
         lambda: attn(q, k, k, None, packed_seq_params=PackedSeqParams(qkv_format="thd")),
     )
+    real, padded = torch.tensor([0, 9, 16], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32)
+    expect_error(
+        out,
+        "thd real past padded",
+        ValueError,
+        r"cu_seqlens_q \[0, 9, 16\] does not fit cu_seqlens_q_padded \[0, 8, 16\]",
+        lambda: attn(q, k, k, None, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
+            cu_seqlens_kv_padded=padded)),
+    )  # fmt: skip
     unpadded = torch.tensor([0, 6, 32], dtype=torch.int32)
     expect_error(
         out,
@@ -583,7 +593,7 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
             k: v for k, v in res.items() if isinstance(v, bool | str) and k not in ("layout str", "--spec loss finite")
         }
         failed = {k: v for k, v in refusals.items() if v is not True}
-        assert len(refusals) == 19 and not failed, failed
+        assert len(refusals) == 20 and not failed, failed
         cp_ranks = [rank % 2 + 2 * c for c in range(4)]  # TP2 x CP4: head groups of CP ranks {0, 1} and {2, 3}
         first = rank // 2 // 2 * 2
         assert res["a2a+p2p mesh"] == (2, (1, 2), cp_ranks[first : first + 2]), res["a2a+p2p mesh"]
