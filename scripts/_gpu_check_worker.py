@@ -681,17 +681,18 @@ def hf_checks(job: Job, section: str, rank: int, device: torch.device) -> list[C
         def generated(kv_heads=kv_heads) -> Verdict:
             return generate_verdict(mesh(), device, kv_heads)
 
+        def generated_bf16(kv_heads=kv_heads) -> Verdict:
+            return generate_bf16_verdict(mesh(), device, kv_heads)
+
         cases.append(Case(section, f"{job.label} {name} generate", generated))
+        cases.append(Case(section, f"{job.label} {name} generate bf16", generated_bf16))
     return cases
 
 
-def generate_verdict(mesh, device: torch.device, kv_heads: int) -> Verdict:
-    """``hf.generate`` (prefill under the mesh, Tree-Attention decoding over the sharded cache) of 3 left-padded
-    prompts of different lengths against single-process ``generate`` with SDPA, fp32: the logits of every step
-    within 1e-4 and the same greedy tokens."""
+def _generation_case(device: torch.device, kv_heads: int):
+    """The tiny Llama (SDPA) and 3 left-padded prompts of different lengths of the generate cases."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from mesh_cp.integrations import hf
     from mesh_cp.testing.models import tiny_config
 
     config = tiny_config(LlamaConfig, hidden_size=64, intermediate_size=128, num_key_value_heads=kv_heads)
@@ -701,7 +702,41 @@ def generate_verdict(mesh, device: torch.device, kv_heads: int) -> Verdict:
     ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
     for row, n in enumerate(lengths):
         ids[row, max(lengths) - n :] = torch.randint(1, config.vocab_size, (n,), generator=gen)
-    ids, mask = ids.to(device), (ids != 0).long().to(device)
+    return base, ids.to(device), (ids != 0).long().to(device)
+
+
+def generate_bf16_verdict(mesh, device: torch.device, kv_heads: int) -> Verdict:
+    """``hf.generate`` with bf16 weights (the flash decode kernel of a static cache on CUDA, Note [Flash decode]):
+    the logits of each of its 6 steps against the single-process model run over the tokens it chose (teacher
+    forcing, so diverging tokens do not change the reference), by flash-attn's rule: within twice the bf16 SDPA
+    model's error against the same model in fp64, plus the floor."""
+    from mesh_cp.integrations import hf
+
+    base, ids, mask = _generation_case(device, kv_heads)
+    model = hf.attach(copy.deepcopy(base).to(torch.bfloat16), mesh)
+    options = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    got = hf.generate(model, ids, mask, mesh=mesh, **options)
+    full_mask = torch.cat([mask, torch.ones_like(got.sequences[:, ids.shape[1] :])], 1)
+    positions = (full_mask.cumsum(1) - 1).clamp_min(0)
+    steps = slice(ids.shape[1] - 1, got.sequences.shape[1] - 1)  # the logits that chose each new token
+
+    def forced(dtype: torch.dtype) -> Tensor:
+        with torch.no_grad():
+            out = copy.deepcopy(base).to(dtype)(got.sequences, attention_mask=full_mask, position_ids=positions)
+        return out.logits[:, steps]
+
+    logits = torch.stack(got.logits, 1)
+    return judge({"logits": logits}, {"logits": forced(torch.float64)}, {"logits": forced(torch.bfloat16)},
+                 torch.bfloat16)  # fmt: skip
+
+
+def generate_verdict(mesh, device: torch.device, kv_heads: int) -> Verdict:
+    """``hf.generate`` (prefill under the mesh, Tree-Attention decoding over the sharded cache) of 3 left-padded
+    prompts of different lengths against single-process ``generate`` with SDPA, fp32: the logits of every step
+    within 1e-4 and the same greedy tokens."""
+    from mesh_cp.integrations import hf
+
+    base, ids, mask = _generation_case(device, kv_heads)
     options = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     want = base.generate(input_ids=ids, attention_mask=mask, **options)
     got = hf.generate(hf.attach(copy.deepcopy(base), mesh), ids, mask, mesh=mesh, **options)

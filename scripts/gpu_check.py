@@ -32,7 +32,9 @@ hf        a tiny Llama (MHA and GQA) with ``hf.attach``, against the single-proc
           same device: fp32 within 1e-4; bf16 weights, and fp32 weights under bf16 autocast, within 2x the
           SDPA model's error against the model in fp64; ``hf.generate`` (prefill under the mesh, Tree-Attention
           decoding over the sharded cache) of 3 left-padded prompts against single-process ``generate``: fp32
-          logits of every step within 1e-4 and the same greedy tokens. At P = 4 on NCCL with 4 GPUs; otherwise
+          logits of every step within 1e-4 and the same greedy tokens; with bf16 weights (on CUDA the flash
+          decode kernel), each step's logits against the single-process model over the tokens it chose, within
+          2x the bf16 model's error against fp64. At P = 4 on NCCL with 4 GPUs; otherwise
           at P = #GPUs on NCCL and at P = 4 on gloo ranks sharing GPU 0.
 examples  the accelerate, DeepSpeed and Megatron examples under ``python -m torch.distributed.run`` with
           tiny settings on min(#GPUs, 4) processes (CP = all of them): the loss of every step against

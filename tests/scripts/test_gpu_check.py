@@ -61,7 +61,7 @@ def test_cpu_selftest_passes_with_every_expected_row(tmp_path: Path) -> None:
     expected_pass += [
         ("hf", f"gloo cpu {m} {mode}")
         for m in ("llama", "llama-gqa")
-        for mode in ("fp32", "bf16", "autocast", "generate")
+        for mode in ("fp32", "bf16", "autocast", "generate", "generate bf16")
     ]
     not_passed = {key: rows.get(key, {}).get("status", "missing") for key in expected_pass}
     assert all(s == "PASS" for s in not_passed.values()), {k: s for k, s in not_passed.items() if s != "PASS"}
