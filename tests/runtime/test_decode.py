@@ -6,7 +6,8 @@ whose cache entries are dealt to the ranks unevenly (one rank holds nothing of r
 case), padding slots at position -1, 1 or 3 new tokens per row (causal among them), MHA, GQA and MQA. Every rank's
 output and lse must equal an fp64 single-process softmax over the visible entries within 1e-5 (fp32), the bytes it
 sent must equal the plan's, and its collectives must be one all-gather per level of the mesh (one in all over a
-process group or a ``1 x P`` mesh).
+process group or a ``1 x P`` mesh). With one new token the same shards in the lengths form (each row's entries
+first, other values after them; Note [Flash decode]) give the same result.
 A bf16 cache (``(B, Hkv, L, D)`` storage read through ``.transpose(1, 2)``, as the generation cache passes it)
 gives the fp64 softmax of the same bf16 values within 2e-2.
 
@@ -108,8 +109,27 @@ def run_cases(group, rank: int, world: int) -> dict[str, float]:
                     errors[f"{case} collectives"] = float(ops != ["all_gather"] * len(plan.levels))
                     if label in ("group", f"1x{world}"):
                         errors[f"{case} one collective"] = abs(len(ops) - 1)
+                    if new == 1:  # the lengths form: each row's entries first, the rest holding other values
+                        kc, vc, lengths = compacted(ks, vs, ps)
+                        with torch.no_grad():
+                            out, lse = mesh_cp.decode_attn_func(
+                                q.float(), kc, vc, mesh=mesh, k_lengths=lengths, return_lse=True
+                            )
+                        errors[f"{case} lengths out"] = (out.double() - want).abs().max().item()
+                        errors[f"{case} lengths lse"] = (lse.double() - want_lse).abs().max().item()
     errors.update(bf16_case(group, rank, world))
     return errors
+
+
+def compacted(k, v, positions):
+    """The shard in the lengths form: each row's entries (position >= 0) moved to its first slots, in order, the
+    slots after them filled with 1e3; and the int32 lengths."""
+    seen = positions >= 0
+    kc, vc = torch.full_like(k, 1e3), torch.full_like(v, 1e3)
+    for b in range(k.shape[0]):
+        n = int(seen[b].sum())
+        kc[b, :n], vc[b, :n] = k[b, seen[b]], v[b, seen[b]]
+    return kc, vc, seen.sum(1).to(torch.int32)
 
 
 def bf16_case(group, rank: int, world: int) -> dict[str, float]:
