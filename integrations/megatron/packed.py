@@ -76,8 +76,8 @@ def _thd_layout(params, mesh: CPMesh, device: torch.device, causal: bool) -> tup
             f"qkv_format='thd' without a causal mask over padded documents ({real} padded to {padded}): a query "
             "would see its document's padding; pad no document, or use attn_mask_type causal"
         )
-    mask, orders = thd_layout(padded, world=mesh.size)
-    order = torch.tensor(orders[mesh.rank], device=device)
+    mask, order = thd_layout(padded, world=mesh.size, rank=mesh.rank)
+    order = torch.tensor(order, device=device)
     return mask, order, torch.argsort(order)
 
 

@@ -119,22 +119,19 @@ def thd_partitioned_indices(cu_seqlens_padded: Sequence[int], total: int, world:
     return out
 
 
-def thd_layout(cu_seqlens_padded: Sequence[int], *, world: int) -> tuple[AttentionMask, list[list[int]]]:
-    """The split layout of a THD row (Note [THD layout]): its :class:`AttentionMask` (the padded documents, split) and,
-    per rank, ``order``: the THD local position of each token of the rank's split-layout shard, in that shard's
-    order (``shard = thd_tokens[order]``)."""
+def thd_layout(cu_seqlens_padded: Sequence[int], *, world: int, rank: int) -> tuple[AttentionMask, list[int]]:
+    """The split layout of a THD row (Note [THD layout]): its :class:`AttentionMask` (the padded documents, split) and
+    ``order``: the THD local position on ``rank`` of each token of its split-layout shard, in that shard's order
+    (``shard = thd_tokens[order]``)."""
     bounds = [int(b) for b in cu_seqlens_padded]
     total = bounds[-1]
     _check_thd(bounds, total, world)
     lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
     mask, (source,) = split_documents([lengths], seq_len=total, world=world)
     half = total // (2 * world)
-    orders = []
-    for rank in range(world):
-        where = {packed: j for j, packed in enumerate(thd_partitioned_indices(bounds, total, world, rank))}
-        mine = [g for h in (rank, 2 * world - 1 - rank) for g in range(h * half, (h + 1) * half)]
-        orders.append([where[source[g]] for g in mine])
-    return mask, orders
+    where = {packed: j for j, packed in enumerate(thd_partitioned_indices(bounds, total, world, rank))}
+    mine = (g for h in (rank, 2 * world - 1 - rank) for g in range(h * half, (h + 1) * half))
+    return mask, [where[source[g]] for g in mine]
 
 
 def _check_thd(bounds: list[int], total: int, world: int) -> None:

@@ -162,15 +162,15 @@ def test_thd_layout_holds_transformer_engines_tokens_in_the_split_order(world: i
     lengths = [2 * world * n for n in parts]
     bounds = [0, *[sum(lengths[: i + 1]) for i in range(len(lengths))]]
     total = bounds[-1]
-    mask, orders = thd_layout(bounds, world=world)
     split_mask, (source,) = split_documents([lengths], seq_len=total, world=world)
-    assert mask == split_mask
     for rank in range(world):
+        mask, order = thd_layout(bounds, world=world, rank=rank)
+        assert mask == split_mask
         te = thd_partitioned_indices(bounds, total, world, rank)
         assert te == _thd_partition_indices_kernel(bounds, total, world, rank)
         split_positions = [g for lo, hi in chunk_ranges(total, world, rank, "zigzag") for g in range(lo, hi)]
-        assert [te[j] for j in orders[rank]] == [source[g] for g in split_positions]
-        assert sorted(orders[rank]) == list(range(total // world))
+        assert [te[j] for j in order] == [source[g] for g in split_positions]
+        assert sorted(order) == list(range(total // world))
 
 
 def _thd_partition_indices_kernel(cu_seqlens: list[int], total_tokens: int, world_size: int, rank: int) -> list[int]:
@@ -190,6 +190,6 @@ def _thd_partition_indices_kernel(cu_seqlens: list[int], total_tokens: int, worl
 
 def test_thd_layout_refuses_unpadded_documents() -> None:
     with pytest.raises(ValueError, match=r"padded to a multiple of 2\*CP = 4 \(got lengths \[4, 6\]\)"):
-        thd_layout([0, 4, 10], world=2)
+        thd_layout([0, 4, 10], world=2, rank=0)
     with pytest.raises(ValueError, match=r"rise from 0 to the row's 12 tokens"):
         thd_partitioned_indices([0, 4, 8], 12, 2, 0)
