@@ -188,7 +188,8 @@ class MeshCoreAttention(MegatronModule):
     Constructed by Megatron's attention with ``config, layer_number, attn_mask_type, attention_type,
     cp_comm_type, softmax_scale, pg_collection``; ``mesh_provider`` comes from the spec's params. The
     CP group is ``pg_collection.cp`` when given, else ``parallel_state``'s. Inputs are this CP rank's
-    zig-zag chunks ``r`` and ``2CP-1-r`` (``get_batch_on_this_cp_rank``), RoPE already applied.
+    zig-zag chunks ``r`` and ``2CP-1-r`` (``get_batch_on_this_cp_rank``), or with ``packed_seq_params`` in
+    ``qkv_format="thd"`` its parts of every padded document (``get_thd_batch_on_this_cp_rank``), RoPE already applied.
     """
 
     def __init__(
@@ -248,7 +249,7 @@ class MeshCoreAttention(MegatronModule):
         packed_seq_params=None,
     ) -> Tensor:
         """``query [sq, b, heads, d]``, ``key/value [sk, b, kv_heads, d]`` (this CP rank's zig-zag chunks)
-        -> ``[sq, b, heads * d]``: attention over the whole sequence of the CP group."""
+        -> ``[sq, b, heads * d]``: attention over the whole sequence of the CP group (THD: :meth:`_forward_thd`)."""
         if attention_bias is not None:
             raise NotImplementedError(
                 f"attention_bias of shape {tuple(attention_bias.shape)} is not supported by mesh_cp; "
