@@ -175,8 +175,7 @@ class ShardedKVCache(Cache):
         if not self.mask_checked:
             prompt = self.prompt_mask
             width = 0 if prompt is None else prompt.shape[1]  # no prompt mask: every prompt column kept
-            got = padding[:, :width].to(padding.device if prompt is None else prompt.device)
-            same = prompt is None or (got.shape == prompt.shape and torch.equal(got, prompt))
+            same = prompt is None or torch.equal(padding[:, :width].to(prompt.device), prompt)
             if not same or not bool(padding[:, width:].all()):
                 raise ValueError(
                     "the attention mask of a decoding step must be the prompt's mask that prefill was given, then "

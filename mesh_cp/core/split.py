@@ -125,11 +125,11 @@ def thd_layout(cu_seqlens_padded: Sequence[int], *, world: int, rank: int) -> tu
     (``shard = thd_tokens[order]``)."""
     bounds = [int(b) for b in cu_seqlens_padded]
     total = bounds[-1]
-    _check_thd(bounds, total, world)
+    thd = thd_partitioned_indices(bounds, total, world, rank)  # checks the boundaries
     lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
     mask, (source,) = split_documents([lengths], seq_len=total, world=world)
     half = total // (2 * world)
-    where = {packed: j for j, packed in enumerate(thd_partitioned_indices(bounds, total, world, rank))}
+    where = {packed: j for j, packed in enumerate(thd)}
     mine = (g for h in (rank, 2 * world - 1 - rank) for g in range(h * half, (h + 1) * half))
     return mask, [where[source[g]] for g in mine]
 

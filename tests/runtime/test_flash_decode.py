@@ -24,6 +24,7 @@ import torch
 import mesh_cp.kernels.cuda_flash as cuda_flash
 from mesh_cp.runtime.decode import flash_decode_reasons, lengths_attention
 from tests.core.test_kernel_emulation import EmulatedCudaAttention, _flash_varlen_fwd
+from tests.runtime.test_decode import reference as decode_reference
 
 TOL = 2e-2
 """fp16/bf16 against fp64 over the same rounded values."""
@@ -106,18 +107,13 @@ def cache(batch: int, heads: tuple[int, int], dim: int, slots: int, lengths: lis
 
 
 def reference(q, k, v, lengths):
-    """fp64 softmax of each row's one query over its first ``lengths[b]`` entries: ``(out (B, 1, Hq, D), lse (B, Hq,
-    1))``, ``0`` and ``-inf`` for a row of none."""
-    group = q.shape[2] // k.shape[2]
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    lse = torch.full((q.shape[0], q.shape[2], 1), float("-inf"), dtype=torch.float64)
-    for b, n in enumerate(lengths.tolist()):
-        if n:
-            keys, values = (t[b, :n].double().repeat_interleave(group, 1) for t in (k, v))
-            s = torch.einsum("hd,khd->hk", q[b, 0].double(), keys) * q.shape[-1] ** -0.5
-            lse[b, :, 0] = torch.logsumexp(s, -1)
-            out[b, 0] = torch.einsum("hk,khd->hd", torch.softmax(s, -1), values)
-    return out, lse
+    """fp64 softmax of each row's one query over its first ``lengths[b]`` entries (test_decode's reference over those
+    positions): ``(out (B, 1, Hq, D), lse (B, Hq, 1))``, ``0`` and ``-inf`` for a row of none."""
+    slots = torch.arange(k.shape[1])
+    positions = torch.where(slots < lengths[:, None].long(), slots, -1)
+    q_positions = torch.full((q.shape[0], 1), k.shape[1])
+    out, lse = decode_reference(*(t.double() for t in (q, k, v)), positions, q_positions)
+    return out.nan_to_num(0.0), lse  # a row of none: softmax over nothing
 
 
 CASES = [
