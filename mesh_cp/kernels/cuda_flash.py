@@ -251,7 +251,17 @@ PAGE = 256
 
 def decode_reasons(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
     """Every reason :func:`decode_forward` cannot run a step of ``dtype`` and ``head_dim`` on ``device`` (empty: it
-    can; Note [Flash decode] in :mod:`mesh_cp.runtime.decode`)."""
+    can; Note [Flash decode] in :mod:`mesh_cp.runtime.decode`). Asked every layer and step: what cannot change in a
+    process is looked up; only the active flash implementation (a user may switch it) is read each time."""
+    reasons = _fixed_decode_reasons(device, dtype, head_dim)
+    active = getattr(getattr(torch.nn, "attention", None), "current_flash_attention_impl", lambda: None)()
+    if active is not None:
+        reasons += (f"flash attention implementation {active!r} is active (the paged call is FlashAttention 2's)",)
+    return reasons
+
+
+@functools.lru_cache(maxsize=64)
+def _fixed_decode_reasons(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
     reasons = list(CudaFlashKernel.capabilities.not_supported_reasons(device, dtype, head_dim))
     if head_dim % HEAD_DIM_MULTIPLE:
         reasons.append(f"head_dim {head_dim} is not a multiple of {HEAD_DIM_MULTIPLE} (the cache would be padded)")
@@ -263,9 +273,6 @@ def decode_reasons(device: torch.device, dtype: torch.dtype, head_dim: int) -> t
     missing = sorted({"seqused_k", "block_table"} - _op_parameters())
     if missing:
         reasons.append(f"torch {torch.__version__}: aten._flash_attention_forward takes no {missing}")
-    active = getattr(getattr(torch.nn, "attention", None), "current_flash_attention_impl", lambda: None)()
-    if active is not None:
-        reasons.append(f"flash attention implementation {active!r} is active (the paged call is FlashAttention 2's)")
     if device.type == "cuda" and not torch.version.hip and _capability(device) < (8, 0):
         reasons.append(f"FlashAttention needs compute capability >= 8.0 (Ampere), got {_capability(device)}")
     return tuple(reasons)
