@@ -102,18 +102,36 @@ def prefill(
     return cache
 
 
+def generation_option(model: torch.nn.Module, options: dict[str, Any], name: str) -> Any:
+    """Option ``name`` as ``model.generate(**options)`` reads it (transformers' order): the call's keyword, else the
+    ``generation_config`` it passes, else ``model.generation_config``; ``None`` where none sets it."""
+    configs = (options.get("generation_config"), getattr(model, "generation_config", None))
+    for value in (options.get(name), *(getattr(c, name, None) for c in configs if c is not None)):
+        if value is not None:
+            return value
+    return None
+
+
+DEFAULT_NEW_TOKENS = 20
+"""What transformers' generate makes when neither ``max_new_tokens`` nor ``max_length`` is set anywhere."""
+
+
 def new_token_budget(model: torch.nn.Module, width: int, options: dict[str, Any]) -> int:
     """The most tokens ``model.generate(**options)`` makes after prompts of ``width`` columns, as transformers reads
-    it: ``max_new_tokens``, else ``max_length - width``, from ``options`` or the generation config they name."""
-    config = options.get("generation_config") or model.generation_config
-    budget = options.get("max_new_tokens", config.max_new_tokens)
+    it (:func:`generation_option`): ``max_new_tokens``, else ``max_length - width``, else 20 (at most up to the
+    model's ``max_position_embeddings``)."""
+    budget = generation_option(model, options, "max_new_tokens")
     if budget is None:
-        budget = options.get("max_length", config.max_length) - width
+        total = generation_option(model, options, "max_length")
+        if total is None:
+            limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+            total = width + DEFAULT_NEW_TOKENS if limit is None else min(width + DEFAULT_NEW_TOKENS, limit)
+        budget = total - width
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(
             f"the ShardedKVCache is sized by the tokens generate will make: got {budget!r} for prompts of {width} "
-            "columns (max_new_tokens, else max_length - width, of the call or the model's generation_config); pass "
-            "max_new_tokens=N >= 1 to mesh_cp.integrations.hf.prefill or hf.generate"
+            "columns (max_new_tokens, else max_length - width, of the call, its generation_config or the model's); "
+            "pass max_new_tokens=N >= 1 to mesh_cp.integrations.hf.prefill or hf.generate"
         )
     return budget
 
@@ -171,7 +189,8 @@ def generate(
     then ``model.generate`` with the sharded cache (Note [Sharded generation]). Every rank calls it with the same
     prompts and options (and seeds its RNG alike to sample); returns the same sequences on every rank. ``stopping_criteria`` may differ between ranks (rank 0's alone, say): their decisions are combined,
     so all ranks stop together. ``streamer`` is used on the mesh's rank 0 only."""
-    refused = {k: v for k, v in generate_kwargs.items() if k in _ONE_SEQUENCE and v not in (None, 1)}
+    options = {name: generation_option(model, generate_kwargs, name) for name in _ONE_SEQUENCE}
+    refused = {k: v for k, v in options.items() if v not in (None, 1)}
     for name in CACHE_KEYWORDS:
         if name in generate_kwargs:
             refused[name] = type(generate_kwargs[name]).__name__
@@ -180,7 +199,7 @@ def generate(
             f"{refused} not supported with a sharded cache: generate makes its own ShardedKVCache and decodes one "
             f"sequence per prompt (greedy or sampling; no beams, no assistant)"
         )
-    if generate_kwargs.get("do_sample"):
+    if generation_option(model, generate_kwargs, "do_sample"):
         _check_same_rng(model, mesh)
     budget = new_token_budget(model, input_ids.shape[1], generate_kwargs)
     cache = prefill(model, input_ids, attention_mask, mesh=mesh, max_new_tokens=budget)
@@ -205,6 +224,7 @@ _NOT_IN_DECODING = {
     "max_length_k": "packed documents",
     "s_aux": "attention sinks",
     "softcap": "softcapped logits",
+    "output_attentions": "attention weights, which are never formed",
 }
 """Keywords of the attention call that decoding over a sharded cache does not compute: refused by name."""
 
@@ -240,7 +260,7 @@ def decode_attention(
     batch, new = q.shape[:2]
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     if index == 0:  # what the lengths form takes for granted, this step's and later ones' (Note [Static shard cache])
-        cache.check_mask(mask.padding, new)
+        cache.check_mask(mask.padding)
     if new == 1:
         return decode_attn_func(q, k, v, mesh=cache.mesh, k_lengths=layer.lengths, softmax_scale=scale), None
     q_columns = torch.arange(layer.seen - new, layer.seen, device=q.device).expand(batch, new)

@@ -18,9 +18,11 @@ step, naming the capacity and the fix.
 
 The lengths form holds when the steps' padding mask is the prompt's, then ones: ``generate`` extends the mask
 with ones. The first one-token step reads the mask once (one read per ``generate``) and compares it with the
-prefill's; every later step checks its new column on the device and keeps the verdict, which
+prefill's; every step compares its whole mask on the device and keeps the verdict, which
 :func:`~mesh_cp.integrations.hf.generation.generate` reads once when decoding ends, raising instead of returning
-the sequences; a mask that differs from the prompt's raises at the first step, naming the fix.
+the sequences (after ``model.generate`` with :func:`~mesh_cp.integrations.hf.generation.prefill`'s cache, call
+:meth:`ShardedKVCache.raise_if_mask_dropped`); a mask that differs from the prompt's raises at the first step,
+naming the fix.
 """
 
 from __future__ import annotations
@@ -158,10 +160,10 @@ class ShardedKVCache(Cache):
         self.mask_kept: Tensor | None = None
         """A device bool: every new column checked so far was kept by the mask."""
 
-    def check_mask(self, padding: Tensor | None, new: int) -> None:
+    def check_mask(self, padding: Tensor | None) -> None:
         """Refuse a step whose padding mask the lengths form would not apply (Note [Static shard cache]): at the first
-        one-token step, one read comparing it with the prompt's; later, the new columns' on the device, read once after
-        decoding by :func:`~mesh_cp.integrations.hf.generation.generate` (:meth:`raise_if_mask_dropped`)."""
+        one-token step, one read comparing it with the prompt's; at every step, the whole mask on the device, read once
+        after decoding by :func:`~mesh_cp.integrations.hf.generation.generate` (:meth:`raise_if_mask_dropped`)."""
         fix = "prefill and generate with the same attention_mask"
         if padding is None:
             if not self.mask_checked and self.prompt_mask is not None and not bool(self.prompt_mask.all()):
@@ -183,15 +185,20 @@ class ShardedKVCache(Cache):
                     f"{None if prompt is None else tuple(prompt.shape)} mask: {fix}"
                 )
             self.mask_checked = True
-        kept = padding[:, -new:].all()
+        prompt = self.prompt_mask
+        width = 0 if prompt is None else prompt.shape[1]
+        kept = padding[:, width:].all()  # every step: the whole mask, on the device
+        if prompt is not None:
+            kept = kept & (padding[:, :width] == prompt.to(padding.device)).all()
         self.mask_kept = kept if self.mask_kept is None else self.mask_kept & kept
 
     def raise_if_mask_dropped(self) -> None:
-        """Raise if a decoding step's mask dropped a new column (one read)."""
+        """Raise if a decoding step's mask differed from the prompt's mask followed by ones (one read). ``hf.generate``
+        calls it after decoding; after ``model.generate(cache=...)`` with :func:`prefill`'s cache, call it yourself."""
         if self.mask_kept is not None and not bool(self.mask_kept):
             raise ValueError(
-                "a decoding step's attention mask dropped a generated column; a ShardedKVCache decodes with the "
-                "prompt's padding, then every generated column kept (what generate passes)"
+                "a decoding step's attention mask dropped a generated column or changed the prompt's; a ShardedKVCache "
+                "decodes with the prompt's padding, then every generated column kept (what generate passes)"
             )
 
     @property

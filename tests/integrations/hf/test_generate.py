@@ -203,7 +203,7 @@ def prefix_layout(layer) -> bool:
 
 
 def refusals(model, mesh, ids, mask) -> dict:
-    from transformers import DynamicCache
+    from transformers import DynamicCache, GenerationConfig
 
     from mesh_cp.integrations import hf
 
@@ -224,11 +224,28 @@ def refusals(model, mesh, ids, mask) -> dict:
         results, "model.generate", NotImplementedError, r"called with a DynamicCache: with mesh_cp attention, generate",
         lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2),
     )  # fmt: skip
+    expect_error(
+        results, "beams in a config", NotImplementedError, r"\{'num_beams': 2\} not supported with a sharded cache",
+        lambda: hf.generate(model, ids, mask, mesh=mesh, generation_config=GenerationConfig(num_beams=2)),
+    )  # fmt: skip
+    expect_error(
+        results, "attention weights", NotImplementedError, r"does not take \['output_attentions'\]",
+        lambda: hf.generate(model, ids, mask, mesh=mesh, max_new_tokens=2, output_attentions=True,
+                            return_dict_in_generate=True),
+    )  # fmt: skip
     torch.manual_seed(dist.get_rank())
     expect_error(
         results, "seeds", ValueError, r"same random generator state on every rank",
         lambda: hf.generate(model, ids, mask, mesh=mesh, do_sample=True, max_new_tokens=2),
     )  # fmt: skip
+    model.generation_config.do_sample = True  # as many hub checkpoints set it
+    try:
+        expect_error(
+            results, "seeds, sampling from the model's config", ValueError, r"same random generator state",
+            lambda: hf.generate(model, ids, mask, mesh=mesh, max_new_tokens=2),
+        )  # fmt: skip
+    finally:
+        model.generation_config.do_sample = False
     return results
 
 
@@ -272,7 +289,7 @@ def test_rank_zero_stopping_and_streaming(results) -> None:
 def test_refusals(results) -> None:
     for result in results:
         refused = result["refusals"]
-        assert len(refused) == 5 and all(v is True for v in refused.values()), refused
+        assert len(refused) == 8 and all(v is True for v in refused.values()), refused
 
 
 def test_static_cache_in_place_one_collective_and_overflow(results) -> None:
@@ -340,20 +357,55 @@ def test_the_steps_mask_must_be_the_prompts_then_ones() -> None:
     mesh = SimpleNamespace(rank=0, size=1)
     ones = torch.ones(2, 1, dtype=torch.long)
     cache = ShardedKVCache(mesh, 1, prompt_mask=prompt)
-    cache.check_mask(torch.cat([prompt.long(), ones], 1), 1)
-    cache.check_mask(torch.cat([prompt.long(), ones, ones], 1), 1)
+    cache.check_mask(torch.cat([prompt.long(), ones], 1))
+    cache.check_mask(torch.cat([prompt.long(), ones, ones], 1))
     cache.raise_if_mask_dropped()  # nothing dropped
-    cache.check_mask(torch.cat([prompt.long(), ones, ones, torch.tensor([[1], [0]])], 1), 1)
-    with pytest.raises(ValueError, match=r"dropped a generated column"):
+    cache.check_mask(torch.cat([prompt.long(), ones, ones, torch.tensor([[1], [0]])], 1))
+    with pytest.raises(ValueError, match=r"dropped a generated column or changed the prompt's"):
         cache.raise_if_mask_dropped()
+    later = ShardedKVCache(mesh, 1, prompt_mask=prompt)  # a later step that unmasks a padded prompt column
+    later.check_mask(torch.cat([prompt.long(), ones], 1))
+    later.check_mask(torch.cat([torch.ones_like(prompt, dtype=torch.long), ones, ones], 1))
+    with pytest.raises(ValueError, match=r"changed the prompt's"):
+        later.raise_if_mask_dropped()
     for padding in (torch.ones(2, 4, dtype=torch.long), torch.cat([prompt.long(), 1 - ones], 1)):
         with pytest.raises(ValueError, match=r"must be the prompt's mask that prefill was given, then ones"):
-            ShardedKVCache(mesh, 1, prompt_mask=prompt).check_mask(padding, 1)
+            ShardedKVCache(mesh, 1, prompt_mask=prompt).check_mask(padding)
     with pytest.raises(ValueError, match=r"without an attention mask, but prefill's masks padding"):
-        ShardedKVCache(mesh, 1, prompt_mask=prompt).check_mask(None, 1)
+        ShardedKVCache(mesh, 1, prompt_mask=prompt).check_mask(None)
     unpadded = ShardedKVCache(mesh, 1, prompt_mask=torch.ones(2, 3, dtype=torch.bool))
-    unpadded.check_mask(None, 1)
+    unpadded.check_mask(None)
     assert unpadded.mask_checked and unpadded.mask_kept is None
     several = ShardedKVCache(mesh, 1, prompt_mask=prompt)  # a step of 3 new columns, one dropped, then one of 1
     with pytest.raises(ValueError, match=r"then ones"):
-        several.check_mask(torch.cat([prompt.long(), ones, 1 - ones, ones], 1), 3)
+        several.check_mask(torch.cat([prompt.long(), ones, 1 - ones, ones], 1))
+
+
+@pytest.mark.parametrize(
+    "call, model_config",
+    [
+        ({}, {}),  # nothing set anywhere: transformers' 20 new tokens
+        ({}, {"max_new_tokens": 5}),
+        ({"max_length": 14}, {"max_new_tokens": 5}),  # the call's max_length, the model's max_new_tokens wins
+        ({"config": {"max_length": 17}}, {}),
+        ({"config": {"max_length": 17}}, {"max_new_tokens": 4}),  # a passed config's empty fields: the model's
+        ({"config": {"max_new_tokens": 3}}, {"max_new_tokens": 9}),
+        ({"max_new_tokens": 7, "config": {"max_new_tokens": 3}}, {}),
+    ],
+)
+def test_the_cache_is_sized_for_what_generate_makes(call, model_config) -> None:
+    """``new_token_budget`` equals the tokens single-process ``model.generate`` makes with the same options."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from mesh_cp.integrations.hf.generation import new_token_budget
+    from mesh_cp.testing.models import VOCAB, tiny_causal_lms
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama"], attn_implementation="sdpa").eval()
+    model.generation_config.update(eos_token_id=None, pad_token_id=0, **model_config)
+    options = {k: v for k, v in call.items() if k != "config"}
+    if "config" in call:
+        options["generation_config"] = GenerationConfig(**call["config"])
+    ids, mask = prompts((6, 9), VOCAB)
+    made = model.generate(input_ids=ids, attention_mask=mask, **options).shape[1] - ids.shape[1]
+    assert new_token_budget(model, ids.shape[1], options) == made, (call, model_config, made)
