@@ -266,7 +266,7 @@ class MeshCoreAttention(MegatronModule):
             return self._forward_thd(query, key, value, attention_mask, causal, packed_seq_params)
         if attention_mask is not None:
             self._check_mask(attention_mask, causal, query.shape[0], query.shape[1])
-        mask = self.documents(packed_seq_params, query.shape[0] * self.mesh.size, query.shape[1])
+        mask = self.documents(packed_seq_params, query.shape[0] * self.mesh.size, query.shape[1], self.mesh)
         if self.window is not None:
             mask = AttentionMask(documents=None if mask is None else mask.documents, window=self.window)
         q, k, v = (t.transpose(0, 1) for t in (query, key, value))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from mesh_cp.core.masks import AttentionMask
@@ -27,32 +28,64 @@ class PackedDocuments:
     """
 
     def __init__(self) -> None:
-        self._last: tuple[weakref.ref, int, AttentionMask] | None = None
-        self._last_thd: tuple[weakref.ref, int, tuple, tuple] | None = None
+        self._last: tuple[tuple, tuple, AttentionMask] | None = None
+        self._last_thd: tuple[tuple, tuple, tuple] | None = None
 
     def thd(self, params, mesh: CPMesh, device: torch.device, causal: bool) -> tuple[AttentionMask, Tensor, Tensor]:
         """A THD row's split-layout mask, and this rank's ``order`` (THD rows in the split layout's order) and
-        ``back`` (its inverse) on ``device`` (Note [THD layout] in :mod:`mesh_cp.core.split`); read once per tensor
-        of boundaries."""
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        if cu is None:
-            raise NotImplementedError("packed_seq_params with qkv_format='thd' needs cu_seqlens_q (and _padded)")
-        last = self._last_thd
-        if last is not None and last[0]() is cu and last[1] == cu._version and last[2] == (mesh, device, causal):
-            return last[3]
+        ``back`` (its inverse) on ``device`` (Note [THD layout] in :mod:`mesh_cp.core.split`); read once per
+        ``packed_seq_params`` (the same tensors and values)."""
+        _check_cp_fields(params, mesh)
+        refs, key = _params_key(params, (mesh, device, causal))
+        if self._last_thd is not None and _same(self._last_thd, refs, key):
+            return self._last_thd[2]
         found = _thd_layout(params, mesh, device, causal)
-        self._last_thd = (weakref.ref(cu), cu._version, (mesh, device, causal), found)
+        self._last_thd = (refs, key, found)
         return found
 
-    def __call__(self, params, seq: int, batch: int) -> AttentionMask | None:
+    def __call__(self, params, seq: int, batch: int, mesh: CPMesh) -> AttentionMask | None:
         if params is None:
             return None
-        cu = params.cu_seqlens_q
-        if self._last is not None and self._last[0]() is cu and self._last[1] == cu._version:
+        _check_cp_fields(params, mesh)
+        refs, key = _params_key(params, (seq, batch))
+        if self._last is not None and _same(self._last, refs, key):
             return self._last[2]
         mask = _packed_mask(params, seq, batch)
-        self._last = (weakref.ref(cu), cu._version, mask)
+        self._last = (refs, key, mask)
         return mask
+
+
+_BOUNDARIES = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
+
+
+def _params_key(params, extra: tuple) -> tuple[tuple, tuple]:
+    """What a cached reading of ``params`` depends on: its boundary tensors (held weakly, with their versions) and
+    every other field it reads, with ``extra``."""
+    tensors = [getattr(params, name) for name in _BOUNDARIES]
+    refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+    versions = tuple(None if t is None else t._version for t in tensors)
+    return refs, (versions, params.qkv_format, params.max_seqlen_q, params.max_seqlen_kv, *extra)
+
+
+def _same(last: tuple, refs: tuple, key: tuple) -> bool:
+    """``last`` was read from the same tensors (alive, not modified since) and the same other fields."""
+    held = all((a is None) == (b is None) and (a is None or a() is b()) for a, b in zip(last[0], refs, strict=True))
+    return held and last[1] == key
+
+
+def _check_cp_fields(params, mesh: CPMesh) -> None:
+    """Megatron's hybrid (dynamic) CP names another CP group per sample in ``local_cp_size`` / ``cp_group``:
+    taken only when they name the mesh's own group."""
+    local, group = getattr(params, "local_cp_size", None), getattr(params, "cp_group", None)
+    if local is None and group is None:
+        return
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    if local != mesh.size or ranks != dist.get_process_group_ranks(mesh.group):
+        raise NotImplementedError(
+            f"packed_seq_params local_cp_size={local}, cp_group ranks {ranks}: mesh_cp shards every sample over its "
+            f"mesh of {mesh.size} ranks {dist.get_process_group_ranks(mesh.group)} (no hybrid context parallelism); "
+            "leave local_cp_size and cp_group unset"
+        )
 
 
 def _thd_layout(params, mesh: CPMesh, device: torch.device, causal: bool) -> tuple[AttentionMask, Tensor, Tensor]:
@@ -60,7 +93,9 @@ def _thd_layout(params, mesh: CPMesh, device: torch.device, causal: bool) -> tup
     names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
     values = {n: None if getattr(params, n) is None else [int(x) for x in getattr(params, n).tolist()] for n in names}
     real, padded = values["cu_seqlens_q"], values["cu_seqlens_q_padded"] or values["cu_seqlens_q"]
-    if real is None or values["cu_seqlens_kv"] != real or (values["cu_seqlens_kv_padded"] or real) != padded:
+    if real is None:
+        raise NotImplementedError("packed_seq_params with qkv_format='thd' needs cu_seqlens_q (and _padded)")
+    if values["cu_seqlens_kv"] != real or (values["cu_seqlens_kv_padded"] or real) != padded:
         raise NotImplementedError(
             f"packed_seq_params {values}: mesh_cp needs cu_seqlens_kv equal to cu_seqlens_q (self-attention), and "
             "cu_seqlens_kv_padded equal to cu_seqlens_q_padded"
@@ -75,6 +110,13 @@ def _thd_layout(params, mesh: CPMesh, device: torch.device, causal: bool) -> tup
         raise NotImplementedError(
             f"qkv_format='thd' without a causal mask over padded documents ({real} padded to {padded}): a query "
             "would see its document's padding; pad no document, or use attn_mask_type causal"
+        )
+    longest = max(n for n, _ in sizes)
+    lengths = (params.max_seqlen_q, params.max_seqlen_kv)
+    if any(n is not None and n < longest for n in lengths):
+        raise ValueError(
+            f"max_seqlen_q/kv {lengths} with qkv_format='thd' must be at least the longest document, {longest} "
+            f"tokens (cu_seqlens_q {real}): Megatron sizes RoPE from them"
         )
     mask, order = thd_layout(padded, world=mesh.size, rank=mesh.rank)
     order = torch.tensor(order, device=device)

@@ -455,6 +455,22 @@ def _checks(rank: int, world: int) -> dict:
             qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
             cu_seqlens_kv_padded=padded)),
     )  # fmt: skip
+    expect_error(
+        out,
+        "thd max_seqlen",
+        ValueError,
+        r"max_seqlen_q/kv \(3, 3\) with qkv_format='thd' must be at least the longest document, 8 tokens",
+        lambda: attn(q, k, k, None, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=padded, cu_seqlens_kv=padded, max_seqlen_q=3, max_seqlen_kv=3)),
+    )  # fmt: skip
+    expect_error(
+        out,
+        "hybrid cp",
+        NotImplementedError,
+        r"local_cp_size=2, cp_group ranks None: mesh_cp shards every sample over its mesh of 4 ranks",
+        lambda: attn(q, k, k, None, packed_seq_params=PackedSeqParams(
+            qkv_format="sbhd", cu_seqlens_q=padded, cu_seqlens_kv=padded, local_cp_size=2)),
+    )  # fmt: skip
     unpadded = torch.tensor([0, 6, 32], dtype=torch.int32)
     expect_error(
         out,
@@ -593,7 +609,7 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
             k: v for k, v in res.items() if isinstance(v, bool | str) and k not in ("layout str", "--spec loss finite")
         }
         failed = {k: v for k, v in refusals.items() if v is not True}
-        assert len(refusals) == 20 and not failed, failed
+        assert len(refusals) == 22 and not failed, failed
         cp_ranks = [rank % 2 + 2 * c for c in range(4)]  # TP2 x CP4: head groups of CP ranks {0, 1} and {2, 3}
         first = rank // 2 // 2 * 2
         assert res["a2a+p2p mesh"] == (2, (1, 2), cp_ranks[first : first + 2]), res["a2a+p2p mesh"]
@@ -755,3 +771,45 @@ def test_checkpoint_refusals(tmp_path: Path) -> None:
         got = checkpoint.optimizer_sharded_state_dict(megatron_like, model, {"w": 1}, loading=loading)
         assert got == {"sharded": {"w": 1}}
     assert megatron_like.calls == [False, True]
+
+
+def test_packed_documents_are_read_again_when_any_field_changes() -> None:
+    """A reading of ``packed_seq_params`` is reused only for the same tensors (unmodified) and the same other fields:
+    a params object that shares one boundary tensor with an accepted one is still checked."""
+    from types import SimpleNamespace
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mesh_cp.integrations.megatron.packed import PackedDocuments
+
+    mesh, cpu = SimpleNamespace(size=2, rank=0), torch.device("cpu")
+    documents = PackedDocuments()
+    padded = torch.tensor([0, 8, 16], dtype=torch.int32)
+
+    def thd(real, kv=None):
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real if kv is None else kv,
+                               cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)  # fmt: skip
+
+    full = thd(padded)
+    first = documents.thd(full, mesh, cpu, causal=False)
+    assert documents.thd(full, mesh, cpu, causal=False) is first  # read once
+    real = torch.tensor([0, 5, 9], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=r"without a causal mask over padded documents"):
+        documents.thd(thd(real), mesh, cpu, causal=False)
+    with pytest.raises(NotImplementedError, match=r"cu_seqlens_kv equal to cu_seqlens_q"):
+        documents.thd(thd(padded, kv=real), mesh, cpu, causal=True)
+    bounds = torch.tensor([0, 10, 32], dtype=torch.int32)
+    row = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds)
+    mask = documents(row, 32, 1, mesh)
+    assert documents(row, 32, 1, mesh) is mask
+    for params, seq, batch, match in (
+        (PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=real), 32, 1, r"cu_seqlens_kv"),
+        (PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=22), 32, 1,
+         r"max_seqlen_q/kv \(22, None\)"),
+        (row, 32, 4, r"for a batch of 4"),
+        (row, 16, 1, r"at most the row's 16 tokens"),
+    ):  # fmt: skip
+        with pytest.raises((NotImplementedError, ValueError), match=match):
+            documents(params, seq, batch, mesh)
+    bounds[1] = 12  # modified in place: read again
+    assert documents(row, 32, 1, mesh).documents == (((0, 12), (12, 32)),)
