@@ -291,8 +291,8 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, *, scale: f
     """One query per row over a paged cache, in place (Note [Flash decode] in :mod:`mesh_cp.runtime.decode`): ``q
     (B, Hq, D)``; ``k, v (B, C, Hkv, D)``, any strides but the last (a ``.transpose(1, 2)`` view of ``(B, Hkv, C,
     D)`` storage), ``C`` a multiple of :data:`PAGE`; ``lengths (B,)`` int32: row ``b`` attends its first
-    ``lengths[b]`` entries. Returns ``out (B, Hq, D)`` in ``q``'s dtype and ``lse (B, Hq)`` fp32; a row of length 0
-    gets ``0`` and ``-inf``."""
+    ``lengths[b]`` entries (held to ``0 .. C``). Returns ``out (B, Hq, D)`` in ``q``'s dtype and ``lse (B, Hq)`` fp32;
+    a row of length 0 gets ``0`` and ``-inf``."""
     batch, slots = k.shape[:2]
     if slots % PAGE or k.stride(-1) != 1 or v.stride(-1) != 1 or lengths.dtype != torch.int32:
         raise ValueError(
@@ -302,12 +302,14 @@ def decode_forward(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, *, scale: f
     cu_q, cu_k, table = _decode_tables(batch, slots, q.device)
     # One page per row: the kernel reads row b's keys at k[table[b, 0]], the first seqused_k[b] of them. A row of
     # none reads one (its result is replaced below): the kernel's write for an empty row lands on another row's lse.
+    # Lengths are held to the page: a longer one would read past it, into the next row's page.
+    used = lengths.clamp(0, slots)
     extra = {"num_splits": 1} if _splits_corrupt(batch, q.shape[1], k.shape[2]) else {}
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, 1, slots, 0.0, False, False, scale=scale, seqused_k=lengths.clamp_min(1),
+        q, k, v, cu_q, cu_k, 1, slots, 0.0, False, False, scale=scale, seqused_k=used.clamp_min(1),
         block_table=table, **extra,
     )  # fmt: skip
-    empty = (lengths == 0)[:, None]
+    empty = (used == 0)[:, None]
     return out.masked_fill(empty[..., None], 0.0), lse.transpose(0, 1).masked_fill(empty, float("-inf"))
 
 

@@ -12,7 +12,8 @@ nothing (padding, a slot not filled yet). A query attends the entries at positio
 over the cache and among the ``k`` new tokens, each row with its own length. Every rank returns the whole ``(B, k,
 Hq, D)`` result in ``q``'s dtype (combined in fp32). A static cache passes its shard in the lengths form instead:
 ``k_lengths (B,)`` int32, the first ``k_lengths[b]`` entries of row ``b`` are its cache, all before the one new
-query of the row (Note [Flash decode]).
+query of the row (Note [Flash decode]); ``0 <= k_lengths[b] <= L`` (checked for a CPU tensor; on a device, values
+are held to that range, since checking them would read them back).
 
 Note [Decode local step]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -181,8 +182,8 @@ def cache_slots(entries: int) -> int:
 def flash_decode_reasons(q: Tensor, k: Tensor) -> tuple[str, ...]:
     """Every reason the flash decode kernel cannot run a lengths-form step over ``k`` (empty: it can)."""
     reasons = list(cuda_flash.decode_reasons(q.device, q.dtype, q.shape[-1]))
-    if k.shape[1] % cuda_flash.PAGE:
-        reasons.append(f"the shard's {k.shape[1]} slots are not a multiple of {cuda_flash.PAGE} (a page)")
+    if k.shape[1] % cuda_flash.PAGE or not k.shape[1]:
+        reasons.append(f"the shard's {k.shape[1]} slots are not a positive multiple of {cuda_flash.PAGE} (a page)")
     return tuple(reasons)
 
 
@@ -318,6 +319,13 @@ def _check_lengths(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> None:
             f"k_lengths must be a (B,) = ({q.shape[0]},) int32 tensor on {q.device}, got {tuple(lengths.shape)} "
             f"{lengths.dtype} on {lengths.device}"
         )
+    if lengths.device.type == "cpu":  # on the host, checked; on a device, held to 0 .. L (nothing is read back)
+        outside = ((lengths < 0) | (lengths > k.shape[1])).nonzero().flatten().tolist()
+        if outside:
+            raise ValueError(
+                f"k_lengths {lengths.tolist()} must be within 0 .. {k.shape[1]} (the shard's slots): rows {outside} "
+                "are not"
+            )
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, k_positions: Tensor) -> None:

@@ -159,13 +159,17 @@ def test_refusals(flash_runs) -> None:
     q, k, v, used = cache(2, (4, 2), 8, 256, [3, 0], torch.bfloat16, seed=2)
     with pytest.raises(ValueError, match=r"pages of a multiple of 256 rows .* got 200 rows"):
         cuda_flash.decode_forward(q[:, 0], k[:, :200], v[:, :200], used, scale=1.0)
-    with pytest.raises(NotImplementedError, match=r"slots are not a multiple of 256"):
-        lengths_attention("cuda_flash", q, k[:, :200], v[:, :200], used, 1.0)
+    for slots in (200, 0):  # an empty shard reads no page either
+        with pytest.raises(NotImplementedError, match=rf"{slots} slots are not a positive multiple of 256"):
+            lengths_attention("cuda_flash", q, k[:, :slots], v[:, :slots], used, 1.0)
     calls = {
         r"one new token per row, got q \(2, 2, 4, 8\)": dict(q=q.expand(2, 2, 4, 8), k_lengths=used),
         r"k_lengths must be a \(B,\) = \(2,\) int32 tensor": dict(q=q, k_lengths=used.long()),
         r"one form: k_lengths alone": dict(q=q, k_lengths=used, k_positions=used.long()[:, None]),
         r"needs q_positions and k_positions, or k_lengths": dict(q=q),
+        r"k_lengths \[257, -1\] must be within 0 \.\. 256 \(the shard's slots\): rows \[0, 1\]": dict(
+            q=q, k_lengths=torch.tensor([257, -1], dtype=torch.int32)
+        ),
     }
     for message, args in calls.items():
         with pytest.raises(ValueError, match=message), torch.no_grad():
@@ -188,3 +192,16 @@ def test_one_split_only_where_the_kernels_own_splits_would_corrupt_rows(monkeypa
     unswapped call of several rows must pass ``num_splits=1``."""
     monkeypatch.setattr(torch, "__version__", version)
     assert cuda_flash._splits_corrupt(batch, *heads) is want
+
+
+def test_lengths_outside_the_page_are_held_to_it_as_the_local_step_reads_them(flash_runs) -> None:
+    """On a device ``k_lengths`` are not read back, so the kernel holds them to ``0 .. C``: a longer length reads
+    the whole page (not the next row's), a negative one none, as the local step reads them."""
+    q, k, v, _ = cache(3, (4, 2), 8, 256, [256, 0, 5], torch.bfloat16, seed=3)
+    wild = torch.tensor([300, -4, 5], dtype=torch.int32)
+    with EmulatedPagedFlash() as mode:
+        out, lse = cuda_flash.decode_forward(q[:, 0], k, v, wild, scale=8**-0.5)
+    assert "_flash_attention_forward.default" in mode.ran
+    local, local_lse = lengths_attention("reference", q, k, v, wild, 8**-0.5)
+    assert (out.float() - local[:, 0]).abs().max() <= TOL
+    assert torch.equal(torch.isinf(lse), torch.isinf(local_lse[..., 0])) and torch.isinf(lse[1]).all()
