@@ -21,9 +21,9 @@ bucket whose gradients are in waits for the buckets before it. A parameter that 
 step (a branch this rank skipped, a frozen-in-practice layer) holds its bucket back until ``finish()``, which
 fills its slot with its ``.grad`` if it has one (an earlier micro-batch's) and zeros otherwise, then launches
 every bucket not yet launched. So every rank reduces every bucket once, in order, whatever it used, and the sum
-is the sum over the ranks that used the parameter. ``unused="zeros"`` (the default, as Megatron's gradient
-buffers) keeps that: a parameter no rank used gets a zero gradient, not ``None`` (an optimizer's weight decay
-still applies to it). ``unused="error"`` raises in ``finish()`` naming the parameters that got no gradient on
+is the sum over the ranks that used the parameter. ``unused="zeros"`` (the default) keeps that, and a parameter
+no rank used keeps no gradient, as in one process (each bucket's flags, Note [Used flags] in
+:mod:`mesh_cp.runtime.gradients`: an optimizer skips it). ``unused="error"`` raises in ``finish()`` naming the parameters that got no gradient on
 this rank, after the collectives have completed, so the other ranks are not left waiting in one. One caveat, as
 DDP's for unused parameters: a bucket one rank holds back until ``finish()`` while the others launch it during
 backward is then issued, on that rank, after the attention's own backward collectives on the CP subgroups, on the
@@ -35,6 +35,9 @@ Gradient accumulation: run the backward of every micro-batch but the last under 
 hooks then only note that the parameter was used; gradients accumulate in ``.grad`` as without the hooks, and
 the last backward reduces the accumulated sums. A second backward without ``finish()`` between is refused by
 name (its gradients would be added into a bucket already sent).
+
+The buckets hold the parameters that required a gradient when the reduction was made: ``finish()`` raises, naming
+them, once a parameter is frozen or unfrozen after that (make the reduction again).
 
 Buckets follow the reverse of ``model.named_parameters()``, the order backward produces gradients for a model
 that registers its layers in the order it calls them; a model that does not still gets the right gradients, with
@@ -57,7 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mesh_cp.core.options import positive_int
-from mesh_cp.runtime.gradients import BUCKET_BYTES, gradient_buckets
+from mesh_cp.runtime.gradients import BUCKET_BYTES, gradient_buckets, read_flags
 
 Unused = Literal["zeros", "error"]
 UNUSED: tuple[str, ...] = get_args(Unused)
@@ -84,7 +87,10 @@ class OverlappedReduction:
         if unused not in UNUSED:
             raise ValueError(f"unused {unused!r} is not supported; choose one of {list(UNUSED)}")
         positive_int("divide_by", divide_by)
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad][::-1]
+        every = list(model.named_parameters())
+        self._trainable = [p.requires_grad for _, p in every]
+        self._every = every
+        named = [(name, p) for name, p in every if p.requires_grad][::-1]
         if not named:
             raise ValueError(f"{type(model).__name__} has no parameter that requires a gradient: nothing to reduce")
         self.group, self.divide_by, self.unused = group, divide_by, unused
@@ -93,15 +99,19 @@ class OverlappedReduction:
         self.buffers: list[Tensor] = []
         """One flat buffer per bucket, in launch order."""
         self._slots: list[Tensor] = [None] * len(named)  # type: ignore[list-item]
+        self._flags: list[Tensor] = [None] * len(named)  # type: ignore[list-item]
+        """Each parameter's flag in its bucket (Note [Used flags] in :mod:`mesh_cp.runtime.gradients`)."""
         self._bucket_of = [0] * len(named)
         self._sizes: list[int] = []
         index = {id(p): i for i, p in enumerate(self.params)}
         for b, bucket in enumerate(gradient_buckets(self.params, bucket_bytes)):
-            buffer = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            size = sum(p.numel() for p in bucket)
+            buffer = torch.zeros(size + len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
             offset = 0
-            for p in bucket:
+            for k, p in enumerate(bucket):
                 i = index[id(p)]
                 self._slots[i], self._bucket_of[i] = buffer[offset : offset + p.numel()], b
+                self._flags[i] = buffer[size + k]
                 offset += p.numel()
             self.buffers.append(buffer)
             self._sizes.append(len(bucket))
@@ -123,6 +133,8 @@ class OverlappedReduction:
         self._seen = [False] * len(self.params)
         self._ready = [False] * len(self.params)
         self._pending = list(self._sizes)
+        self._missing: list[int] = []
+        """Parameters this rank had no gradient for in the step (their flags are 0)."""
         self._next = 0
         self._works: list[dist.Work] = []
 
@@ -146,6 +158,7 @@ class OverlappedReduction:
         slot = self._slots[i]
         if grad is None:
             slot.zero_()
+            self._missing.append(i)
         elif grad.is_sparse:
             raise NotImplementedError(f"{self.names[i]}: sparse gradients are not reduced in buckets; use dense ones")
         elif grad.data_ptr() != slot.data_ptr():  # not already the view finish() made
@@ -156,6 +169,11 @@ class OverlappedReduction:
     def _launch_ready(self) -> None:
         """Start the all-reduce of every complete bucket whose predecessors are all started, in bucket order."""
         while self._next < len(self.buffers) and self._pending[self._next] == 0:
+            flags = self.buffers[self._next][-self._sizes[self._next] :]
+            flags.fill_(1)
+            for i in self._missing:
+                if self._bucket_of[i] == self._next:
+                    self._flags[i].fill_(0)
             self._works.append(dist.all_reduce(self.buffers[self._next], group=self.group, async_op=True))
             self._next += 1
 
@@ -181,13 +199,21 @@ class OverlappedReduction:
                 if not ready:
                     self._fill(i, self.params[i].grad)
             self._launch_ready()
-            works = self._works
+            works, missing = self._works, self._missing
             self._reset()
         for work, buffer in zip(works, self.buffers, strict=True):
             work.wait()
             if self.divide_by != 1:
                 buffer.div_(self.divide_by)
-        self._write_back()
+        unused = {i for i, used in zip(missing, read_flags([self._flags[i] for i in missing]), strict=True) if not used}
+        self._write_back(unused)
+        changed = [name for (name, p), was in zip(self._every, self._trainable, strict=True) if p.requires_grad != was]
+        if changed:
+            raise RuntimeError(
+                f"requires_grad changed since the reduction was made for {changed[:8]}: its buckets hold the "
+                f"parameters that required a gradient then; call remove() and make it again after freezing or "
+                f"unfreezing parameters"
+            )
         if unseen and self.unused == "error":
             shown = ", ".join(unseen[:8]) + (f" and {len(unseen) - 8} more" if len(unseen) > 8 else "")
             raise RuntimeError(
@@ -197,10 +223,11 @@ class OverlappedReduction:
             )
         return len(works)
 
-    def _write_back(self) -> None:
-        """Every gradient becomes the reduced view of its slot (a copy for a non-contiguous parameter)."""
-        for p, slot in zip(self.params, self._slots, strict=True):
-            if p.grad is not None and p.grad.data_ptr() == slot.data_ptr():
+    def _write_back(self, unused: set[int]) -> None:
+        """Every gradient becomes the reduced view of its slot (a copy for a non-contiguous parameter), but those of
+        the ``unused`` parameters, which no rank had, stay ``None``."""
+        for i, (p, slot) in enumerate(zip(self.params, self._slots, strict=True)):
+            if i in unused or (p.grad is not None and p.grad.data_ptr() == slot.data_ptr()):
                 continue
             view = slot.view(p.shape)
             if p.is_contiguous():

@@ -122,7 +122,8 @@ def equal_section(rank: int, world: int) -> dict:
 
 def unused_section(rank: int, world: int) -> dict:
     """``side`` is used by rank 0 only, ``never`` by no rank: ``unused="zeros"`` reduces zeros for them on every
-    rank alike; ``unused="error"`` names them, on the ranks that lack them, after the same collectives."""
+    rank alike, and ``never`` keeps no gradient, as in one process; ``unused="error"`` names them, on the ranks that
+    lack them, after the same collectives."""
     import torch.distributed as dist
 
     _, layout = layouts()
@@ -132,12 +133,10 @@ def unused_section(rank: int, world: int) -> dict:
     count = reduction.finish()
     reference = Net(side=True, never=True)
     (sum(loss_of(reference, r, use_side=r == 0) for r in range(world)) / layout.dp_size).backward()
-    want = {
-        n: torch.zeros_like(p, dtype=torch.float64) if g is None else g
-        for (n, p), g in zip(reference.named_parameters(), grads(reference).values(), strict=True)
-    }
+    want = grads(reference)  # never: None, as in one process
     out = {"count": count, "buckets": reduction.num_buckets, "errors": rel_errors(grads(model), want)}
-    out["never is zero"] = all(p.grad is not None and not p.grad.any() for p in model.never.parameters())
+    out["never is None"] = all(p.grad is None for p in model.never.parameters())
+    out["side is set"] = all(p.grad is not None for p in model.side.parameters())  # rank 0's, on every rank
     strict = Net(side=True)
     refusing = layout.overlap_gradients(strict, unused="error")
     loss_of(strict, rank, use_side=rank == 0).backward()
@@ -216,6 +215,18 @@ def misuse_section(rank: int, world: int) -> dict:
         checks, "frozen", ValueError, r"no parameter that requires a gradient", lambda: layout.overlap_gradients(frozen)
     )
     reduction.remove()
+    changing = Net(bf16=False)
+    reduction = layout.overlap_gradients(changing)
+    changing.l1.weight.requires_grad_(False)  # frozen after the buckets were made
+    loss_of(changing, rank).backward()
+    expect_error(
+        checks, "requires_grad changed", RuntimeError, r"requires_grad changed .* for \['l1.weight'\]",
+        reduction.finish,
+    )  # fmt: skip
+    probe = torch.ones(1)
+    torch.distributed.all_reduce(probe)  # still in step
+    checks["in step after the change"] = probe.item() == world
+    reduction.remove()
     return checks
 
 
@@ -282,7 +293,7 @@ def test_unused_parameters_reduce_zeros_or_are_named(world4) -> None:
     for rank, r in enumerate(section_results(world4, "unused")):
         assert r["count"] == r["buckets"] == expected_buckets(None, side=True, never=True), (rank, r)
         assert all(e <= 2e-2 if n == "l3.weight" else e <= 1e-6 for n, e in r["errors"].items()), (rank, r["errors"])
-        assert r["never is zero"] and r["in step"], (rank, r)
+        assert r["never is None"] and r["side is set"] and r["in step"], (rank, r)
         if rank == 0:
             assert r["error"] == f"returned {expected_buckets(None, side=True)}", r["error"]
         else:
@@ -301,7 +312,7 @@ def test_accumulation_over_micro_batches_and_several_steps(world4) -> None:
 
 def test_misuse_is_refused_by_name(world4) -> None:
     for rank, checks in enumerate(section_results(world4, "misuse")):
-        assert all(v is True for v in checks.values()) and len(checks) == 4, (rank, checks)
+        assert all(v is True for v in checks.values()) and len(checks) == 6, (rank, checks)
 
 
 def test_ddp_over_the_dp_by_cp_group_is_mesh_cp_divided_by_cp_size(world4) -> None:

@@ -35,7 +35,9 @@ def model_with_grads(rank: int) -> torch.nn.Module:
     gen = torch.Generator().manual_seed(100 + rank)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-    model[1].bias.grad = None  # no gradient on any rank: skipped
+    model[1].bias.grad = None  # no gradient on any rank: stays None
+    if rank == 1:
+        model[0].bias.grad = None  # on some ranks only: the others' sum, on every rank
     return model
 
 
@@ -64,10 +66,11 @@ def gradients_worker(rank: int, world: int) -> dict:
             divide = 1 if over == "cp" else layout.dp_size
             errors = []
             for i, p in enumerate(model.parameters()):
-                if p.grad is None:
-                    errors.append(0.0 if before[i] is None else float("inf"))
+                had = [g[i].double() for g in gathered if g[i] is not None]
+                if p.grad is None or not had:
+                    errors.append(0.0 if p.grad is None and not had else float("inf"))
                     continue
-                want = sum(g[i].double() for g in gathered) / divide
+                want = sum(had) / divide
                 errors.append((p.grad.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-30))
             results[f"{name}, {over}"] = {"count": count, "reduces": reduces, "errors": errors}
     return results
@@ -75,12 +78,12 @@ def gradients_worker(rank: int, world: int) -> dict:
 
 def test_buckets_reduce_like_per_parameter_all_reduces() -> None:
     results = spawn_gloo(gradients_worker, 4)
-    params = [p for p in model_with_grads(0).parameters() if p.grad is not None]
+    params = list(model_with_grads(0).parameters())  # those without a gradient too (Note [Used flags])
     expected = {
-        "default buckets": len(gradient_buckets([p.grad for p in params])),
-        "small buckets": len(gradient_buckets([p.grad for p in params], bucket_bytes=1200)),
+        "default buckets": len(gradient_buckets(params)),
+        "small buckets": len(gradient_buckets(params, bucket_bytes=1200)),
     }
-    # fp32 / bf16; with 1200-byte buckets the 2 KiB weight alone, then the 128-byte bias with the 1 KiB weight
+    # fp32 / bf16; with 1200-byte buckets the 2 KiB weight alone, then the biases with the 1 KiB weight
     assert expected == {"default buckets": 2, "small buckets": 3}
     for rank, result in enumerate(results):
         for key, r in result.items():
