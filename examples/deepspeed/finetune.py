@@ -139,7 +139,7 @@ def train(args: argparse.Namespace) -> dict | None:
     for step in bar:
         t0 = time.perf_counter()
         batch = cp.shard(replica_batch(sequences, step, layout.dp_rank, layout.dp_size, micro), device=device)
-        logits = engine(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+        logits = engine(input_ids=batch.input_ids, position_ids=batch.position_ids, mesh_cp_mask=batch.mask).logits
         loss = cp.loss(logits, batch)
         engine.backward(loss)
         engine.step()

@@ -10,7 +10,7 @@
                                                  config="ds_config.json")      # deepspeed.initialize's signature
     cp = engine.mesh_attention                                                 # MeshAttention
     batch = cp.shard(input_ids, device=engine.device)   # this DP replica's (batch, seq), same on its CP ranks
-    logits = engine(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+    logits = engine(input_ids=batch.input_ids, position_ids=batch.position_ids, mesh_cp_mask=batch.mask).logits
     engine.backward(cp.loss(logits, batch))
     engine.step()
 
@@ -33,9 +33,12 @@ where it computes attention.
 
 Gradients (see Note [DeepSpeed gradient averaging]) are those of the mean over DP replicas of each
 replica's token-mean loss, at every ZeRO stage: the same as DeepSpeed data parallelism without CP on
-the same global batches. DeepSpeed counts every CP rank as a data-parallel rank, so its
-``train_batch_size`` is ``micro_batch x gradient_accumulation x world`` although a step trains on
-``micro_batch x gradient_accumulation x (world / cp_size)`` sequences.
+the same global batches. ``train_batch_size`` in the config is what a step trains on, as without CP:
+``micro_batch x gradient_accumulation x (world / cp_size)`` sequences. DeepSpeed counts every CP rank as a
+data-parallel rank, so it is handed ``cp_size`` times that (``engine.train_batch_size()`` and DeepSpeed's
+throughput counters count each sequence once per CP rank). ``"gradient_allreduce_op": "sum"``, elasticity and
+random-LTD are refused; ``engine.deepspeed_io`` needs a ``data_sampler`` (its default samples over all DP x CP
+ranks).
 
 With the Hugging Face ``Trainer``, pass the same config to ``TrainingArguments(deepspeed=...)`` and
 use :func:`mesh_cp.integrations.hf.mesh_cp_trainer_class` without a ``layout``: it reads the block.

@@ -22,9 +22,13 @@ class MeshDistributedAttention(torch.nn.Module):
     tokens' global positions, and returns the attention output in the same layout. :func:`initialize`
     attaches the mesh; without one (no ``mesh_attention`` block) it calls ``local_attention(query, key,
     value, *args, **kwargs)`` on the whole sequence, so the same model runs with and without CP.
+
+    With a mesh, ``local_attention`` is not called: ``causal`` (required) and ``softmax_scale`` (default ``1 /
+    sqrt(head_dim)``) must say what it computes, softmax attention without dropout. ``rotary_pos_emb``, which
+    DeepSpeed's class applies after its all-to-all, is refused either way: rotate query and key first.
     """
 
-    def __init__(self, local_attention: torch.nn.Module | None = None, *, causal: bool = True, softmax_scale=None):
+    def __init__(self, local_attention: torch.nn.Module | None = None, *, causal: bool, softmax_scale=None):
         super().__init__()
         self.local_attn = local_attention
         self.causal, self.softmax_scale = causal, softmax_scale
@@ -39,6 +43,11 @@ class MeshDistributedAttention(torch.nn.Module):
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, batch_dim_idx: int = 0, rotary_pos_emb=None, *args, **kwargs
     ):
+        if rotary_pos_emb is not None:  # with or without a mesh: the same model computes the same thing
+            raise ValueError(
+                "MeshDistributedAttention does not apply rotary_pos_emb: rotate query and key at their global "
+                "positions (mesh_cp.position_ids) before calling it"
+            )
         if self.mesh is None:
             if self.local_attn is None:
                 raise ValueError(
@@ -46,11 +55,6 @@ class MeshDistributedAttention(torch.nn.Module):
                     "local_attention to fall back on"
                 )
             return self.local_attn(query, key, value, *args, **kwargs)
-        if rotary_pos_emb is not None:
-            raise ValueError(
-                "MeshDistributedAttention does not apply rotary_pos_emb: rotate query and key at their global "
-                "positions (mesh_cp.position_ids) before calling it"
-            )
         if args or kwargs:
             raise ValueError(
                 f"MeshDistributedAttention computes causal or full softmax attention only; it got extra arguments "

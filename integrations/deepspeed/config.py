@@ -49,6 +49,34 @@ def check_no_conflicts(loaded: dict, *, mpu: Any, mesh_param: Any) -> None:
         )
 
 
+def check_training_options(loaded: dict) -> None:
+    """Refuse the DeepSpeed options an enabled block cannot keep exact: a gradient all-reduce that sums (the loss
+    scaling of Note [DeepSpeed gradient averaging] relies on DeepSpeed's mean), elasticity and random-LTD (they
+    size batches, or drop tokens, per rank of all DP x CP ranks)."""
+    refused = {}
+    op = loaded.get("gradient_allreduce_op", "mean")
+    if str(op).lower() != "mean":
+        refused['"gradient_allreduce_op"'] = f'{op!r}: the loss is scaled for DeepSpeed\'s mean; use "mean"'
+    if loaded.get("elasticity", {}).get("enabled", False):
+        refused['"elasticity"'] = "sizes batches over all DP x CP ranks as data-parallel ranks; switch it off"
+    routing = loaded.get("data_efficiency", {}).get("data_routing", {})
+    if routing.get("random_ltd", {}).get("enabled", False):
+        refused['"data_routing": {"random_ltd"}'] = "drops tokens per rank, not per sequence; switch it off"
+    if refused:
+        shown = "; ".join(f"{name} {why}" for name, why in refused.items())
+        raise ValueError(f'"{BLOCK}" cannot keep these DeepSpeed options exact: {shown}')
+
+
+def replica_batch_size(loaded: dict, cp_size: int) -> dict:
+    """``loaded`` with ``train_batch_size`` (sequences per step over the DP replicas, as without CP) counted the way
+    DeepSpeed counts it under the block: over all DP x CP ranks, ``cp_size`` times as many (its gradient
+    accumulation steps and micro batch come out as without CP); unchanged without one."""
+    total = loaded.get("train_batch_size")
+    if not isinstance(total, int) or isinstance(total, bool):
+        return loaded
+    return {**loaded, "train_batch_size": total * cp_size}
+
+
 def check_training_data(loaded: dict, training_data: Any, collate_fn: Any) -> None:
     """``training_data`` under an enabled block: a map-style dataset (sampled over the DP replicas), and no
     DeepSpeed curriculum sampler (it would replace that sampler and split over all DP x CP ranks);
@@ -80,4 +108,12 @@ def check_training_data(loaded: dict, training_data: Any, collate_fn: Any) -> No
         )
 
 
-__all__ = ["BLOCK", "MeshConfig", "check_no_conflicts", "check_training_data", "load_config"]
+__all__ = [
+    "BLOCK",
+    "MeshConfig",
+    "check_no_conflicts",
+    "check_training_data",
+    "check_training_options",
+    "load_config",
+    "replica_batch_size",
+]

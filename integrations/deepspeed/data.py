@@ -10,7 +10,7 @@ CP group.
     for epoch in range(epochs):
         loader.data_sampler.set_epoch(epoch)
         for batch in loader:                          # a ShardedBatch on engine.device, as cp.shard returns
-            logits = engine(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+            logits = engine(input_ids=batch.input_ids, position_ids=batch.position_ids, mesh_cp_mask=batch.mask).logits
             engine.backward(cp.loss(logits, batch))
             engine.step()
 

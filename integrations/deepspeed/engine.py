@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +16,13 @@ from torch import Tensor
 
 from mesh_cp.config import MeshConfig
 from mesh_cp.integrations import ds_attention_shape, parallel_from_config, switch_attention
-from mesh_cp.integrations.deepspeed.config import check_no_conflicts, check_training_data, load_config
+from mesh_cp.integrations.deepspeed.config import (
+    check_no_conflicts,
+    check_training_data,
+    check_training_options,
+    load_config,
+    replica_batch_size,
+)
 from mesh_cp.integrations.deepspeed.data import training_dataloader
 from mesh_cp.runtime.batch import ShardedBatch, causal_lm_loss, shard_batch
 from mesh_cp.runtime.groups import new_subgroups
@@ -189,6 +198,7 @@ def initialize(
     if cfg is None or not cfg.enabled:
         return deepspeed.initialize(**forwarded)
     check_no_conflicts(loaded, mpu=mpu, mesh_param=mesh_param)
+    check_training_options(loaded)
     check_training_data(loaded, training_data, collate_fn)
     if model is None:
         raise ValueError("initialize requires a model")
@@ -201,8 +211,40 @@ def initialize(
     mesh_attention = layout_from_config(loaded, model)
     # The engine's loader would sample over all DP x CP ranks: build it after, over the DP replicas.
     forwarded.update(mpu=DataContextParallelMPU(mesh_attention.parallel), training_data=None, collate_fn=None)
+    forwarded.update(_with_config(args, replica_batch_size(loaded, mesh_attention.mesh.size)))
     engine, optimizer, _, scheduler = deepspeed.initialize(**forwarded)
     engine.mesh_attention = mesh_attention
+    engine.deepspeed_io = _replica_io(engine.deepspeed_io, mesh_attention)
     if training_data is not None:
         engine.training_dataloader = training_dataloader(engine, training_data, mesh_attention, collate_fn)
     return engine, optimizer, engine.training_dataloader, scheduler
+
+
+def _with_config(args: Any, config: dict) -> dict[str, Any]:
+    """The ``deepspeed.initialize`` arguments that hand it ``config`` (read from ``args.deepspeed_config`` or the
+    given one): ``args`` without its config path, which DeepSpeed would read again."""
+    if getattr(args, "deepspeed_config", None) is not None or getattr(args, "deepscale_config", None) is not None:
+        args = copy.copy(args)
+        args.deepspeed_config = args.deepscale_config = None
+    return {"args": args, "config": config, "config_params": None}
+
+
+def _replica_io(deepspeed_io, mesh_attention: MeshAttention):
+    """``engine.deepspeed_io`` with a sampler given: its default sampler would sample over all DP x CP ranks, so that
+    the ranks of a CP group would shard different sequences."""
+
+    signature = inspect.signature(deepspeed_io)
+
+    @functools.wraps(deepspeed_io)
+    def io(*args, **kwargs):
+        if signature.bind(*args, **kwargs).arguments.get("data_sampler") is None:
+            parallel = mesh_attention.parallel
+            raise ValueError(
+                "engine.deepspeed_io's default sampler samples over all DP x CP ranks; pass data_sampler="
+                f"torch.utils.data.DistributedSampler(dataset, num_replicas={parallel.dp_size}, rank="
+                f"{parallel.dp_rank}) (engine.mesh_attention.parallel.dp_size / dp_rank) and shard each batch with "
+                "engine.mesh_attention.shard (or collate_fn=mesh_cp.integrations.deepspeed.data.ShardingCollate)"
+            )
+        return deepspeed_io(*args, **kwargs)
+
+    return io

@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,6 +184,7 @@ def deepspeed_worker(rank: int, world: int) -> dict:
     losses, params = train_mesh(gpt, ds_config(2, 4, "2x2"), data, tiny_gpt_logits)
     results["cases"][("TinyGPT CP4(2x2)", 2)] = (losses, ref_losses, _max_err(params, reference.parameters()))
     results["errors"] = _bad_blocks(world)
+    results["batch size"] = _batch_size_case(world)
     results["other blocks"] = _other_blocks()
     results["mpu"] = _mpu_groups()
     return results
@@ -294,6 +296,40 @@ def _other_blocks() -> dict:
     }
 
 
+def _batch_size_case(world: int) -> dict:
+    """``train_batch_size`` on DP 2 x CP 2 (read from ``args.deepspeed_config``, as DeepSpeed's launchers pass it):
+    the accumulation steps and micro batch DeepSpeed itself derives for the same config on the 2 replicas alone;
+    ``engine.deepspeed_io`` refuses its default sampler (over all 4 ranks) and takes one over the replicas."""
+    import argparse
+    import tempfile
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from torch.utils.data import DistributedSampler
+
+    from mesh_cp.integrations import deepspeed as mesh_ds
+
+    config = ds_config(0, 2, "1x2")
+    del config["train_micro_batch_size_per_gpu"]
+    config |= {"train_batch_size": 8, "gradient_accumulation_steps": 2}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    model = tiny_llama()
+    args = argparse.Namespace(deepspeed_config=f.name, local_rank=int(os.environ["LOCAL_RANK"]))
+    engine, *_ = mesh_ds.initialize(args=args, model=model, model_parameters=model.parameters())
+    replicas = SimpleNamespace(get_data_parallel_world_size=lambda: world // 2)  # DeepSpeed's own arithmetic
+    stock = DeepSpeedConfig({k: v for k, v in config.items() if k != "mesh_attention"}, mpu=replicas)
+    out = {
+        "gas": (engine.gradient_accumulation_steps(), stock.gradient_accumulation_steps),
+        "micro": (engine.train_micro_batch_size_per_gpu(), stock.train_micro_batch_size_per_gpu),
+    }
+    expect_error(out, "default sampler", ValueError, r"default sampler samples over all DP x CP ranks; pass "
+                 r"data_sampler=.*num_replicas=2", lambda: engine.deepspeed_io(list(range(8))))  # fmt: skip
+    parallel = engine.mesh_attention.parallel
+    sampler = DistributedSampler(range(8), num_replicas=parallel.dp_size, rank=parallel.dp_rank, shuffle=False)
+    out["replica loader"] = len(engine.deepspeed_io(list(range(8)), data_sampler=sampler, batch_size=1))
+    return out
+
+
 class Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter([])
@@ -333,6 +369,13 @@ def _bad_blocks(world: int) -> dict:
     expect_error(errors, "collate_fn alone", ValueError, r"collate_fn without training_data.*pass training_data",
                  lambda: start(cp_size=4, collate_fn=torch.stack))  # fmt: skip
     curriculum = {"data_efficiency": {"data_sampling": {"curriculum_learning": {"enabled": True}}}}
+    expect_error(errors, "gradient_allreduce_op sum", ValueError, r"\"gradient_allreduce_op\" 'sum': the loss is scaled for DeepSpeed's mean",
+                 lambda: start(cp_size=4, config={"gradient_allreduce_op": "sum"}))  # fmt: skip
+    expect_error(errors, "elasticity", ValueError, r'"elasticity" sizes batches over all DP x CP ranks',
+                 lambda: start(cp_size=4, config={"elasticity": {"enabled": True}}))  # fmt: skip
+    ltd = {"data_efficiency": {"data_routing": {"random_ltd": {"enabled": True}}}}
+    expect_error(errors, "random_ltd", ValueError, r"random_ltd.*drops tokens per rank",
+                 lambda: start(cp_size=4, config=ltd))  # fmt: skip
     expect_error(errors, "curriculum", ValueError, r'"curriculum_learning": \{"enabled": true\}.*switch curriculum '
                  r"learning off", lambda: start(cp_size=4, training_data=[1], config=curriculum))  # fmt: skip
     return errors
@@ -381,10 +424,19 @@ def test_training_data_trains_like_hand_sharding(deepspeed_results: list[dict]) 
     assert draws[0][0][0] != draws[0][0][1], draws
 
 
+def test_train_batch_size_means_the_replicas_sequences(deepspeed_results: list[dict]) -> None:
+    for rank, result in enumerate(deepspeed_results):
+        out = result["batch size"]
+        assert out.pop("gas") == (2, 2) and out.pop("micro") == (2, 2), (rank, out)
+        assert out == {"default sampler": True, "replica loader": 4}, (rank, out)
+
+
 def test_bad_blocks_stop_before_training(deepspeed_results: list[dict]) -> None:
     for result in deepspeed_results:
-        assert len(result["errors"]) == 13
-        assert all(v is True for v in result["errors"].values()), result["errors"]
+        assert len(result["errors"]) == 16
+        assert all(v is True for v in result["errors"].values()), {
+            k: v for k, v in result["errors"].items() if v is not True
+        }
 
 
 SMALL = ["--seq-len", "512", "--hidden", "32", "--corpus-mb", "0.5", "--vocab", "512", "--reference"]
@@ -493,3 +545,20 @@ def test_auto_tile_and_disabled_block(deepspeed_results: list[dict]) -> None:
         assert a * b * u == 4 and (u == 1 or f"head_parallel={u}" in other["auto reason"]), other
         assert "predicted" in other["auto reason"], other
         assert other["disabled"] == "absent" and other["disabled attention"] == "sdpa", other
+
+
+def test_distributed_attention_states_what_it_computes() -> None:
+    """``MeshDistributedAttention`` needs ``causal`` (with a mesh its local attention is not called), and refuses
+    ``rotary_pos_emb`` without a mesh too, where DeepSpeed's class would apply it."""
+    from mesh_cp.integrations.deepspeed import MeshDistributedAttention
+
+    def local(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with pytest.raises(TypeError, match="causal"):
+        MeshDistributedAttention(local)
+    attention = MeshDistributedAttention(local, causal=True)
+    q = torch.randn(1, 4, 2, 8)
+    assert torch.equal(attention(q, q, q, 0), local(q, q, q))
+    with pytest.raises(ValueError, match=r"does not apply rotary_pos_emb"):
+        attention(q, q, q, 0, (torch.ones(4, 1, 1, 8), torch.zeros(4, 1, 1, 8)))
