@@ -18,6 +18,11 @@ from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.options import check_layout, check_option
 from mesh_cp.integrations.hf.attention import NAME, register
 from mesh_cp.integrations.hf.compat import given_cache
+from mesh_cp.integrations.hf.model_checks import (
+    refuse_other_sequence_mixers,
+    refuse_router_loss,
+    refuse_temperature_tuning,
+)
 from mesh_cp.runtime.batch import document_positions
 from mesh_cp.runtime.device_checks import check_on_device
 from mesh_cp.runtime.mesh import CPMesh
@@ -33,7 +38,10 @@ gives them the global length (Note [Length-dependent RoPE])."""
 # own shard, which differs between ranks and from the whole sequence's. attach() gives such a rotary
 # module one more position, S - 1 (S = P * seq_local, the whole sequence's last position), so it picks
 # the frequencies of the whole sequence; cos and sin are computed position by position, and the extra
-# row is cut from its output. Exact whenever position_ids are the layout's global positions (checked).
+# row is cut from its output. Exact whenever position_ids are the layout's global positions (checked) of a
+# row the single process sees at the same length S (the mesh pads a row to a multiple of 2P: pad it to that length
+# yourself). With documents or padding (a mesh_cp_mask) positions restart and the length is the batch's longest
+# document: refused.
 
 
 def attach(
@@ -61,6 +69,8 @@ def attach(
     - every forward of ``model`` gets ``position_ids`` equal to this rank's global positions in ``layout``
       (one check per ``position_ids`` tensor; the model would number a shard from 0, and packed batches
       restart positions per document);
+    - no layer mixes the sequence other than by attention (hybrid state-space, linear-attention or convolution
+      models are refused);
     - RoPE types in :data:`LENGTH_DEPENDENT_ROPE` are given the whole sequence's length (Note
       [Length-dependent RoPE]); ``attn_temperature_tuning`` (Llama 4), which scales queries by positions
       counted from 0 on each shard, is refused.
@@ -69,7 +79,8 @@ def attach(
     from transformers import PreTrainedModel
 
     models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
-    _refuse_temperature_tuning(models)
+    refuse_temperature_tuning(models)
+    refuse_other_sequence_mixers(model, models)
     layers = [(name, m) for name, m in model.named_modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
     _check_head_counts(layers, mesh)  # before the switch: a refused model is left as it was
     register()
@@ -112,17 +123,6 @@ def _check_head_counts(layers: list[tuple[str, torch.nn.Module]], mesh: CPMesh) 
             check_head_parallel(mesh.size, mesh.head_parallel, HeadCounts(heads, kv_heads))
         except ValueError as err:
             raise ValueError(f"{name} ({type(layer).__name__}): {err}") from None
-
-
-def _refuse_temperature_tuning(models: list[torch.nn.Module]) -> None:
-    """Llama 4's ``attn_temperature_tuning`` scales queries by positions counted from 0 on each shard."""
-    for m in models:
-        if getattr(m.config, "attn_temperature_tuning", False):
-            raise NotImplementedError(
-                f"{type(m).__name__}: attn_temperature_tuning scales the queries of layers without RoPE by positions "
-                f"counted from 0 on each rank's shard, which mesh_cp cannot make exact; set "
-                f"config.attn_temperature_tuning=False"
-            )
 
 
 def _check_switched(models: list[torch.nn.Module]) -> None:
@@ -194,6 +194,8 @@ class _Attachment:
         self._position_kinds: set[tuple] = set()
         self.decoding = False
         """This forward decodes over a sharded cache (set by :meth:`before_forward`)."""
+        self.documents = False
+        """This forward's rows have documents or padding (positions restart): set by :meth:`before_forward`."""
 
     def check_positions(self, position_ids: Tensor, mask: AttentionMask | None = None) -> None:
         """``position_ids`` must be this rank's positions of its tokens in every row: global positions
@@ -290,7 +292,10 @@ class _Attachment:
                 f"{type(model).__name__} was called without position_ids: it would number this rank's shard from 0; "
                 f"pass the global positions of shard_batch / ShardingCollator (batch.position_ids)"
             )
-        self.check_positions(positions, kwargs.get("mesh_cp_mask"))
+        mask = kwargs.get("mesh_cp_mask")
+        self.check_positions(positions, mask)
+        self.documents = mask is not None and mask.documents is not None
+        refuse_router_loss(model, kwargs)
 
     @torch.compiler.disable(reason="mesh_cp's per-forward checks read host state; they run eagerly")
     def after_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -314,6 +319,12 @@ class _Attachment:
             raise NotImplementedError(
                 f"{type(module).__name__} (rope_type {module.rope_type!r}) depends on the sequence length, which "
                 f"decoding over a sharded cache does not give it; generate with a model whose RoPE does not"
+            )
+        if self.documents:
+            raise NotImplementedError(
+                f"{type(module).__name__} (rope_type {module.rope_type!r}) picks its frequencies from the longest "
+                f"position of the call, which with documents or padding (a mesh_cp_mask) is the longest document of "
+                f"the whole batch, not known on a rank; train such a model on rows without packing or padding"
             )
         in_kwargs = "position_ids" in kwargs
         if not in_kwargs and len(args) < 2:

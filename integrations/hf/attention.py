@@ -34,7 +34,7 @@ ATTENTION_KEYWORDS: dict[str, str] = {
     "num_items_in_batch": "a loss argument that rides along the model call; attention does not read it",
     "shift_labels": "a loss argument that rides along the model call; attention does not read it",
     "output_hidden_states": "an output switch that rides along the model call; attention does not read it",
-    "output_router_logits": "an MoE output switch that rides along the model call; attention does not read it",
+    "output_router_logits": "an MoE output switch that rides along the model call; True is refused by the model's hook",
 }
 """Every keyword :func:`mesh_cp_attention` accepts (transformers 5 models pass these), and what it does with it.
 Any other keyword raises ``NotImplementedError`` naming it."""

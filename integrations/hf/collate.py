@@ -80,6 +80,8 @@ def shard_collated(
             f"{tuple(labels.shape)}"
         )
     attention_mask = _tensor(batch, "attention_mask") if batch.get("attention_mask") is not None else None
+    if attention_mask is not None:
+        _check_no_padding_labels(labels, attention_mask)
     documents = _documents(batch, input_ids, attention_mask, pad_token_id)
     real = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     if documents is not None:
@@ -101,6 +103,19 @@ def shard_collated(
         ]
         out[TOKEN_COUNTS] = torch.tensor(counts, dtype=torch.int64)
     return out
+
+
+def _check_no_padding_labels(labels: Tensor, attention_mask: Tensor) -> None:
+    """Labels on padding (``attention_mask`` 0) other than ``-100``: one process trains on them, mesh_cp gives
+    padding no label (it is not part of any sequence), so they are refused, naming the first."""
+    trained = (labels != IGNORE_INDEX) & (attention_mask == 0)
+    if bool(trained.any()):
+        row, column = trained.nonzero()[0].tolist()
+        raise ValueError(
+            f"labels on {int(trained.sum())} padded positions (attention_mask 0) are not -100, the first at row {row}, "
+            f"column {column} ({int(labels[row, column])}): one process would train on padding there, mesh_cp gives "
+            f"padding no label; set labels to -100 where attention_mask is 0 (as DataCollatorForLanguageModeling does)"
+        )
 
 
 class ShardCollated:
@@ -140,19 +155,33 @@ class ShardCollated:
 
 
 class PadExamples:
-    """The default causal-LM collator: examples (``{"input_ids": [...], "labels": [...]}``, labels optional, or
-    token lists) right-padded with ``pad_token_id``; labels default to the ids, ``-100`` on padding."""
+    """The default causal-LM collator: examples (``{"input_ids": [...], "labels": [...], "attention_mask": [...]}``,
+    labels and mask optional, or token lists) right-padded with ``pad_token_id``; the mask defaults to ones, labels
+    to the ids with ``-100`` where the mask is 0 and on padding. Other keys are refused by name."""
+
+    KEYS = ("input_ids", "labels", "attention_mask")
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
 
     def __call__(self, examples: Sequence[Mapping[str, Sequence[int]] | Sequence[int]]) -> dict[str, Tensor]:
-        ids = [torch.as_tensor(e["input_ids"] if isinstance(e, Mapping) else e, dtype=torch.long) for e in examples]
-        labels = [
-            torch.as_tensor(e["labels"], dtype=torch.long) if isinstance(e, Mapping) and "labels" in e else i
-            for e, i in zip(examples, ids, strict=True)
+        rows = [dict(e) if isinstance(e, Mapping) else {"input_ids": e} for e in examples]
+        extra = sorted({str(k) for r in rows for k in r if k not in self.KEYS})
+        if extra:
+            raise ValueError(
+                f"examples have {extra}, which mesh_cp's default collator does not take (it pads {list(self.KEYS)}); "
+                f"drop those columns, or pass a data_collator that uses them"
+            )
+        ids = [torch.as_tensor(r["input_ids"], dtype=torch.long) for r in rows]
+        masks = [
+            torch.as_tensor(r["attention_mask"], dtype=torch.long) if "attention_mask" in r else None for r in rows
         ]
-        input_ids, label_ids, real = pad_batch(ids, labels, multiple=1, pad_token_id=self.pad_token_id)
+        masks = [torch.ones_like(i) if m is None else m for m, i in zip(masks, ids, strict=True)]
+        labels = [
+            torch.as_tensor(r["labels"], dtype=torch.long) if "labels" in r else i.masked_fill(m == 0, IGNORE_INDEX)
+            for r, i, m in zip(rows, ids, masks, strict=True)
+        ]
+        input_ids, label_ids, real = pad_batch(ids, labels, masks, multiple=1, pad_token_id=self.pad_token_id)
         return {"input_ids": input_ids, "labels": label_ids, "attention_mask": real}
 
 

@@ -106,15 +106,27 @@ def check_evaluation(trainer: Any, prediction_loss_only: bool) -> None:
         )
 
 
+def check_loss_inputs(trainer: Any) -> None:
+    """The model's own loss gets ``num_items_in_batch`` (else its loss would be the mean over this rank's shard),
+    and no ``compute_loss_func`` gets labels (they are this rank's shard, already shifted on the full sequence)."""
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        raise NotImplementedError(
+            "compute_loss_func would get this rank's shard of labels already shifted on the full sequence (a function "
+            "written for Trainer shifts them again, one token off); leave it out: the model's loss takes the shard's "
+            "shift_labels and num_items_in_batch"
+        )
+    if not trainer.model_accepts_loss_kwargs:
+        raise NotImplementedError(
+            f"{type(trainer.accelerator.unwrap_model(trainer.model)).__name__} takes no num_items_in_batch in its "
+            f"forward (model_accepts_loss_kwargs=False), so its loss is the mean over this rank's shard, not its share "
+            f"of the batch's; use a model whose forward takes **kwargs for its loss"
+        )
+
+
 def loss_scale(trainer: Any) -> int:
     """What ``Trainer.compute_loss`` multiplies the model's loss by (``average_tokens_across_devices``); refused when
     it does not hand the model ``num_items_in_batch`` (the model's loss would be its own shard's mean)."""
-    if not (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None):
-        raise NotImplementedError(
-            f"{type(trainer.accelerator.unwrap_model(trainer.model)).__name__} takes no num_items_in_batch in its "
-            f"forward, so its loss is the mean over this rank's shard, not its share of the batch's; use a model "
-            f"whose forward takes **kwargs for its loss, or pass compute_loss_func"
-        )
+    check_loss_inputs(trainer)
     if trainer.args.n_gpu > 1:
         return trainer.args.n_gpu
     return trainer.accelerator.num_processes // trainer.get_tp_size()

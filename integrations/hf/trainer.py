@@ -20,7 +20,7 @@ from mesh_cp.integrations.hf.compat import (
     remove_unused_columns,
     seed_worker,
 )
-from mesh_cp.integrations.hf.evaluation import MeshCPEvaluation, check_evaluation
+from mesh_cp.integrations.hf.evaluation import MeshCPEvaluation, check_evaluation, check_loss_inputs
 from mesh_cp.integrations.layout import ds_attention_shape, parallel_from_config
 from mesh_cp.runtime.batch import ShardingCollator
 from mesh_cp.runtime.parallel import DataContextParallel
@@ -240,6 +240,7 @@ def check_options(trainer: Any) -> None:
                 f"does not combine with accelerate's CP, SP or TP; build the layout with hf.parallel_from_accelerate "
                 f"(which reads the same block) and leave {name} at 1 in what accelerate is given"
             )
+    check_loss_inputs(trainer)
     if getattr(args, "use_liger_kernel", False):
         raise NotImplementedError(
             "use_liger_kernel=True replaces the model's loss and attention code, which mesh_cp does not check; set it "

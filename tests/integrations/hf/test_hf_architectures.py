@@ -35,6 +35,7 @@ WORLD = 4
 FEATURES = {
     "AttentionInterface": r"kept its attention implementation .* AttentionInterface",
     "attn_temperature_tuning": r"attn_temperature_tuning scales the queries",
+    "other sequence mixers": r"mixes the sequence outside attention",
 }
 
 
@@ -79,6 +80,8 @@ EXPECTED = {
     "gptj (AttentionInterface from transformers 5.24)": ("2x2", _through_attention_interface("gptj")),
     "bloom (ALiBi, no AttentionInterface)": ("2x2", "refused:AttentionInterface"),
     "mpt (ALiBi, no AttentionInterface)": ("2x2", "refused:AttentionInterface"),
+    "lfm2 (short convolutions)": ("2x2", "refused:other sequence mixers"),
+    "qwen3_next (gated delta net: linear attention)": ("2x2", "refused:other sequence mixers"),
 }
 
 
@@ -213,6 +216,10 @@ def architectures() -> dict:
         ),
         "mpt (ALiBi, no AttentionInterface)": tf.MptConfig(
             vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=256, **ids
+        ),
+        "lfm2 (short convolutions)": tf.Lfm2Config(**base, layer_types=["conv", "full_attention"]),
+        "qwen3_next (gated delta net: linear attention)": tf.Qwen3NextConfig(
+            **base, head_dim=8, layer_types=["linear_attention", "full_attention"], num_experts=2, **moe
         ),
     }
 
