@@ -52,7 +52,8 @@ def check_no_conflicts(loaded: dict, *, mpu: Any, mesh_param: Any) -> None:
 def check_training_options(loaded: dict) -> None:
     """Refuse the DeepSpeed options an enabled block cannot keep exact: a gradient all-reduce that sums (the loss
     scaling of Note [DeepSpeed gradient averaging] relies on DeepSpeed's mean), elasticity and random-LTD (they
-    size batches, or drop tokens, per rank of all DP x CP ranks)."""
+    size batches, or drop tokens, per rank of all DP x CP ranks), AutoTP and the checkpoint writer (they need
+    another mpu)."""
     refused = {}
     op = loaded.get("gradient_allreduce_op", "mean")
     if str(op).lower() != "mean":
@@ -62,6 +63,10 @@ def check_training_options(loaded: dict) -> None:
     routing = loaded.get("data_efficiency", {}).get("data_routing", {})
     if routing.get("random_ltd", {}).get("enabled", False):
         refused['"data_routing": {"random_ltd"}'] = "drops tokens per rank, not per sequence; switch it off"
+    if (loaded.get("tensor_parallel", {}).get("autotp_size") or 1) > 1:
+        refused['"tensor_parallel": {"autotp_size"}'] = "replaces the DP x CP mpu with its own; leave it at 1"
+    if loaded.get("checkpoint", {}).get("writer"):
+        refused['"checkpoint": {"writer"}'] = "reads pipeline and data-parallel ranks the DP x CP mpu does not have"
     if refused:
         shown = "; ".join(f"{name} {why}" for name, why in refused.items())
         raise ValueError(f'"{BLOCK}" cannot keep these DeepSpeed options exact: {shown}')

@@ -19,6 +19,8 @@ from mesh_cp.core.options import check_layout, check_option
 from mesh_cp.integrations.hf.attention import NAME, register
 from mesh_cp.integrations.hf.compat import given_cache
 from mesh_cp.integrations.hf.model_checks import (
+    absolute_position_tables,
+    refuse_left_padding,
     refuse_other_sequence_mixers,
     refuse_router_loss,
     refuse_temperature_tuning,
@@ -90,6 +92,7 @@ def attach(
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layers (modules with is_causal) to attach to")
     attached = _Attachment(mesh, layout, {"schedule": schedule, "backward": backward}, layers)
+    attached.position_tables = absolute_position_tables(model)
     for _, layer in layers:
         layer.mesh_cp_attached = attached
     _hook_length_dependent_rope(model, attached)
@@ -196,6 +199,8 @@ class _Attachment:
         """This forward decodes over a sharded cache (set by :meth:`before_forward`)."""
         self.documents = False
         """This forward's rows have documents or padding (positions restart): set by :meth:`before_forward`."""
+        self.position_tables: list[str] = []
+        """The model's learned absolute position tables (left padding is refused with them)."""
 
     def check_positions(self, position_ids: Tensor, mask: AttentionMask | None = None) -> None:
         """``position_ids`` must be this rank's positions of its tokens in every row: global positions
@@ -296,6 +301,8 @@ class _Attachment:
         self.check_positions(positions, mask)
         self.documents = mask is not None and mask.documents is not None
         refuse_router_loss(model, kwargs)
+        if cache is None:  # a prefill numbers left-padded rows from their first real token, as generate does
+            refuse_left_padding(model, self.position_tables, mask)
 
     @torch.compiler.disable(reason="mesh_cp's per-forward checks read host state; they run eagerly")
     def after_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -19,7 +19,8 @@ NAME = "mesh_cp"
 ATTENTION_KEYWORDS: dict[str, str] = {
     "scaling": "softmax scale of q k^T; None means head_dim ** -0.5",
     "dropout": "attention dropout probability; only 0",
-    "is_causal": "causal (True) or full (False) attention; None means the module's is_causal (as transformers' sdpa)",
+    "is_causal": "causal (True) or full (False: with the mesh_cp_mask of a batch sharded with causal=False) attention; "
+    "None means the module's is_causal (as transformers' sdpa)",
     "position_ids": "this rank's positions (shard_batch's: global, or per document with mesh_cp_mask), checked once",
     "sliding_window": "the layer's left window (q - k < window); must equal the window of the mask transformers built",
     "softcap": "attention-logit softcapping (Gemma 2), exact: logits softcap * tanh(s / softcap)",
@@ -98,6 +99,12 @@ def mesh_cp_attention(
         attached.check_positions(kwargs["position_ids"], kwargs.get("mesh_cp_mask"))
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if not causal and (mask is None or mask.documents is None):
+        raise NotImplementedError(
+            f"{type(module).__name__}: full (non-causal) attention without the batch's mesh_cp_mask would attend to "
+            f"padding, the mesh's own included; shard the batch with causal=False (hf.shard_batch, ShardingCollator, "
+            f"ShardCollated; MeshCPTrainer does it for such a model) and call the model with its mesh_cp_mask"
+        )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
     scale = qk_dim**-0.5 if scaling is None else scaling

@@ -15,7 +15,7 @@ from 0); ``cu_seq_lens_*``, ``max_length_*`` and ``seq_idx`` must say the same a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,12 +54,13 @@ def shard_collated(
     layout: Layout = "zigzag",
     pad_to_multiple_of: int = 1,
     token_counts: bool = False,
+    causal: bool = True,
 ) -> dict[str, Any]:
     """This CP rank's shard of a client's collated causal-LM ``batch`` (module doc), as :class:`ShardingCollator`
     gives it: ``input_ids``, ``position_ids``, ``labels`` and ``shift_labels`` (both shifted on the full
     sequence), ``num_items_in_batch`` and, for packed documents or left padding, ``mesh_cp_mask``. Rows are padded
     to the mesh's :meth:`~mesh_cp.CPMesh.seq_multiple` (times ``pad_to_multiple_of``). ``token_counts`` adds
-    :data:`TOKEN_COUNTS`."""
+    :data:`TOKEN_COUNTS`. ``causal=False`` (a model with full attention) puts every row's padding in the mask."""
     check_layout(layout)
     unknown = sorted(set(batch) - set(BATCH_KEYS))
     if unknown:
@@ -93,7 +94,7 @@ def shard_collated(
         list(input_ids), list(labels), list(real), multiple=multiple, pad_token_id=pad_token_id
     )
     options = {"documents": documents} if documents is not None else {"attention_mask": mask}
-    sharded = shard_batch(ids, mesh=mesh, labels=label_ids, layout=layout, **options)
+    sharded = shard_batch(ids, mesh=mesh, labels=label_ids, layout=layout, causal=causal, **options)
     out = ShardingCollator.batch_dict(sharded)
     if token_counts:
         counts = [
@@ -131,6 +132,7 @@ class ShardCollated:
         layout: Layout = "zigzag",
         pad_to_multiple_of: int = 1,
         token_counts: bool = False,
+        causal: bool = True,
     ):
         if not isinstance(mesh, CPMesh):
             raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
@@ -141,7 +143,7 @@ class ShardCollated:
             )
         self.collator = collator if collator is not None else PadExamples(pad_token_id)
         self.mesh, self.pad_token_id, self.layout = mesh, pad_token_id, check_layout(layout)
-        self.pad_to_multiple_of, self.token_counts = pad_to_multiple_of, token_counts
+        self.pad_to_multiple_of, self.token_counts, self.causal = pad_to_multiple_of, token_counts, causal
 
     def __call__(self, examples: list) -> dict[str, Any]:
         return shard_collated(
@@ -151,22 +153,25 @@ class ShardCollated:
             layout=self.layout,
             pad_to_multiple_of=self.pad_to_multiple_of,
             token_counts=self.token_counts,
+            causal=self.causal,
         )
 
 
 class PadExamples:
     """The default causal-LM collator: examples (``{"input_ids": [...], "labels": [...], "attention_mask": [...]}``,
     labels and mask optional, or token lists) right-padded with ``pad_token_id``; the mask defaults to ones, labels
-    to the ids with ``-100`` where the mask is 0 and on padding. Other keys are refused by name."""
+    to the ids with ``-100`` where the mask is 0 and on padding. Other keys that are ``model_inputs`` (the model's
+    forward arguments: ``token_type_ids``, ``position_ids``, ...) are refused by name; the rest is left out, as
+    Trainer's ``remove_unused_columns`` leaves it out."""
 
     KEYS = ("input_ids", "labels", "attention_mask")
 
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+    def __init__(self, pad_token_id: int, model_inputs: Collection[str] = ()):
+        self.pad_token_id, self.model_inputs = pad_token_id, frozenset(model_inputs)
 
     def __call__(self, examples: Sequence[Mapping[str, Sequence[int]] | Sequence[int]]) -> dict[str, Tensor]:
         rows = [dict(e) if isinstance(e, Mapping) else {"input_ids": e} for e in examples]
-        extra = sorted({str(k) for r in rows for k in r if k not in self.KEYS})
+        extra = sorted({str(k) for r in rows for k in r if k not in self.KEYS and k in self.model_inputs})
         if extra:
             raise ValueError(
                 f"examples have {extra}, which mesh_cp's default collator does not take (it pads {list(self.KEYS)}); "

@@ -58,3 +58,30 @@ def refuse_router_loss(model: torch.nn.Module, kwargs: dict) -> None:
             f"over the batch's tokens, which a rank's shard does not give; set config.output_router_logits=False (and "
             f"do not pass output_router_logits=True)"
         )
+
+
+_ABSOLUTE_POSITIONS = ("wpe", "embed_positions", "position_embeddings")
+"""Names of learned absolute position-embedding tables (GPT-2's ``wpe``, OPT's ``embed_positions``, ...)."""
+
+
+def absolute_position_tables(model: torch.nn.Module) -> list[str]:
+    """The learned absolute position-embedding tables of ``model``."""
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _ABSOLUTE_POSITIONS
+    ]
+
+
+def refuse_left_padding(model: torch.nn.Module, tables: list[str], mask) -> None:
+    """Training with left padding numbers a row's tokens from its first column in one process (the model's own
+    ``arange``), mesh_cp from its first real token: the same under RoPE, not with learned absolute positions."""
+    if not tables or mask is None or mask.documents is None or mask.parts is not None:
+        return
+    padded = [row for row, spans in enumerate(mask.documents) if spans and spans[0][0] > 0]
+    if padded:
+        raise NotImplementedError(
+            f"{type(model).__name__} has learned absolute positions ({tables[0]}) and rows {padded[:8]} are padded on "
+            f"the left: one process numbers them from the first column, mesh_cp from the first real token; pad on "
+            f"the right (tokenizer.padding_side='right') to train it"
+        )

@@ -5,6 +5,7 @@ a DeepSpeed config's ``"mesh_attention"`` block when none is given."""
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from mesh_cp.config import MeshConfig
 from mesh_cp.integrations.hf.attach import attach
-from mesh_cp.integrations.hf.collate import TOKEN_COUNTS, ShardCollated, replica_examples
+from mesh_cp.integrations.hf.collate import TOKEN_COUNTS, PadExamples, ShardCollated, replica_examples
 from mesh_cp.integrations.hf.compat import (
     LengthGroupedSampler,
     correct_trl_tokens,
@@ -120,7 +121,12 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
         self.parallel = parallel
         pad = _pad_token_id(self, pad_token_id)
         collator = self.data_collator if client_collator is not None or not _is_trainer_default(self) else None
-        self.data_collator = ShardCollated(collator, parallel.mesh, pad_token_id=pad, token_counts=True)
+        if collator is None:  # the model's own inputs among the examples' keys are refused, not left out
+            forward = self.accelerator.unwrap_model(self.model).forward
+            collator = PadExamples(pad, model_inputs=inspect.signature(forward).parameters)
+        self.data_collator = ShardCollated(
+            collator, parallel.mesh, pad_token_id=pad, token_counts=True, causal=_causal(self.model)
+        )
         if self.args.eval_strategy != "no":
             check_evaluation(self, prediction_loss_only=True)  # before training, not at its first evaluation
 
@@ -246,6 +252,14 @@ def check_options(trainer: Any) -> None:
             "use_liger_kernel=True replaces the model's loss and attention code, which mesh_cp does not check; set it "
             "to False"
         )
+
+
+def _causal(model: torch.nn.Module) -> bool:
+    """Whether every attached attention layer of ``model`` is causal (else the batches carry their padding as a
+    mask: ``shard_batch(causal=False)``)."""
+    config = getattr(model, "config", None)
+    layers = [m for m in model.modules() if hasattr(m, "mesh_cp_attached")]
+    return getattr(config, "is_causal", True) is not False and all(getattr(m, "is_causal", True) for m in layers)
 
 
 def _is_trainer_default(trainer: Any) -> bool:

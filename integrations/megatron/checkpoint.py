@@ -353,7 +353,10 @@ def load(
     ``rng``: every rank's RNG states are restored from its own sharded object when the checkpoint was saved in the
     same PP x TP x CP x DP grid; in another grid there is no state of this rank to restore, and they are left as
     they are (logged). ``fully_parallel``: the ranks of :func:`parallelization_group` share the reading and
-    exchange what they read (Megatron's ``FullyParallelLoadStrategyWrapper``)."""
+    exchange what they read (Megatron's ``FullyParallelLoadStrategyWrapper``). Loading the model alone while a
+    Megatron mixed-precision or distributed optimizer exists (fine-tuning with a fresh optimizer): call its
+    ``reload_model_params()`` afterwards, as Megatron-LM does, or its fp32 copies made at construction overwrite the
+    loaded weights at the first step."""
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise CheckpointingException(f"{directory} is not a Megatron distributed checkpoint (no metadata.json)")
     directory = Path(directory)

@@ -59,6 +59,11 @@ def shard_batch(tokens: Tensor, *, cp_group: dist.ProcessGroup, loss_mask: Tenso
 def loss_share(per_token_loss: Tensor, loss_mask: Tensor, global_tokens: int | Tensor) -> Tensor:
     """``sum(loss * mask) / global_tokens``: this rank's share of the global mean next-token loss.
 
+    For a loop that back-propagates it once per step (one micro-batch, the gradients then summed over DP x CP, as
+    ``examples/megatron/pretrain_gpt.py`` does). Over several micro-batches, count ``global_tokens`` over all of
+    them; under Megatron's ``forward_backward_func``, which scales and normalises the loss itself, return Megatron's
+    own ``(loss_sum, num_tokens)`` from the loss function instead.
+
     ``global_tokens`` (:func:`global_token_count`) must be at least 1, else ``ValueError``. A tensor is
     checked where it is, without reading it on the host (``torch._assert_async``): on the CPU the error is
     raised at once; on a GPU a zero count stops the run with a device-side assertion at the next

@@ -65,6 +65,7 @@ def shard_batch(
     device: torch.device | str | None = None,
     documents: Sequence[Sequence[int]] | None = None,
     split: bool = False,
+    causal: bool = True,
 ) -> ShardedBatch:
     """Shift labels on the full ``(batch, seq)`` sequence, then give this rank its shard (see module doc).
 
@@ -72,7 +73,8 @@ def shard_batch(
     run of ones per row) pads: right padding is exact under causal attention as it is (the padded tokens get
     no label and no real token attends to them); a row padded on the left makes the batch carry a
     :attr:`ShardedBatch.mask` (its real tokens form one document) and position ids that start at 0 on the first
-    real token. Inner padding is refused.
+    real token. Inner padding is refused. ``causal=False`` (a model with full attention): every row's real tokens
+    are one document of :attr:`ShardedBatch.mask`, right padding and the mesh's own included, so none attends padding.
 
     ``documents``: packed rows, the lengths of the documents laid back to back in each row (what follows the
     last is padding). No token attends across a document boundary (:attr:`ShardedBatch.mask`), a document's
@@ -95,7 +97,7 @@ def shard_batch(
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
     batch, seq = input_ids.shape
-    mask = _batch_mask(attention_mask, documents, input_ids.shape)
+    mask = _batch_mask(attention_mask, documents, input_ids.shape, causal)
     shift = torch.full_like(labels, IGNORE_INDEX)
     shift[:, :-1] = labels[:, 1:]
     # The document of every token (-1: padding; right padding needs no mask, its real tokens are one document):
@@ -139,10 +141,10 @@ def _split(
 
 
 def _batch_mask(
-    attention_mask: Tensor | None, documents: Sequence[Sequence[int]] | None, shape: torch.Size
+    attention_mask: Tensor | None, documents: Sequence[Sequence[int]] | None, shape: torch.Size, causal: bool = True
 ) -> AttentionMask | None:
-    """The :class:`AttentionMask` of packed ``documents`` or of left padding; ``None`` for unpadded or
-    right-padded rows (causal attention is exact for them as they are)."""
+    """The :class:`AttentionMask` of packed ``documents``, of left padding, or (not ``causal``) of every row's real
+    tokens; ``None`` for unpadded or right-padded rows under causal attention (exact for them as they are)."""
     if documents is not None:
         if attention_mask is not None:
             raise ValueError(
@@ -154,9 +156,9 @@ def _batch_mask(
             )
         return AttentionMask.from_lengths(documents)
     if attention_mask is None:
-        return None
+        return None if causal else AttentionMask(documents=tuple(((0, shape[1]),) for _ in range(shape[0])))
     keep = _one_run(attention_mask, shape)
-    if not bool((keep.any(1) & ~keep[:, 0]).any()):
+    if causal and not bool((keep.any(1) & ~keep[:, 0]).any()):
         return None  # no row starts with padding: right padding (or none)
     spans = []
     for row in keep.tolist():
@@ -219,6 +221,9 @@ class ShardingCollator:
     its position counts there, so the loss and gradients are those of the given order up to floating-point rounding.
     Off by default: it changes which tokens each rank holds (so results are not bitwise those of the given order) and
     costs tens of milliseconds of CPU per batch of 128K tokens (more with hundreds of documents).
+
+    ``causal=False``: for a model with full attention; every row's padding, the mesh's included, is in the mask
+    (:func:`shard_batch`).
     """
 
     def __init__(
@@ -231,6 +236,7 @@ class ShardingCollator:
         device: torch.device | str | None = None,
         packed: bool = False,
         balance: bool | Literal["order", "split"] = False,
+        causal: bool = True,
     ):
         if not isinstance(mesh, CPMesh):
             raise ValueError(f"mesh must be a mesh_cp.CPMesh, got {type(mesh).__name__}")
@@ -246,6 +252,7 @@ class ShardingCollator:
         if balance == "split" and self.layout != "zigzag":
             raise ValueError(f"balance='split' cuts documents over the zig-zag layout, got layout={self.layout!r}")
         self.balance = "order" if balance is True else balance or None
+        self.causal = bool(causal)
         self.multiple = math.lcm(mesh.seq_multiple(self.layout), pad_to_multiple_of)
 
     def __call__(self, examples: Sequence[Mapping[str, Sequence[int]] | Sequence[int]]) -> dict[str, Tensor]:
@@ -262,8 +269,9 @@ class ShardingCollator:
         if self.balance == "split":
             options["split"] = True
         batch = shard_batch(
-            input_ids, mesh=self.mesh, labels=label_ids, layout=self.layout, device=self.device, **options
-        )
+            input_ids, mesh=self.mesh, labels=label_ids, layout=self.layout, device=self.device, causal=self.causal,
+            **options,
+        )  # fmt: skip
         return self.batch_dict(batch)
 
     def balanced(self, ids: list[Tensor], labels: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:

@@ -373,6 +373,10 @@ def _bad_blocks(world: int) -> dict:
                  lambda: start(cp_size=4, config={"gradient_allreduce_op": "sum"}))  # fmt: skip
     expect_error(errors, "elasticity", ValueError, r'"elasticity" sizes batches over all DP x CP ranks',
                  lambda: start(cp_size=4, config={"elasticity": {"enabled": True}}))  # fmt: skip
+    expect_error(errors, "autotp", ValueError, r'"tensor_parallel": \{"autotp_size"\} replaces the DP x CP mpu',
+                 lambda: start(cp_size=4, config={"tensor_parallel": {"autotp_size": 2}}))  # fmt: skip
+    expect_error(errors, "checkpoint writer", ValueError, r'"checkpoint": \{"writer"\} reads pipeline',
+                 lambda: start(cp_size=4, config={"checkpoint": {"writer": {"type": "fast"}}}))  # fmt: skip
     ltd = {"data_efficiency": {"data_routing": {"random_ltd": {"enabled": True}}}}
     expect_error(errors, "random_ltd", ValueError, r"random_ltd.*drops tokens per rank",
                  lambda: start(cp_size=4, config=ltd))  # fmt: skip
@@ -433,7 +437,7 @@ def test_train_batch_size_means_the_replicas_sequences(deepspeed_results: list[d
 
 def test_bad_blocks_stop_before_training(deepspeed_results: list[dict]) -> None:
     for result in deepspeed_results:
-        assert len(result["errors"]) == 16
+        assert len(result["errors"]) == 18
         assert all(v is True for v in result["errors"].values()), {
             k: v for k, v in result["errors"].items() if v is not True
         }

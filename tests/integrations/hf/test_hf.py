@@ -408,8 +408,11 @@ def _mesh_against_reference(ref, model, mesh, ids: torch.Tensor, **kwargs) -> di
 
     logits = ref(input_ids=ids, use_cache=False, **kwargs).logits
     torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
-    batch = hf.shard_batch(ids, mesh=mesh)
-    local = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **kwargs).logits
+    batch = hf.shard_batch(ids, mesh=mesh, causal=kwargs.get("is_causal", True))
+    masked = {} if batch.mask is None else {"mesh_cp_mask": batch.mask}
+    local = model(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **masked, **kwargs
+    ).logits
     hf.causal_lm_loss(local, batch.shift_labels, batch.num_items_in_batch).backward()
     hf.reduce_gradients(model, mesh)
     shard = mesh_cp.shard_sequence(logits.detach(), mesh=mesh, dim=1, layout="zigzag")

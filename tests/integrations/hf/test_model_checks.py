@@ -1,6 +1,7 @@
 """What the Hugging Face adapter cannot compute exactly from a rank's shard is refused by name, on 2 gloo ranks:
 length-dependent RoPE over rows with documents, an MoE router's auxiliary loss, a ``compute_loss_func`` (it would
-get labels already shifted), labels on padding. The default collator honours ``attention_mask`` and refuses other
+get labels already shifted), labels on padding, left padding with learned absolute positions, full attention without the mask of its padding (with it, a row the
+mesh pads equals the stock model). The default collator honours ``attention_mask`` and refuses other
 keys. (Hybrid state-space / linear-attention models: ``test_hf_architectures.py``.)
 """
 
@@ -82,13 +83,62 @@ def checks_worker(rank: int, world: int) -> dict:
         pad_token_id=0,
     )
     out["labels -100 on padding"] = kept["num_items_in_batch"] if "num_items_in_batch" in kept else None
+    gpt2 = hf.attach(AutoModelForCausalLM.from_config(configs["gpt2 (learned absolute positions)"]), mesh)
+    left = torch.ones_like(ids)
+    left[1, :5] = 0
+    padded = hf.shard_batch(ids, mesh=mesh, attention_mask=left)
+    expect_error(
+        out, "left padding with absolute positions", NotImplementedError,
+        r"learned absolute positions \(transformer.wpe\) and rows \[1\] are padded on the left",
+        lambda: gpt2(input_ids=padded.input_ids, position_ids=padded.position_ids, mesh_cp_mask=padded.mask),
+    )  # fmt: skip
+    right = hf.shard_batch(ids, mesh=mesh, attention_mask=left.flip(1))
+    out["right padding with absolute positions"] = gpt2(
+        input_ids=right.input_ids, position_ids=right.position_ids
+    ).logits.shape[1]
+    out |= _full_attention(mesh, configs["llama rope linear"], VOCAB)
+    return out
+
+
+def _full_attention(mesh, config, vocab: int) -> dict:
+    """Full (non-causal) attention over a 7-token row the mesh pads to 8: exact against the stock model with the
+    batch sharded ``causal=False`` (the padding is in the mask), refused without that mask."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import mesh_cp
+    from mesh_cp.integrations import hf
+    from mesh_cp.integrations.hf.collate import shard_collated
+
+    out: dict = {}
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = hf.attach(copy.deepcopy(reference), mesh)
+    ids = torch.randint(3, vocab, (1, 7), generator=torch.Generator().manual_seed(2))
+    want = reference(input_ids=ids, attention_mask=torch.ones_like(ids), is_causal=False).logits
+    batch = shard_collated({"input_ids": ids, "labels": ids}, mesh=mesh, pad_token_id=0, causal=False)
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "mesh_cp_mask")}
+    got = model(**inputs, is_causal=False).logits
+    padded = torch.nn.functional.pad(want, (0, 0, 0, got.shape[1] * mesh.size - 7))
+    shard = mesh_cp.shard_sequence(padded, mesh=mesh, dim=1, layout="zigzag")
+    real = mesh_cp.position_ids(got.shape[1] * mesh.size, mesh=mesh, layout="zigzag") < 7
+    out["full attention error"] = (got - shard)[:, real].abs().max().item()
+    unmasked = hf.shard_batch(torch.nn.functional.pad(ids, (0, 1)), mesh=mesh)
+    expect_error(
+        out, "full attention without its mask", NotImplementedError,
+        r"full \(non-causal\) attention without the batch's mesh_cp_mask would attend to padding",
+        lambda: model(input_ids=unmasked.input_ids, position_ids=unmasked.position_ids, is_causal=False),
+    )  # fmt: skip
     return out
 
 
 def test_refused_by_name_on_two_ranks() -> None:
     for rank, out in enumerate(spawn_gloo(checks_worker, 2)):
         refused = {k: v for k, v in out.items() if isinstance(v, bool | str)}
-        assert len(refused) == 5 and all(v is True for v in refused.values()), (rank, refused)
+        assert len(refused) == 7 and all(v is True for v in refused.values()), (rank, refused)
+        assert out["right padding with absolute positions"] == SEQ // 2, (rank, out)
+        assert out["full attention error"] <= 1e-5, (rank, out["full attention error"])
         assert out["longrope without documents"] == out["router loss off by keyword"] == SEQ // 2, (rank, out)
         assert out["labels -100 on padding"] == 2 * (SEQ - 1) - 12, (rank, out)  # 19 + 31 shifted labels
 
@@ -96,9 +146,10 @@ def test_refused_by_name_on_two_ranks() -> None:
 def test_default_collator_honours_the_mask_and_refuses_other_keys() -> None:
     from mesh_cp.integrations.hf.collate import PadExamples
 
-    collate = PadExamples(pad_token_id=0)
+    collate = PadExamples(pad_token_id=0, model_inputs=("input_ids", "token_type_ids", "position_ids"))
     batch = collate([{"input_ids": [5, 6, 7, 0, 0], "attention_mask": [1, 1, 1, 0, 0]}, {"input_ids": [8, 9]}])
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
     assert batch["labels"].tolist() == [[5, 6, 7, -100, -100], [8, 9, -100, -100, -100]]
     with pytest.raises(ValueError, match=r"examples have \['token_type_ids'\], which mesh_cp's default collator"):
-        collate([{"input_ids": [1, 2], "token_type_ids": [0, 0]}])
+        collate([{"input_ids": [1, 2], "token_type_ids": [0, 0], "index": 3}])
+    assert set(collate([{"input_ids": [1, 2], "index": 3}])) == set(PadExamples.KEYS)  # not a model input: left out
