@@ -99,12 +99,7 @@ def mesh_cp_attention(
         attached.check_positions(kwargs["position_ids"], kwargs.get("mesh_cp_mask"))
     is_causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    if not causal and (mask is None or mask.documents is None):
-        raise NotImplementedError(
-            f"{type(module).__name__}: full (non-causal) attention without the batch's mesh_cp_mask would attend to "
-            f"padding, the mesh's own included; shard the batch with causal=False (hf.shard_batch, ShardingCollator, "
-            f"ShardCollated; MeshCPTrainer does it for such a model) and call the model with its mesh_cp_mask"
-        )
+    _check_full_attention(module, causal, mask)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
     scale = qk_dim**-0.5 if scaling is None else scaling
@@ -158,6 +153,17 @@ def _check_call(query: Tensor, key: Tensor, attention_mask: Any, dropout: float,
             f"mesh_cp attention got keys of {key.shape[2]} tokens for queries of {seq_local}: a cache is not supported "
             f"here; call the model with use_cache=False and without past_key_values, and generate with "
             f"mesh_cp.integrations.hf.generate (a sharded cache)"
+        )
+
+
+def _check_full_attention(module: torch.nn.Module, causal: bool, mask: AttentionMask | None) -> None:
+    """Full attention needs the batch's padding in the mask (``shard_batch(causal=False)``): causal attention never
+    reaches right padding, full attention would."""
+    if not causal and (mask is None or mask.documents is None):
+        raise NotImplementedError(
+            f"{type(module).__name__}: full (non-causal) attention without the batch's mesh_cp_mask would attend to "
+            f"padding, the mesh's own included; shard the batch with causal=False (hf.shard_batch, ShardingCollator, "
+            f"ShardCollated; MeshCPTrainer does it for such a model) and call the model with its mesh_cp_mask"
         )
 
 

@@ -167,9 +167,6 @@ def test_refusals(flash_runs) -> None:
         r"k_lengths must be a \(B,\) = \(2,\) int32 tensor": dict(q=q, k_lengths=used.long()),
         r"one form: k_lengths alone": dict(q=q, k_lengths=used, k_positions=used.long()[:, None]),
         r"needs q_positions and k_positions, or k_lengths": dict(q=q),
-        r"k_lengths \[257, -1\] must be within 0 \.\. 256 \(the shard's slots\): rows \[0, 1\]": dict(
-            q=q, k_lengths=torch.tensor([257, -1], dtype=torch.int32)
-        ),
     }
     for message, args in calls.items():
         with pytest.raises(ValueError, match=message), torch.no_grad():
