@@ -23,8 +23,9 @@ fills its slot with its ``.grad`` if it has one (an earlier micro-batch's) and z
 every bucket not yet launched. So every rank reduces every bucket once, in order, whatever it used, and the sum
 is the sum over the ranks that used the parameter. ``unused="zeros"`` (the default) keeps that, and a parameter
 no rank used keeps no gradient, as in one process (each bucket's flags, Note [Used flags] in
-:mod:`mesh_cp.runtime.gradients`: an optimizer skips it). ``unused="error"`` raises in ``finish()`` naming the parameters that got no gradient on
-this rank, after the collectives have completed, so the other ranks are not left waiting in one. One caveat, as
+:mod:`mesh_cp.runtime.gradients`: an optimizer skips it). ``unused="error"`` raises in ``finish()`` naming the
+parameters that got no gradient on this rank, after the collectives have completed, so the other ranks are not
+left waiting in one. One caveat, as
 DDP's for unused parameters: a bucket one rank holds back until ``finish()`` while the others launch it during
 backward is then issued, on that rank, after the attention's own backward collectives on the CP subgroups, on the
 others before some of them. NCCL asks for collectives on different communicators to be issued in one order on

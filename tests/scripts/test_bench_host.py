@@ -52,5 +52,7 @@ def test_bench_host_table_and_json(tmp_path: Path) -> None:
 
 
 def test_bench_host_profile() -> None:
-    proc = run("--repeats", "1", "--masks", "packed short", "--profile", "--profile-layers", "2")
+    proc = run(
+        "--repeats", "1", "--masks", "packed short", "--profile", "--profile-layers", "2", "--profile-rows", "200"
+    )
     assert "by cumulative time" in proc.stdout and "forward_blocks" in proc.stdout and "backward_blocks" in proc.stdout
