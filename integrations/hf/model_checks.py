@@ -48,11 +48,13 @@ def refuse_other_sequence_mixers(model: torch.nn.Module, models: list[torch.nn.M
 
 def refuse_router_loss(model: torch.nn.Module, kwargs: dict) -> None:
     """MoE routers' auxiliary (load-balancing) loss is a product of means over the batch's tokens: over a shard it
-    is another number, and it counts padding (the model is called without ``attention_mask``)."""
+    is another number, and it counts padding (the model is called without ``attention_mask``). Refused where a loss
+    is made (labels given, or training); the router logits themselves are per token, so exact."""
     given = kwargs.get("output_router_logits")
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if given if given is not None else getattr(config, "output_router_logits", False):
+    routed = given if given is not None else getattr(config, "output_router_logits", False)
+    if routed and (model.training or kwargs.get("labels") is not None):
         raise NotImplementedError(
             f"{type(model).__name__} with output_router_logits=True: its router auxiliary loss is a product of means "
             f"over the batch's tokens, which a rank's shard does not give; set config.output_router_logits=False (and "

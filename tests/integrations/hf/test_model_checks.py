@@ -46,7 +46,7 @@ def checks_worker(rank: int, world: int) -> dict:
     ).logits.shape[1]
 
     mixtral = configs["mixtral (MoE)"]
-    moe = hf.attach(AutoModelForCausalLM.from_config(mixtral), mesh)
+    moe = hf.attach(AutoModelForCausalLM.from_config(mixtral), mesh)  # training mode, as from_config leaves it
     routed = {"input_ids": whole.input_ids, "position_ids": whole.position_ids}
     expect_error(
         out, "router loss (keyword)", NotImplementedError, r"output_router_logits=True: its router auxiliary loss",
@@ -58,6 +58,12 @@ def checks_worker(rank: int, world: int) -> dict:
         lambda: moe(**routed),
     )  # fmt: skip
     out["router loss off by keyword"] = moe(**routed, output_router_logits=False).logits.shape[1]
+    moe.eval()  # no loss made: the per-token router logits are exact
+    out["router logits without a loss"] = len(moe(**routed).router_logits)
+    expect_error(
+        out, "router loss (labels)", NotImplementedError, r"output_router_logits=True",
+        lambda: moe(**routed, labels=whole.input_ids),
+    )  # fmt: skip
 
     layout = mesh_cp.DataContextParallel.create(dist.group.WORLD, cp_size=world, tile=(1, world))
     llama = AutoModelForCausalLM.from_config(configs["llama rope linear"])
@@ -136,7 +142,8 @@ def _full_attention(mesh, config, vocab: int) -> dict:
 def test_refused_by_name_on_two_ranks() -> None:
     for rank, out in enumerate(spawn_gloo(checks_worker, 2)):
         refused = {k: v for k, v in out.items() if isinstance(v, bool | str)}
-        assert len(refused) == 7 and all(v is True for v in refused.values()), (rank, refused)
+        assert len(refused) == 8 and all(v is True for v in refused.values()), (rank, refused)
+        assert out["router logits without a loss"] == 2, (rank, out)  # one per layer
         assert out["right padding with absolute positions"] == SEQ // 2, (rank, out)
         assert out["full attention error"] <= 1e-5, (rank, out["full attention error"])
         assert out["longrope without documents"] == out["router loss off by keyword"] == SEQ // 2, (rank, out)
