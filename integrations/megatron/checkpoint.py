@@ -60,8 +60,9 @@ Megatron optimizer (it has ``sharded_state_dict``) is saved by its own method.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,7 @@ from mesh_cp.integrations.megatron.checkpoint_cpu import (
     CpuFullyParallelLoadStrategy,
     CpuTorchDistSaveStrategy,
 )
+from mesh_cp.integrations.megatron.rng_state import get_rng_state, rank_grid, set_rng_state
 
 _STEP = "step"
 _RNG_KEY = "rng_state"
@@ -158,76 +160,6 @@ def _sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *,
 
 def _on_cpu(model: torch.nn.Module) -> bool:
     return next(model.parameters()).device.type == "cpu"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Per-rank RNG state (Note [Per-rank state])
-
-
-def rank_grid() -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(shape, this rank's position) of the PP x TP x CP x DP grid of Megatron's parallel_state, or ``(world,)``
-    and the rank when parallel_state is not initialized."""
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return (dist.get_world_size(),), (dist.get_rank(),)
-    shape = (
-        ps.get_pipeline_model_parallel_world_size(),
-        ps.get_tensor_model_parallel_world_size(),
-        ps.get_context_parallel_world_size(),
-        ps.get_data_parallel_world_size(),
-    )
-    position = (
-        ps.get_pipeline_model_parallel_rank(),
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_context_parallel_rank(),
-        ps.get_data_parallel_rank(),
-    )
-    return shape, position
-
-
-def _rng_tracker():
-    """Megatron's tensor-parallel RNG tracker if something created it (asking for it would create one)."""
-    from megatron.core.tensor_parallel import random as tp_random
-
-    if not getattr(tp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", False):
-        return None
-    return tp_random.get_cuda_rng_tracker()
-
-
-def get_rng_state() -> dict[str, Any]:
-    """This rank's RNG states: Python's ``random``, NumPy's global generator, torch's CPU generator, the current
-    CUDA device's generator (when CUDA is initialized) and the states of Megatron's tensor-parallel RNG tracker
-    (when one exists)."""
-    state: dict[str, Any] = {"random": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        pass
-    else:
-        state["numpy"] = np.random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    tracker = _rng_tracker()
-    if tracker is not None:
-        state["rng_tracker"] = tracker.get_states()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`get_rng_state` returned."""
-    random.setstate(state["random"])
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if state.get("rng_tracker"):
-        from megatron.core.tensor_parallel import random as tp_random
-
-        tp_random.get_cuda_rng_tracker().set_states(state["rng_tracker"])
 
 
 def _rng_object(state: Any, shape: tuple[int, ...], position: tuple[int, ...]):
@@ -320,7 +252,33 @@ def save(
     exists once :func:`finalize_async_saves` has returned it (Note [Asynchronous save]). The state is taken
     before this returns, so training may go on at once."""
     directory = Path(directory)
-    model = unwrap(model)
+    with _params_gathered(model):
+        return _save(directory, unwrap(model), optimizer, common, rng, fully_parallel, async_save)
+
+
+@contextlib.contextmanager
+def _params_gathered(model: torch.nn.Module) -> Iterator[None]:
+    """Every parameter current on every rank while saving. With Megatron's distributed optimizer and
+    ``overlap_param_gather``, ``optimizer.step()`` updates each rank's shard only, and the wrapper's forward pre-hooks
+    gather the rest at the next forward; as Megatron-LM saves, the hooks are taken off with a synchronous gather
+    (``disable_forward_pre_hook(param_sync=True)``) and put back after."""
+    wrappers = []
+    module = model
+    while module is not None:
+        if getattr(module, "use_forward_hook", False):
+            wrappers.append(module)
+        module = getattr(module, "module", None)
+    for wrapper in wrappers:
+        wrapper.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for wrapper in wrappers:
+            wrapper.enable_forward_pre_hook()
+
+
+def _save(directory: Path, model, optimizer, common, rng: bool, fully_parallel: bool, async_save: bool) -> int | None:
+    """:func:`save` of the unwrapped ``model`` with its parameters current."""
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()

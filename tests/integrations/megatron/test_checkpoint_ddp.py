@@ -6,7 +6,8 @@ model loads into a wrapped one; the keys are Megatron-LM's (no ``module.``); the
 than one replica (fully parallel save); every rank's RNG states (Python, NumPy, torch) come back as that rank saved
 them, while ``common`` holds only what was given; an asynchronous save holds the state of the moment it was
 called and becomes a checkpoint when finalized. Under TP2 x CP2 x DP1 the same checkpoint loads (resharded) and the
-RNG states, saved in another grid, are left alone.
+RNG states, saved in another grid, are left alone. With the distributed optimizer and ``overlap_param_gather``, a
+save holds every rank's updated shard (gathered first, as Megatron-LM saves).
 
 Megatron's DDP allocates its gradient buffers on ``torch.cuda.current_device()``; on a CPU-only torch that is
 pointed at the CPU while the wrapper is built (nothing else of DDP is used here).
@@ -39,14 +40,48 @@ def _gpt(tp: int, cp: int, seed: int):
     )
 
 
-def _ddp(model):
+def _ddp(model, **ddp_options):
     """Megatron's DistributedDataParallel around ``model``, on the CPU when torch has no CUDA."""
     from unittest import mock
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    config = DistributedDataParallelConfig(**ddp_options)
     with mock.patch.object(torch.cuda, "current_device", lambda: "cpu" if not torch.cuda.is_available() else 0):
-        return DistributedDataParallel(config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
+        return DistributedDataParallel(config=model.config, ddp_config=config, module=model)
+
+
+def _gathered_save(tmp_path: Path) -> dict:
+    """The distributed optimizer with ``overlap_param_gather``: after a step each rank holds only its own shard of
+    every bucket updated (here: shard ``i`` of the DP x CP group gets ``i + 1`` added, as an optimizer step would),
+    the rest comes with the next forward. A save holds every update, and the forward pre-hooks are back after it."""
+    from megatron.core import parallel_state as ps
+
+    from mesh_cp.integrations.megatron import checkpoint
+
+    ddp = _ddp(_gpt(1, 2, seed=6), use_distributed_optimizer=True, overlap_param_gather=True)
+    hooks = len(ddp.remove_forward_pre_hook_handles)
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    shards, me = group.size(), group.rank()
+    expected = {}
+    with torch.no_grad():
+        for buffer in ddp.buffers:
+            for bucket in buffer.buckets:
+                flat = bucket.param_data.view(-1)
+                size = flat.numel() // shards
+                owner = torch.arange(flat.numel()) // size
+                truth = flat + (owner + 1).to(flat.dtype)  # every shard's update, as the gather will give it
+                for param in bucket.params:
+                    start, end = bucket.param_to_index[param]
+                    expected[param] = truth[start:end].view(param.shape).clone()
+                flat[me * size : (me + 1) * size] += me + 1  # this rank's step
+    names = {p: n for n, p in ddp.module.named_parameters()}
+    checkpoint.save(tmp_path / "gathered", ddp)
+    fresh = _gpt(1, 2, seed=7)
+    checkpoint.load(tmp_path / "gathered", fresh)
+    loaded = dict(fresh.named_parameters())
+    error = max((loaded[names[p]].detach() - want).abs().max().item() for p, want in expected.items())
+    return {"gathered": error, "hooks back": len(ddp.remove_forward_pre_hook_handles) == hooks > 0}
 
 
 def _adamw_step(model) -> torch.optim.AdamW:
@@ -154,6 +189,7 @@ def worker(rank: int, world: int, tmp: str) -> dict:
     fresh = _gpt(1, 2, seed=4)
     checkpoint.load(tmp_path / "async", fresh)
     out["async"] = max((p.detach() - before[n]).abs().max().item() for n, p in fresh.named_parameters())
+    out |= _gathered_save(tmp_path)
     ps.destroy_model_parallel()
 
     # Another layout: resharded parameters; the RNG states of another grid are not this rank's, so left alone.
@@ -202,6 +238,11 @@ def test_rng_states_round_trip_per_rank_and_common_is_common(results) -> None:
         assert res["common"] == {"iteration": 7}
         assert "rng_state" not in res["common.pt"]  # in its own sharded objects, not in common
         assert res["common.pt"]["rng_state_grid"] == [1, 1, 2, 2]
+
+
+def test_save_gathers_the_distributed_optimizers_shards_first(results) -> None:
+    for res in results:
+        assert res["gathered"] == 0.0 and res["hooks back"] is True, res
 
 
 def test_async_save_holds_the_state_it_was_called_with(results) -> None:
