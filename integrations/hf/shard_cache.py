@@ -174,23 +174,28 @@ class ShardedKVCache(Cache):
             self.mask_checked = True
             return
         padding = padding.to(torch.bool)
+        kept = self._kept(padding)  # every step: the whole mask, on the device
         if not self.mask_checked:
-            prompt = self.prompt_mask
-            width = 0 if prompt is None else prompt.shape[1]  # no prompt mask: every prompt column kept
-            same = prompt is None or torch.equal(padding[:, :width].to(prompt.device), prompt)
-            if not same or not bool(padding[:, width:].all()):
+            if not bool(kept):
+                prompt = self.prompt_mask
                 raise ValueError(
                     "the attention mask of a decoding step must be the prompt's mask that prefill was given, then "
                     f"ones (what generate passes); got {padding.shape[1]} columns that differ from prefill's "
                     f"{None if prompt is None else tuple(prompt.shape)} mask: {fix}"
                 )
             self.mask_checked = True
+        self.mask_kept = kept if self.mask_kept is None else self.mask_kept & kept
+
+    def _kept(self, padding: Tensor) -> Tensor:
+        """A device bool: ``padding`` is :attr:`prompt_mask` (none: every prompt column kept), then ones."""
         prompt = self.prompt_mask
         width = 0 if prompt is None else prompt.shape[1]
-        kept = padding[:, width:].all()  # every step: the whole mask, on the device
+        if prompt is not None and (padding.shape[0] != prompt.shape[0] or padding.shape[1] < width):
+            return torch.zeros((), dtype=torch.bool, device=padding.device)  # cannot be the prompt's mask
+        kept = padding[:, width:].all()
         if prompt is not None:
             kept = kept & (padding[:, :width] == prompt.to(padding.device)).all()
-        self.mask_kept = kept if self.mask_kept is None else self.mask_kept & kept
+        return kept
 
     def raise_if_mask_dropped(self) -> None:
         """Raise if a decoding step's mask differed from the prompt's mask followed by ones (one read). ``hf.generate``

@@ -35,24 +35,24 @@ class PackedDocuments:
         """A THD row's split-layout mask, and this rank's ``order`` (THD rows in the split layout's order) and
         ``back`` (its inverse) on ``device`` (Note [THD layout] in :mod:`mesh_cp.core.split`); read once per
         ``packed_seq_params`` (the same tensors and values)."""
-        _check_cp_fields(params, mesh)
-        refs, key = _params_key(params, (mesh, device, causal))
-        if self._last_thd is not None and _same(self._last_thd, refs, key):
-            return self._last_thd[2]
-        found = _thd_layout(params, mesh, device, causal)
-        self._last_thd = (refs, key, found)
-        return found
+        return self._read("_last_thd", params, mesh, (mesh, device, causal), _thd_layout)
 
     def __call__(self, params, seq: int, batch: int, mesh: CPMesh) -> AttentionMask | None:
         if params is None:
             return None
+        return self._read("_last", params, mesh, (seq, batch), lambda p, *_: _packed_mask(p, seq, batch))
+
+    def _read(self, slot: str, params, mesh: CPMesh, extra: tuple, read):
+        """``read(params, *extra)``, or what it gave for the same ``params`` and ``extra`` last time (kept in
+        ``slot``)."""
         _check_cp_fields(params, mesh)
-        refs, key = _params_key(params, (seq, batch))
-        if self._last is not None and _same(self._last, refs, key):
-            return self._last[2]
-        mask = _packed_mask(params, seq, batch)
-        self._last = (refs, key, mask)
-        return mask
+        refs, key = _params_key(params, extra)
+        last = getattr(self, slot)
+        if last is not None and _same(last, refs, key):
+            return last[2]
+        found = read(params, *extra)
+        setattr(self, slot, (refs, key, found))
+        return found
 
 
 _BOUNDARIES = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
@@ -65,6 +65,11 @@ def _params_key(params, extra: tuple) -> tuple[tuple, tuple]:
     refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
     versions = tuple(None if t is None else t._version for t in tensors)
     return refs, (versions, params.qkv_format, params.max_seqlen_q, params.max_seqlen_kv, *extra)
+
+
+def _boundary_values(params) -> dict[str, list[int] | None]:
+    """The boundary tensors of ``params`` read on the host (once per step: :class:`PackedDocuments` keeps it)."""
+    return {n: None if (t := getattr(params, n)) is None else [int(x) for x in t.tolist()] for n in _BOUNDARIES}
 
 
 def _same(last: tuple, refs: tuple, key: tuple) -> bool:
@@ -90,8 +95,7 @@ def _check_cp_fields(params, mesh: CPMesh) -> None:
 
 def _thd_layout(params, mesh: CPMesh, device: torch.device, causal: bool) -> tuple[AttentionMask, Tensor, Tensor]:
     """:meth:`PackedDocuments.thd` uncached: one host read of the boundaries."""
-    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    values = {n: None if getattr(params, n) is None else [int(x) for x in getattr(params, n).tolist()] for n in names}
+    values = _boundary_values(params)
     real, padded = values["cu_seqlens_q"], values["cu_seqlens_q_padded"] or values["cu_seqlens_q"]
     if real is None:
         raise NotImplementedError("packed_seq_params with qkv_format='thd' needs cu_seqlens_q (and _padded)")
@@ -130,12 +134,7 @@ def _packed_mask(params, seq: int, batch: int) -> AttentionMask:
             f"packed_seq_params (qkv_format {params.qkv_format!r}) for a batch of {batch}: mesh_cp takes one packed "
             f"row ([s, 1], qkv_format='sbhd')"
         )
-    fields = {
-        n: getattr(params, n) for n in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
-    }
-    values = {
-        n: None if t is None else [int(x) for x in t.tolist()] for n, t in fields.items()
-    }  # one host read per step
+    values = _boundary_values(params)
     bounds = values["cu_seqlens_q"]
     if bounds is None or any(v is not None and v != bounds for v in values.values()):
         raise NotImplementedError(
