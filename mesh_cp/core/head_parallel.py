@@ -28,7 +28,7 @@ rank gets) sends ``X / u`` to each of the ``u - 1`` peers: ``(u - 1) / u * X``. 
 rank's Q chunk of the plain mesh (``C``): ``S / m * H / u = S / P * H``. Per phase::
 
     forward   in: q, k, v              back: out (+ lse, fp32, when the caller asks for it)
-    backward  in: dO (+ the lse's gradient, fp32, when lse was returned)
+    backward  in: dO (+ the lse's gradient, fp32, when lse was returned and a loss reads it)
               back: dq, dk, dv (the saved out and lse stay in the head layout: nothing resent)
 
 all in the input dtype except the statistics. In units of ``C`` with ``r' = max(Hkv / u, 1) / (H / u)`` (the

@@ -78,7 +78,8 @@ class AttentionPlan:
     head_parallel: int = 1
     """``u``: ranks per head group that exchange heads by all-to-all (1: none)."""
     return_lse: bool = False
-    """The call returns the lse: with ``u > 1`` it travels back (and its gradient in) through the head exchange."""
+    """The call returns the lse: with ``u > 1`` it travels back through the head exchange, and its gradient in when
+    a loss reads it (``lse_grad`` of the byte methods; autograd hands none otherwise, and none is sent)."""
 
     def __post_init__(self) -> None:
         check_option("layout", self.layout)
@@ -290,11 +291,12 @@ class AttentionPlan:
             return w
         return dataclasses.replace(w, kind=MaskKind.MASKED, masked_pairs=sum(pairs) // len(pairs))
 
-    def all_to_alls(self, phase: Phase) -> tuple[Transfer, ...]:
+    def all_to_alls(self, phase: Phase, *, lse_grad: bool = True) -> tuple[Transfer, ...]:
         """The head exchange of ``phase`` in issue order (Note [Head-parallel x mesh plan]): all-to-alls over the head
         group, ``what`` the tensors each carries (Q, K and V in one, and dq, dk, dv in one: Note [One exchange per
         direction] in :mod:`mesh_cp.runtime.heads`) and ``piece_bytes`` the ``X / u`` sent to each peer (``X`` their
-        bytes per rank in the head layout, a repeated K/V counted with its repeats). Empty for ``u = 1``."""
+        bytes per rank in the head layout, a repeated K/V counted with its repeats). Empty for ``u = 1``.
+        ``lse_grad``: a loss reads the returned lse, so its gradient travels in backward (``False``: it does not)."""
         check_option("phase", phase)
         u = self.head_parallel
         if u == 1:
@@ -306,21 +308,21 @@ class AttentionPlan:
             moves = [("q,k,v", q_bytes + kv_bytes), ("out", q_bytes)]
             moves += [("lse", n) for n in lse]
         else:
-            moves = [("dout", q_bytes), *(("dlse", n) for n in lse)]
+            moves = [("dout", q_bytes), *(("dlse", n) for n in lse if lse_grad)]
             moves += [("dq,dk,dv", q_bytes + kv_bytes)]
         return tuple(
             Transfer(phase=phase, group="heads", op="all_to_all", what=what, group_size=u, piece_bytes=x // u)
             for what, x in moves
         )
 
-    def bytes_sent(self, phase: Phase, group: str | None = None) -> int:
+    def bytes_sent(self, phase: Phase, group: str | None = None, *, lse_grad: bool = True) -> int:
         """Bytes one rank sends in ``phase``: all of them, or only within its head group (``"heads"``), its Q-group
-        (``"q"``) or its KV-group (``"kv"``).
+        (``"q"``) or its KV-group (``"kv"``); ``lse_grad`` as in :meth:`all_to_alls`.
 
         Both schedules send the same bytes: a ring all-gather or reduce-scatter step moves what the
         bandwidth-optimal collective moves.
         """
-        heads = sum(t.bytes_sent for t in self.all_to_alls(phase))
+        heads = sum(t.bytes_sent for t in self.all_to_alls(phase, lse_grad=lse_grad))
         if group == "heads":
             return heads
         if self.schedule == "collective":
@@ -351,11 +353,11 @@ class AttentionPlan:
             return heads + 2 * (a - 1) + 2 * r * (b - 1)
         return heads + 3 * (a - 1) + 4 * r * (b - 1)
 
-    def stats_bytes_sent(self, phase: Phase) -> int:
+    def stats_bytes_sent(self, phase: Phase, *, lse_grad: bool = True) -> int:
         """Bytes of lse/delta statistics one rank sends in ``phase`` (not in the formula): the mesh's, and the
-        lse (forward) or its gradient (backward) in the head exchange when the call returns the lse."""
+        lse (forward) or its gradient (backward, when ``lse_grad``) in the head exchange when the call returns it."""
         per_chunk = self.mesh_shape.stats_elems * self.mesh_shape.acc_itemsize
-        heads = sum(t.bytes_sent for t in self.all_to_alls(phase) if t.what in ("lse", "dlse"))
+        heads = sum(t.bytes_sent for t in self.all_to_alls(phase, lse_grad=lse_grad) if t.what in ("lse", "dlse"))
         return (self.tiling.a - 1) * per_chunk * (1 if phase == "forward" else 2) + heads
 
 

@@ -33,7 +33,9 @@ class MeshAttnFunc(torch.autograd.Function):
     in forward.
 
     Gradients are not materialised: an output that no loss reads arrives in ``backward`` as ``None``
-    (and is taken as zeros). ``call.lse_grad`` (``mesh_attn_func``'s ``return_lse``, equal on every rank of
+    (and is taken as zeros; an lse without a gradient is neither made nor sent through the head exchange, as
+    ``plan.all_to_alls("backward", lse_grad=False)`` counts, so the ranks of a head group must agree on whether
+    their loss reads it). ``call.lse_grad`` (``mesh_attn_func``'s ``return_lse``, equal on every rank of
     the mesh by its call check) says whether the lse may receive a gradient: the fused block kernels
     then take the exact path for any ``dlse``, otherwise their cheaper one (Note [Gradient of the lse]
     in :mod:`mesh_cp.kernels.base`). Every block of a row is computed with the same choice whichever
@@ -65,9 +67,7 @@ class MeshAttnFunc(torch.autograd.Function):
         if dout is None:  # only the lse reaches a loss (or neither, on this rank: backward is still collective)
             dout = out.new_zeros(_token_shape(out.shape, u, tokens_at=1, heads_at=2))
         if not call.lse_grad:
-            dlse = None
-        elif dlse is None:
-            dlse = lse.new_zeros(_token_shape(lse.shape, u, tokens_at=2, heads_at=1))
+            dlse = None  # None (no loss reads the lse) stays None: the head exchange sends no lse gradient
         if u > 1:
             dout, dlse = grads_to_heads(dout, dlse, mesh, plan)
         saved = Saved(q=q, k=k, v=v, out=out, lse=lse, gathered=tuple(gathered))

@@ -115,7 +115,7 @@ def grads_to_heads(
     dout: Tensor, dlse: Tensor | None, mesh: CPMesh, plan: AttentionPlan
 ) -> tuple[Tensor, Tensor | None]:
     """The adjoint of :func:`outputs_from_heads`: the gradients of this rank's ``out`` and ``lse`` in the head
-    layout."""
+    layout (``dlse`` ``None``: no loss reads the lse, and nothing is sent for it: the plan's ``lse_grad=False``)."""
     dout = _exchange(dout, mesh, 2, 1)
     dlse = None if dlse is None else _exchange(dlse, mesh, 1, 2)
     order, _ = _mesh_order(mesh.head_parallel, dout.shape[1] // mesh.head_parallel, plan.layout, dout.device)

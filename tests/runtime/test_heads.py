@@ -4,7 +4,9 @@ One gloo group per P (4, 8, 16: the first P ranks of one spawned group of 16; 16
 cores, which exactness does not mind) runs u in {2, 4} with several tiles of the P / u mesh ranks, both schedules,
 MHA, GQA (u below and above the K/V head count: split and repeated K/V heads) and MQA, causal (zig-zag) and full
 attention, plus packed documents with a window. Every rank compares its piece of the output and lse and dq, dk, dv
-(a loss on out and on the lse) with the reference, and the bytes it sent on the head group with the all-to-all formula.
+(a loss on out and on the lse, and for GQA causal on out only with the lse returned) with the reference, and the
+bytes it sent on the head group with the all-to-all formula and with the plan's count (no lse gradient sent when no
+loss reads the lse).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import zlib
 import pytest
 
 import mesh_cp
-from mesh_cp.core import AttentionMask
+from mesh_cp.core import AttentionMask, AttentionShape, make_plan
 from mesh_cp.debug import CommCounter
 from mesh_cp.testing import expect_error, spawn_gloo
 from tests.group_sizes import by_group_size, size_results
@@ -39,18 +41,29 @@ def cases(world: int) -> dict[str, dict]:
     return out if world != 16 else {k: out[k] for k in ("GQA causal", "MQA causal")}
 
 
-def run_case(mesh, case: dict, schedule: str, seed: int) -> dict[str, float]:
+def run_case(mesh, case: dict, schedule: str, seed: int, lse_loss: bool = True) -> dict[str, float]:
+    """Errors against the reference, and the head group's bytes against the all-to-all formula and the plan's count
+    (a loss on out and the lse, or on out only with the lse returned: then no lse gradient is sent)."""
     (heads, kv_heads), batch, dim, seq = case["heads"], 2, 8, 4 * mesh.size
     layout = "zigzag" if case["causal"] else "contiguous"
     options = {"causal": case["causal"], "mask": case.get("mask"), "schedule": schedule}
     with CommCounter() as counter:
-        errors = errors_against_reference(mesh, (batch, seq, heads, kv_heads, dim), seed=seed, layout=layout, **options)
+        errors = errors_against_reference(
+            mesh, (batch, seq, heads, kv_heads, dim), seed=seed, layout=layout, lse_loss=lse_loss, **options
+        )
     # Each all-to-all sends (u - 1) / u of its input: q, k, v (K/V repeated to u heads when u > Hkv), out and
-    # lse forward; dout, dlse, dq, dk, dv backward.
+    # lse forward; dout, dlse (when a loss reads the lse), dq, dk, dv backward.
     u, item, local = mesh.head_parallel, 4, batch * seq // mesh.size
     q_bytes, kv_bytes = local * heads * dim * item, local * kv_heads * dim * item * max(1, u // kv_heads)
-    want_bytes = (u - 1) * (4 * q_bytes + 4 * kv_bytes + 2 * local * heads * item) // u
-    errors["head bytes"] = abs(counter.bytes_by_role(mesh).get("heads", 0) - want_bytes)
+    want_bytes = (u - 1) * (4 * q_bytes + 4 * kv_bytes + (1 + lse_loss) * local * heads * item) // u
+    shape = AttentionShape(
+        batch=batch, seq_local=seq // mesh.size, heads=heads, kv_heads=kv_heads, head_dim=dim, itemsize=4
+    )
+    plan = make_plan(mesh.tiling, shape, causal=case["causal"], layout=layout, mask=case.get("mask"),
+                     head_parallel=u, return_lse=True)  # fmt: skip
+    planned = plan.bytes_sent("forward", "heads") + plan.bytes_sent("backward", "heads", lse_grad=lse_loss)
+    sent = counter.bytes_by_role(mesh).get("heads", 0)
+    errors["head bytes"], errors["head bytes vs plan"] = abs(sent - want_bytes), abs(sent - planned)
     return errors
 
 
@@ -115,6 +128,8 @@ def heads_cases(group, rank: int, world: int) -> dict:
             for schedule in ("overlap", "collective"):
                 key = f"P{world} u{u} {tile[0]}x{tile[1]} {schedule} {name}"
                 results[key] = run_case(mesh, case, schedule, seed=zlib.crc32(key.encode()) % 1000)
+                if name == "GQA causal":  # the lse returned, no loss reading it: no lse gradient sent, still exact
+                    results[f"{key}, loss on out only"] = run_case(mesh, case, schedule, seed=7, lse_loss=False)
     return results
 
 
@@ -135,7 +150,7 @@ def heads_results(request, spawned) -> tuple[int, list[dict]]:
 
 def test_hybrid_matches_single_process_reference(heads_results) -> None:
     world, results = heads_results
-    expected = len(LAYOUTS[world]) * len(cases(world)) * 2
+    expected = len(LAYOUTS[world]) * (len(cases(world)) + 1) * 2  # + GQA causal with a loss on out only
     for rank, result in enumerate(results):
         refused = {k: result.pop(k) for k in list(result) if not isinstance(result[k], dict)}
         assert len(refused) == (6 if world == 4 else 0) and all(v is True for v in refused.values()), refused
