@@ -88,6 +88,12 @@ def test_all_to_all_bytes_are_one_piece_per_peer(heads: int, kv_heads: int, u: i
     assert plan.bytes_sent("backward", group="heads") == by_hand
     lse_bytes = [with_lse.bytes_sent(phase, group="heads") for phase in PHASES]
     assert lse_bytes == [by_hand + (u - 1) * lse_piece] * 2
+    # The lse returned but read by no loss: its gradient is not sent (B H L 4 (u - 1) / u bytes less per rank).
+    assert with_lse.bytes_sent("backward", group="heads", lse_grad=False) == by_hand
+    assert with_lse.stats_bytes_sent("backward") - with_lse.stats_bytes_sent("backward", lse_grad=False) == (
+        (u - 1) * lse_piece
+    )
+    assert [t.what for t in with_lse.all_to_alls("backward", lse_grad=False)] == ["dout", "dq,dk,dv"]
     assert [t.what for t in with_lse.all_to_alls("forward")] == ["q,k,v", "out", "lse"]  # one exchange for q, k, v
     assert [t.what for t in plan.all_to_alls("backward")] == ["dout", "dq,dk,dv"]
     inner = plan.mesh_shape
