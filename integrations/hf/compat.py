@@ -7,13 +7,14 @@
 - The private parts of ``transformers.Trainer``, ``accelerate`` and TRL's ``SFTTrainer`` that MeshCPTrainer uses where
   no public hook exists, each in one function here (tests/integrations/hf/test_compat.py checks each against the
   installed versions): the column removal of Trainer's dataloaders, the registration of a prepared dataloader with
-  the accelerator, and TRL's token counter.
+  the accelerator, TRL's token counter, and the gather of TRL's training metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     "correct_trl_tokens",
     "eval_metric_lists",
     "eval_order",
+    "every_rank_once",
     "forget_eval_prepare",
     "given_cache",
     "output_cache",
@@ -152,3 +154,21 @@ def eval_metric_lists(trainer: Any) -> dict[str, list]:
     if not isinstance(metrics, Mapping) or "eval" not in metrics:
         return {}
     return {key: values for key, values in metrics["eval"].items() if key != "num_tokens"}
+
+
+@contextlib.contextmanager
+def every_rank_once(accelerator: Any) -> Iterator[None]:
+    """Within a training step, ``accelerator.gather_for_metrics`` gathers from every rank, trimming nothing. TRL's
+    ``entropy`` and ``mean_token_accuracy`` gather per-rank sums with it, and at an epoch's short last batch it keeps
+    the first ``remainder`` entries (one per example, as if every process held examples), which would count only
+    the first ranks' shards; every DP x CP rank's sum counts each of the batch's tokens once."""
+    from accelerate.utils import gather_object
+
+    def gather_all(data: Any, use_gather_object: bool = False) -> Any:
+        return gather_object(data) if use_gather_object else accelerator.gather(data)
+
+    accelerator.gather_for_metrics = gather_all
+    try:
+        yield
+    finally:
+        del accelerator.gather_for_metrics  # the instance attribute: the class's method again

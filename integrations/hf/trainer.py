@@ -9,6 +9,7 @@ import inspect
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from mesh_cp.config import MeshConfig
@@ -17,6 +18,7 @@ from mesh_cp.integrations.hf.collate import TOKEN_COUNTS, PadExamples, ShardColl
 from mesh_cp.integrations.hf.compat import (
     LengthGroupedSampler,
     correct_trl_tokens,
+    every_rank_once,
     prepare_as_single_process,
     remove_unused_columns,
     seed_worker,
@@ -71,9 +73,60 @@ def _trainer_class(base: type) -> type:
 
     if not (isinstance(base, type) and issubclass(base, Trainer)):
         raise ValueError(f"base must be transformers.Trainer or a subclass of it, got {base!r}")
+    check_base(base)
     if issubclass(base, MeshCPTrainerMixin):
         return base
     return type(f"MeshCP{base.__name__}", (MeshCPTrainerMixin, base), {"__module__": __name__})
+
+
+SUPPORTED_BASES: tuple[str, ...] = ("transformers.Trainer", "trl.SFTTrainer")
+"""The trainers whose batches mesh_cp shards exactly (rows of tokens with per-token labels, a token-mean loss), and
+their subclasses. Any other trainer class of transformers or TRL in a base's MRO is refused by name."""
+
+UNSUPPORTED_REASONS: dict[str, tuple[str, ...]] = {
+    "its loss compares whole sequences' log-probabilities (chosen and rejected, or labelled, completions)": (
+        "DPOTrainer", "CPOTrainer", "ORPOTrainer", "KTOTrainer", "BCOTrainer", "TPOTrainer", "A2POTrainer",
+    ),
+    "it generates completions and weighs whole sequences by their rewards": (
+        "GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
+        "GMPOTrainer", "AsyncGRPOTrainer", "SDPOTrainer", "IWOPDTrainer",
+    ),
+    "it scores each sequence from one pooled token": ("RewardTrainer", "PRMTrainer"),
+    "its loss reads a teacher model's logits (the teacher is not attached to the mesh) or generates": (
+        "GKDTrainer", "GOLDTrainer", "DistillationTrainer", "ServerDistillationTrainer", "AsyncDistillationTrainer",
+        "SDFTTrainer",
+    ),
+    "its evaluation generates and its batches are encoder-decoder pairs": ("Seq2SeqTrainer",),
+}  # fmt: skip
+"""Why the trainers known not to be rows of tokens are refused, by reason (the refusal itself is by
+:data:`SUPPORTED_BASES`: a trainer not listed here is refused too)."""
+
+
+def check_base(base: type) -> None:
+    """Refuse, by name, a trainer class whose MRO holds a trainer of transformers or TRL other than
+    :data:`SUPPORTED_BASES` and their own bases (TRL's DPO, GRPO, Reward, ... trainers: their batches are not rows of
+    tokens that a CP rank's shard computes exactly). Imports nothing distributed."""
+    from transformers import Trainer
+
+    allowed = set(Trainer.__mro__)
+    if any(_package(c) == "trl" for c in base.__mro__):
+        from trl import SFTTrainer
+
+        allowed |= set(SFTTrainer.__mro__)
+    for c in base.__mro__:
+        if _package(c) in ("transformers", "trl") and issubclass(c, Trainer) and c not in allowed:
+            why = next((r for r, names in UNSUPPORTED_REASONS.items() if c.__name__ in names), None)
+            why = why or "its batches or loss are not Trainer's rows of tokens with per-token labels"
+            named = c.__name__ if c is base else f"{base.__name__} (a {c.__name__})"
+            raise NotImplementedError(
+                f"mesh_cp_trainer_class does not support {named} from {c.__module__} yet: {why}, which a CP rank "
+                f"cannot compute from its shard of each row; supported: {' and '.join(SUPPORTED_BASES)}, and "
+                f"subclasses of them that keep their batches"
+            )
+
+
+def _package(cls: type) -> str:
+    return cls.__module__.partition(".")[0]
 
 
 REFUSED_OPTIONS: dict[str, str] = {
@@ -98,6 +151,7 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
         pad_token_id: int | None = None,
         **kwargs,
     ):
+        check_base(type(self))
         if args:
             raise ValueError("MeshCPTrainer takes keyword arguments only (model=..., args=..., ...)")
         if layout is not None:  # the earlier name of parallel=
@@ -119,6 +173,7 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
         else:
             attach(self.model, parallel.mesh)
         self.parallel = parallel
+        check_world(self)
         pad = _pad_token_id(self, pad_token_id)
         collator = self.data_collator if client_collator is not None or not _is_trainer_default(self) else None
         if collator is None:  # the model's own inputs among the examples' keys are refused, not left out
@@ -167,7 +222,8 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
         _check_gradients_averaged(self, model)
         counts = inputs.pop(TOKEN_COUNTS, None)
         before = getattr(self, "_total_train_tokens", None)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        with every_rank_once(self.accelerator):
+            loss = super().training_step(model, inputs, num_items_in_batch)
         if counts is not None:
             self._mesh_cp_counts = counts
             if before is not None:  # TRL's SFTTrainer counts tokens in compute_loss from the shard: count the batch's
@@ -191,7 +247,10 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
 def _check_gradients_averaged(trainer: Any, model: torch.nn.Module) -> None:
     """Every rank's loss is its share of the batch's, scaled by the world size: the gradient is exact only once it
     is averaged over all ranks (DDP's or DeepSpeed's). Refuse a step of a model that nothing averages."""
-    if trainer.accelerator.num_processes == 1 or trainer.is_deepspeed_enabled:
+    if trainer.is_deepspeed_enabled:  # the engine averages over its data-parallel group: it must be every rank
+        check_world(trainer, engine=model)
+        return
+    if trainer.accelerator.num_processes == 1:
         return
     inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if not isinstance(inner, torch.nn.parallel.DistributedDataParallel):
@@ -200,6 +259,26 @@ def _check_gradients_averaged(trainer: Any, model: torch.nn.Module) -> None:
             f"{trainer.accelerator.num_processes} processes: its gradients would not be averaged over the DP x CP "
             f"ranks; let Trainer.train() prepare the model (do not prepare it with accelerate beforehand)"
         )
+
+
+def check_world(trainer: Any, engine: Any = None) -> None:
+    """Refuse a run whose accelerate state (or DeepSpeed ``engine``, when given) sees another number of processes
+    than the layout's group: the loss of a rank is scaled by the processes accelerate sees and the gradients are
+    averaged over them, so each must be every DP x CP rank. On CPU, accelerate sees one process unless told to use
+    the CPU (``TrainingArguments(use_cpu=True)``), and then no rank's gradients are averaged."""
+    world = dist.get_world_size(trainer.parallel.group)
+    seen = {"accelerate": trainer.accelerator.num_processes}
+    if engine is not None:
+        seen["the DeepSpeed engine's data-parallel group"] = getattr(engine, "dp_world_size", world)
+    for who, size in seen.items():
+        if size != world:
+            raise ValueError(
+                f"{who} sees {size} process(es) but mesh_cp's DP x CP layout spans {world} ranks: the gradients "
+                f"would not be averaged over every rank and the token count would be a part's; every process of the "
+                f"layout's group must be one of accelerate's. On CPU set TrainingArguments(use_cpu=True) "
+                f"(--use_cpu on the command line; without it accelerate takes a machine with no GPU for one "
+                f"process), and build the layout over the launched world (dist.group.WORLD)"
+            )
 
 
 class _ReplicaCollate:

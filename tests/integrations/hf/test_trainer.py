@@ -51,3 +51,48 @@ def test_sampling_strategies_differ(runs) -> None:
     # Documents kept apart in one row train exactly as the same examples in padded rows; attending across the
     # boundaries would not.
     assert max(abs(a - b) for a, b in zip(mesh["flattening"]["loss"], mesh["random"]["loss"], strict=True)) <= 1e-5
+
+
+def _trl_trainers() -> dict[str, type]:
+    """TRL's trainers whose batches are not rows of tokens (those of its experimental package that import here)."""
+    import importlib
+
+    trl = pytest.importorskip("trl")
+    found = {name: getattr(trl, name) for name in ("DPOTrainer", "GRPOTrainer", "RLOOTrainer", "RewardTrainer")}
+    found["KTOTrainer"] = trl.KTOTrainer
+    for module, name in (
+        ("trl.experimental.orpo", "ORPOTrainer"),
+        ("trl.experimental.cpo", "CPOTrainer"),
+        ("trl.experimental.online_dpo", "OnlineDPOTrainer"),
+        ("trl.experimental.gkd", "GKDTrainer"),
+        ("trl.experimental.gold", "GOLDTrainer"),
+    ):
+        try:
+            found[name] = getattr(importlib.import_module(module), name)
+        except ImportError:  # an optional dependency of that trainer is missing
+            continue
+    return found
+
+
+def test_trainers_other_than_trainer_and_sft_are_refused_by_name() -> None:
+    """mesh_cp_trainer_class refuses, before anything distributed, every TRL trainer but SFTTrainer (and
+    transformers' Seq2SeqTrainer), naming it, why, and what is supported; a user's subclass of one is refused naming
+    the TRL trainer; the supported bases and a user's subclass of them are accepted."""
+    from transformers import Seq2SeqTrainer, Trainer
+    from trl import SFTTrainer
+
+    from mesh_cp.integrations import hf
+    from mesh_cp.integrations.hf.trainer import MeshCPTrainerMixin
+
+    refused = _trl_trainers() | {"Seq2SeqTrainer": Seq2SeqTrainer}
+    assert {"DPOTrainer", "GRPOTrainer", "RewardTrainer", "ORPOTrainer", "GKDTrainer"} <= set(refused), refused
+    for name, base in refused.items():
+        with pytest.raises(NotImplementedError, match=f"does not support {name} from .*supported: transformers"):
+            hf.mesh_cp_trainer_class(base)
+    mine = type("MyDPO", (refused["DPOTrainer"],), {})
+    with pytest.raises(NotImplementedError, match=r"MyDPO \(a DPOTrainer\).*sequences' log-probabilities"):
+        hf.mesh_cp_trainer_class(mine)
+    with pytest.raises(NotImplementedError, match=r"a RewardTrainer\).*one pooled token"):  # built by hand: refused too
+        type("Mixed", (MeshCPTrainerMixin, refused["RewardTrainer"]), {})(model=None, args=None)
+    for base in (Trainer, SFTTrainer, type("MySFT", (SFTTrainer,), {})):
+        assert issubclass(hf.mesh_cp_trainer_class(base), base)

@@ -11,6 +11,7 @@ test_trl.py runs both and compares them case by case.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 
 import torch
@@ -61,6 +62,7 @@ def datasets() -> dict[str, Dataset]:
     prompts, completions = texts(16, 4, 10, 3), texts(16, 3, 12, 4)
     return {
         "ragged": Dataset.from_dict({"text": texts(16, 10, 30, 1)}),
+        "ragged_10": Dataset.from_dict({"text": texts(16, 10, 30, 1)[:10]}),  # batches of 4, 4 and a short 2
         "short": Dataset.from_dict({"text": texts(48, 3, 14, 2)}),  # several documents per packed row
         "completion": Dataset.from_dict({"prompt": prompts, "completion": completions}),
         "chat": Dataset.from_dict(
@@ -84,7 +86,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "assistant_only": ("chat", {"assistant_only_loss": True}),
     "no_gradient_checkpointing": ("short", {"packing": True, "max_length": 40, "gradient_checkpointing": False}),
     "bf16": ("ragged", {"bf16": True}),
-    "sequential": ("ragged", {"train_sampling_strategy": "sequential"}),
+    "sequential": ("ragged_10", {"train_sampling_strategy": "sequential"}),  # step 3: the epoch's short batch
 }
 """Case name -> (train set, SFTConfig fields beside :data:`BASE`). Every case also evaluates on the eval set."""
 
@@ -155,6 +157,7 @@ REFUSED = {
     "batch_rebalance": {"train_sampling_strategy": "batch_rebalance"},
     "use_liger_kernel": {"use_liger_kernel": True},
     "include_num_input_tokens_seen": {"include_num_input_tokens_seen": "all"},
+    "use_cpu": {"use_cpu": False},  # last: accelerate then takes the CPU run for one process (the next sets it back)
 }
 """Options the mesh_cp trainer refuses, with the fields that set them; the message must name the option."""
 
@@ -165,9 +168,11 @@ def refusals(mesh, output_dir: str) -> dict[str, str]:
 
     messages = {}
     for name, fields in REFUSED.items():
-        args = SFTConfig(output_dir=output_dir, use_cpu=True, report_to=[], **(BASE | fields))
-        model = AutoModelForCausalLM.from_config(MODEL(), attn_implementation="sdpa")
+        # accelerate launch's ACCELERATE_USE_CPU=true would stand in for use_cpu=True: a plain torchrun has none
+        launched_cpu = os.environ.pop("ACCELERATE_USE_CPU", None) if name == "use_cpu" else None
         try:
+            args = SFTConfig(**({"output_dir": output_dir, "use_cpu": True, "report_to": []} | BASE | fields))
+            model = AutoModelForCausalLM.from_config(MODEL(), attn_implementation="sdpa")
             hf.mesh_cp_trainer_class(SFTTrainer)(
                 model=model, args=args, train_dataset=datasets()["ragged"], processing_class=tokenizer(), parallel=mesh
             )
@@ -175,7 +180,26 @@ def refusals(mesh, output_dir: str) -> dict[str, str]:
             messages[name] = f"{type(err).__name__}: {err}"
         else:
             messages[name] = "accepted"
+        finally:
+            if launched_cpu is not None:
+                os.environ["ACCELERATE_USE_CPU"] = launched_cpu
     return messages
+
+
+def deepspeed_refusal(deepspeed: str, output_dir: str) -> str:
+    """The message of a DeepSpeed run on CPU without ``use_cpu=True`` (accelerate takes it for one process), or
+    "accepted"."""
+    from mesh_cp.integrations import hf
+
+    args = SFTConfig(output_dir=output_dir, deepspeed=deepspeed, **(SGD_RUN | BASE | {"use_cpu": False}))
+    model = AutoModelForCausalLM.from_config(MODEL(), attn_implementation="sdpa")
+    try:
+        hf.mesh_cp_trainer_class(SFTTrainer)(
+            model=model, args=args, train_dataset=datasets()["ragged"], processing_class=tokenizer()
+        )
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}"
+    return "accepted"
 
 
 def main(out: str, mesh: bool, cases: list[str], deepspeed: str | None = None) -> None:
@@ -185,6 +209,7 @@ def main(out: str, mesh: bool, cases: list[str], deepspeed: str | None = None) -
 
             gloo_exit_workaround()
             results = [run_case(name, None, tmp, deepspeed) for name in cases]
+            results.append({"case": "refusals", "messages": {"use_cpu": deepspeed_refusal(deepspeed, tmp)}})
         else:
             parallel = launched_layout(CP, DP) if mesh else None
             results = [run_case(name, parallel, tmp) for name in cases]

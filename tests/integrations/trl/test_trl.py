@@ -5,8 +5,11 @@ global batches of DP x B (sft_script.py runs both).
 Every case, in fp32: every step's loss within 1e-5, TRL's ``num_tokens`` equal, token accuracy and entropy within
 1e-5, ``evaluate()`` before training (a partial last batch: 5 examples in batches of 2) within 1e-6 and after
 training within 1e-4 (the trained weights differ by rounding), TRL's eval entropy and token accuracy before
-training within 1e-6, and the throughput metrics within 5% of the
-reference's samples. bf16 autocast runs and stays within bf16 rounding. Each refused option is refused by name.
+training within 1e-6, and the throughput metrics within 5% of the reference's samples. The sequential case's third
+step is its epoch's short last batch (10 examples in batches of 4), where accelerate's ``gather_for_metrics`` would
+keep only the first ranks' sums: its training entropy and accuracy count every token once too. bf16 autocast runs and
+stays within bf16 rounding. Each refused option is refused by name, ``use_cpu=False`` (accelerate then takes the four
+processes for one) as well, under accelerate and under DeepSpeed.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def test_bf16_autocast_runs_within_bf16_rounding(runs) -> None:
         "average_tokens_across_devices",
         "batch_rebalance",
         "use_liger_kernel",
+        "use_cpu",
     ],
 )
 def test_refused_options_are_named(runs, option: str) -> None:
@@ -92,9 +96,18 @@ def test_refused_options_are_named(runs, option: str) -> None:
     assert option in message, message
 
 
+def test_world_other_than_the_layout_is_refused(runs) -> None:
+    """On CPU without ``use_cpu=True`` accelerate takes the 4 launched processes for one: refused, naming both sizes
+    and the fix."""
+    message = runs[1]["refusals"]["messages"]["use_cpu"]
+    assert message.startswith("ValueError: accelerate sees 1 process(es) but mesh_cp's DP x CP layout spans 4 ranks")
+    assert "TrainingArguments(use_cpu=True)" in message and "--use_cpu" in message, message
+
+
 def test_sft_trainer_with_deepspeed_block_equals_single_process(runs, tmp_path: Path) -> None:
     """``SFTConfig(deepspeed=...)`` with the shipped ZeRO 3 config, its block set to DP 2 x CP 2 (tile 1x2): the
-    trainer builds the layout from the block; packing with short documents trains as the single process does."""
+    trainer builds the layout from the block; packing with short documents trains as the single process does. Without
+    ``use_cpu=True`` accelerate takes the deepspeed launcher's 4 processes for one: refused at construction."""
     import os
 
     config = json.loads((ROOT / "configs" / "ds_mesh_cp.json").read_text())
@@ -109,7 +122,10 @@ def test_sft_trainer_with_deepspeed_block_equals_single_process(runs, tmp_path: 
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    mesh = {r["case"]: r for r in json.loads(out.read_text())}["packing_bfd"]
+    results = {r["case"]: r for r in json.loads(out.read_text())}
+    refused = results["refusals"]["messages"]["use_cpu"]  # the same run without use_cpu=True
+    assert refused.startswith("ValueError: accelerate sees 1 process(es) but mesh_cp's DP x CP layout spans 4"), refused
+    mesh = results["packing_bfd"]
     reference = runs[0]["packing_bfd"]
     assert _err(mesh["loss"], reference["loss"]) <= 1e-5, (mesh["loss"], reference["loss"])
     assert mesh["num_tokens"] == reference["num_tokens"]
