@@ -44,6 +44,38 @@ def parallel_from_config(config: MeshConfig, group: Any = None, *, shape: Attent
     return DataContextParallel.create(group, cp_size=config.cp_size, mesh=lambda cp: auto_mesh(cp, **options))
 
 
+def check_ds_engine(engine: Any, parallel: Any) -> None:
+    """Refuse a DeepSpeed engine that does not see ``parallel``'s DP x CP ranks as its data-parallel group.
+
+    mesh_cp's loss scaling (Note [DeepSpeed gradient averaging]) relies on DeepSpeed averaging over exactly the ranks
+    of ``parallel.group`` (a :class:`mesh_cp.DataContextParallel`), with no sequence or model parallelism of its own.
+    The engine's ``dp_world_size``, ``seq_dp_world_size`` (ZeRO-3 partitions over that group) and the ranks of its
+    ``data_parallel_group`` are compared with the layout's; any other world (an engine built without the layout's
+    ``mpu``, a layout built on another group, a rank that sees a world of its own) is refused naming both sizes."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(parallel.group)
+    seen = {
+        "dp_world_size": engine.dp_world_size,
+        "seq_dp_world_size": getattr(engine, "seq_dp_world_size", engine.dp_world_size),
+        "data_parallel_group ranks": dist.get_process_group_ranks(engine.data_parallel_group),
+        "sequence_parallel_size": getattr(engine, "sequence_parallel_size", 1),
+        "mp_world_size": getattr(engine, "mp_world_size", 1),
+    }
+    want = {**dict.fromkeys(("dp_world_size", "seq_dp_world_size"), len(ranks)), "data_parallel_group ranks": ranks}
+    want |= {"sequence_parallel_size": 1, "mp_world_size": 1}
+    wrong = {name: value for name, value in seen.items() if value != want[name]}
+    if wrong:
+        shown = ", ".join(f"{name} {value} (expected {want[name]})" for name, value in wrong.items())
+        raise ValueError(
+            f"the DeepSpeed engine sees another world than mesh_cp's DP x CP group of {len(ranks)} ranks {ranks} "
+            f"({parallel}): {shown}; its gradient average would not be the replicas' mean. Build the engine with "
+            f"mesh_cp.integrations.deepspeed.initialize (it hands DeepSpeed the layout's mpu), over the ranks the "
+            f"layout was built on, every rank launched alike (on CPU: DS_ACCELERATOR=cpu for the deepspeed launcher "
+            f"and torchrun)"
+        )
+
+
 def ds_attention_shape(model: Any, config: MeshConfig, ds_config: Mapping[str, Any]) -> AttentionShape:
     """The per-rank :class:`~mesh_cp.core.AttentionShape` that ``"tile": "auto"`` of ``config`` (a
     :class:`mesh_cp.config.MeshConfig` with ``seq_len``) predicts for: heads and head size from the Hugging

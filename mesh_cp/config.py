@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from mesh_cp.core.head_parallel import head_parallel_unavailable
 from mesh_cp.core.options import Backward, Schedule, check_option, positive_int, refuse_renamed
-from mesh_cp.core.tiling import Tiling, most_square_tile
+from mesh_cp.core.tiling import most_square_tile, parse_tile
 
 BLOCK = "mesh_attention"
 """The name of the block in a DeepSpeed config."""
@@ -91,11 +90,10 @@ class MeshConfig:
         return cls.from_dict(config.get(BLOCK))
 
     def _check_enabled(self) -> None:
-        """The checks of an enabled block that need no process group (``cp_size`` against the world is
-        :meth:`tile_for`'s)."""
+        """The checks of an enabled block that need no world size; how ``cp_size``, ``head_parallel``, ``tile`` and
+        ``seq_len`` fit together and the world is :meth:`check_world`'s, all at once."""
         if self.cp_size is None:
             raise ValueError(f'"{BLOCK}": "enabled": true needs "cp_size" (ranks per context-parallel group)')
-        self._check_head_parallel()
         if self.tile == "auto":
             missing = [k for k in ("topology", "seq_len") if getattr(self, k) is None]
             if missing:
@@ -104,34 +102,14 @@ class MeshConfig:
                     f'(for example "topology": "h100", "seq_len": 131072), or give a tile such as "2x2"'
                 )
         elif self.tile is not None:
-            self._check_tile()
+            try:
+                parse_tile(self.tile)
+            except ValueError as err:
+                raise ValueError(f'"{BLOCK}": {err}') from None
         if self.topology is not None:
             from mesh_cp.sim.topology import Topology
 
             Topology.preset(self.topology)
-        if self.seq_len is not None and self.seq_len % self.seq_multiple:
-            raise ValueError(
-                f'"{BLOCK}": "seq_len" {self.seq_len} must be a multiple of 2 * cp_size = {self.seq_multiple} '
-                f"(the zig-zag layout gives every rank two equal half-chunks)"
-            )
-
-    def _check_head_parallel(self) -> None:
-        """``head_parallel`` divides ``cp_size``."""
-        if self.head_parallel is not None:
-            reason = head_parallel_unavailable(self.cp_size, self.head_parallel)
-            if reason is not None:
-                raise ValueError(f'"{BLOCK}": {reason} ("cp_size")')
-
-    def _check_tile(self) -> None:
-        try:
-            Tiling.parse(self.tile, self.mesh_ranks)
-        except ValueError as err:
-            if self.mesh_ranks == self.cp_size:
-                raise
-            raise ValueError(
-                f'"{BLOCK}": "tile" {self.tile} must tile cp_size / head_parallel = {self.cp_size} / {self.head_parallel} = '
-                f"{self.mesh_ranks} mesh ranks: {err}"
-            ) from None
 
     @property
     def mesh_ranks(self) -> int:
@@ -145,13 +123,68 @@ class MeshConfig:
         return 2 * self.cp_size
 
     def tile_for(self, world: int) -> str | tuple[int, int]:
-        """The tile to build, after checking that ``cp_size`` divides ``world``."""
-        if world % self.cp_size:
-            divisors = [d for d in range(1, world + 1) if world % d == 0]
-            raise ValueError(
-                f'"{BLOCK}": "cp_size" {self.cp_size} does not divide the {world} ranks; choose one of {divisors}'
-            )
+        """The tile to build on ``world`` ranks, after :meth:`check_world`."""
+        self.check_world(world)
         return self.tile or most_square_tile(self.mesh_ranks)
+
+    def check_world(self, world: int) -> None:
+        """Check every constraint of the layout on ``world`` ranks at once: ``cp_size`` divides ``world``,
+        ``head_parallel`` divides ``cp_size``, the tile ``a x b`` has ``a * b * head_parallel == cp_size`` and
+        ``seq_len`` is a multiple of ``2 * cp_size``. ``ValueError`` names each one broken with its values, every
+        rule, and blocks that satisfy them all on ``world`` ranks (so following the advice cannot meet another
+        of these errors)."""
+        broken = self._broken(world)
+        if not broken:
+            return
+        rules = (
+            f"cp_size divides the {world} ranks, head_parallel divides cp_size, a tile a x b with a * b * "
+            f"head_parallel == cp_size" + (", seq_len a multiple of 2 * cp_size" if self.seq_len else "")
+        )
+        raise ValueError(
+            f'"{BLOCK}" on {world} ranks: {"; ".join(broken)}. The block needs all of: {rules}; '
+            f"on {world} ranks use {', or '.join(self._valid_blocks(world))}"
+        )
+
+    def _broken(self, world: int) -> list[str]:
+        """Each constraint of :meth:`check_world` this block breaks on ``world`` ranks, with its values."""
+        cp, u, tile = self.cp_size, self.head_parallel or 1, self._tile_pair()
+        broken = []
+        if world % cp:
+            broken.append(f'"cp_size" {cp} does not divide the {world} ranks (divisors: {_divisors(world)})')
+        if cp % u:
+            broken.append(f'"head_parallel" {u} does not divide cp_size {cp} (divisors: {_divisors(cp)})')
+        if tile is not None and tile[0] * tile[1] * u != cp:
+            broken.append(
+                f'"tile" {tile[0]}x{tile[1]} with head_parallel {u} spans {tile[0] * tile[1] * u} ranks, not '
+                f"cp_size {cp}"
+            )
+        if self.seq_len is not None and self.seq_len % (2 * cp):
+            broken.append(f'"seq_len" {self.seq_len} is not a multiple of 2 * cp_size = {2 * cp}')
+        return broken
+
+    def _valid_blocks(self, world: int) -> list[str]:
+        """Two blocks that satisfy :meth:`check_world` on ``world`` ranks, nearest to this one first: its tile and
+        ``head_parallel`` with the ``cp_size`` they span, then each ``cp_size`` dividing ``world`` from the nearest
+        to its own, with the largest ``head_parallel`` up to its own that divides it and the most square tile;
+        ``seq_len`` rounded up to a multiple of ``2 * cp_size`` where it is not one."""
+        u, tile = self.head_parallel or 1, self._tile_pair()
+        sizes = sorted((d for d in range(1, world + 1) if world % d == 0), key=lambda d: (abs(d - self.cp_size), -d))
+        blocks = [(tile[0] * tile[1] * u, u, tile)] if tile is not None and tile[0] * tile[1] * u in sizes else []
+        for cp in sizes:
+            v = max(d for d in range(1, u + 1) if cp % d == 0)
+            blocks.append((cp, v, most_square_tile(cp // v)))
+        shown = []
+        for cp, v, (a, b) in dict.fromkeys(blocks):
+            text = f"cp_size {cp}" + (f", head_parallel {v}" if self.head_parallel is not None else "")
+            text += "" if self.tile == "auto" else f" with tile {a}x{b}"
+            if self.seq_len is not None and self.seq_len % (2 * cp):
+                text += f" and seq_len {-(-self.seq_len // (2 * cp)) * 2 * cp}"
+            shown.append(text)
+        return shown[:2]
+
+    def _tile_pair(self) -> tuple[int, int] | None:
+        """``(a, b)`` of a concrete tile; ``None`` for the default or ``"auto"``."""
+        return None if self.tile in (None, "auto") else parse_tile(self.tile)
 
     @property
     def attention_options(self) -> dict[str, str]:
@@ -162,3 +195,7 @@ class MeshConfig:
 def _check_type(name: str, value: object, kind: type) -> None:
     if not isinstance(value, kind):
         raise ValueError(f'"{BLOCK}": "{name}" must be a {kind.__name__}, got {value!r}')
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)

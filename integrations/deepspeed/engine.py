@@ -24,6 +24,7 @@ from mesh_cp.integrations.deepspeed.config import (
     replica_batch_size,
 )
 from mesh_cp.integrations.deepspeed.data import training_dataloader
+from mesh_cp.integrations.layout import check_ds_engine
 from mesh_cp.runtime.batch import ShardedBatch, causal_lm_loss, shard_batch
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
@@ -213,6 +214,7 @@ def initialize(
     forwarded.update(mpu=DataContextParallelMPU(mesh_attention.parallel), training_data=None, collate_fn=None)
     forwarded.update(_with_config(args, replica_batch_size(loaded, mesh_attention.mesh.size)))
     engine, optimizer, _, scheduler = deepspeed.initialize(**forwarded)
+    check_ds_engine(engine, mesh_attention.parallel)
     engine.mesh_attention = mesh_attention
     engine.deepspeed_io = _replica_io(engine.deepspeed_io, mesh_attention)
     if training_data is not None:

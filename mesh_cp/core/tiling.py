@@ -47,6 +47,14 @@ def most_square_tile(world: int) -> tuple[int, int]:
     return min(factorizations(world), key=lambda ab: (abs(ab[0] - ab[1]), -ab[0]))
 
 
+def parse_tile(tile: str) -> tuple[int, int]:
+    """``(a, b)`` of an ``"AxB"`` string, whatever the group it is for."""
+    match = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(\d+)\s*", tile)
+    if match is None:
+        raise ValueError(f"tile {tile!r} is not of the form 'AxB' (for example '2x2')")
+    return int(match.group(1)), int(match.group(2))
+
+
 @dataclass(frozen=True)
 class Tiling:
     """The ``a x b`` tiling of a CP group of ``world = a * b`` ranks. See Note [Mesh tiling]."""
@@ -72,10 +80,7 @@ class Tiling:
     def parse(cls, tile: object, world: int) -> Tiling:
         """Build from ``(a, b)`` or ``"axb"``; the error lists the valid tiles of ``world``."""
         if isinstance(tile, str):
-            match = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(\d+)\s*", tile)
-            if match is None:
-                raise ValueError(f"tile {tile!r} is not of the form 'AxB' (for example '2x2')")
-            a, b = int(match.group(1)), int(match.group(2))
+            a, b = parse_tile(tile)
         elif isinstance(tile, (tuple, list)) and len(tile) == 2:
             a, b = tile
         else:

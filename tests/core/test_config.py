@@ -28,17 +28,15 @@ def test_block_is_validated_once_with_the_value_and_the_fix() -> None:
             {"cp_size": 4, "schedule": "ring"},
             r"schedule 'ring' is not supported; choose one of \['collective', 'overlap'\]",
         ),
-        ({"enabled": True, "cp_size": 4, "tile": "3x1"}, r"tile 3x1 does not factor the CP group size 4"),
         ({"enabled": True, "cp_size": 4, "tile": "auto"}, r"needs \['topology', 'seq_len'\]"),
-        ({"enabled": True, "cp_size": 4, "seq_len": 100}, r'"seq_len" 100 must be a multiple of 2 \* cp_size = 8'),
         ({"enabled": True, "cp_size": 4, "topology": "tpu"}, r"tpu"),
         ([1, 2], r'"mesh_attention" must be a JSON object'),
     ]
     for block, message in cases:
         with pytest.raises(ValueError, match=message):
             MeshConfig.from_dict(block)
-    with pytest.raises(ValueError, match=r'"cp_size" 3 does not divide the 4 ranks; choose one of \[1, 2, 4\]'):
-        MeshConfig(enabled=True, cp_size=3).tile_for(4)
+    with pytest.raises(ValueError, match=r"\"mesh_attention\": tile '2by2' is not of the form 'AxB'"):
+        MeshConfig(enabled=True, cp_size=4, tile="2by2")
     # A block that is off is only type-checked.
     assert MeshConfig.from_dict({"enabled": False, "tile": "3x1"}).enabled is False
 
@@ -62,22 +60,9 @@ def test_head_parallel_key_tiles_the_rest_and_is_refused_with_the_value_and_the_
     assert MeshConfig.from_dict(topology).head_parallel == 2
     assert MeshConfig.from_dict({"enabled": True, "cp_size": 4, "head_parallel": None}).head_parallel is None
     cases = [
-        (
-            {"enabled": True, "cp_size": 4, "head_parallel": 3},
-            r"head_parallel=3 does not divide the CP group size P=4; choose one of \[1, 2, 4\] \(\"cp_size\"\)",
-        ),
         ({"enabled": True, "cp_size": 4, "head_parallel": 0}, r'"head_parallel" must be a positive int, got 0'),
         ({"cp_size": 4, "head_parallel": "2"}, r'"head_parallel" must be a positive int, got \'2\''),
         ({"cp_size": 4, "head_parallel": True}, r'"head_parallel" must be a positive int, got True'),
-        (
-            {"enabled": True, "cp_size": 8, "head_parallel": 2, "tile": "2x4"},
-            r'"tile" 2x4 must tile cp_size / head_parallel = 8 / 2 = 4 mesh ranks: tile 2x4 does not factor '
-            r".*1x4, 2x2, 4x1",
-        ),
-        (
-            {"enabled": True, "cp_size": 8, "head_parallel": 4, "seq_len": 12},
-            r'"seq_len" 12 must be a multiple of 2 \* cp_size = 16',
-        ),
         # The former spelling of the key, refused by name with the new one and its value.
         (
             {"enabled": True, "cp_size": 8, "heads": 2, "tile": "2x2"},
@@ -116,3 +101,66 @@ def test_memory_model_stages_gathers_only_on_gloo() -> None:
     assert peak_bytes(overlap, "backward", backend="nccl") > peak_bytes(overlap, "backward")
     with pytest.raises(ValueError, match=r"backend 'mpi' is not modelled; choose one of \['gloo', 'nccl'\]"):
         peak_bytes(plan, "forward", backend="mpi")
+
+
+RULES = (
+    "The block needs all of: cp_size divides the {w} ranks, head_parallel divides cp_size, a tile a x b with "
+    "a * b * head_parallel == cp_size{seq}; on {w} ranks use "
+)
+
+
+@pytest.mark.parametrize(
+    ("block", "world", "broken", "advice"),
+    [
+        (  # cp_size 3 on 4 ranks with tile 2x2: fixing either alone would meet the other
+            {"cp_size": 3, "tile": "2x2"},
+            4,
+            '"cp_size" 3 does not divide the 4 ranks (divisors: 1, 2, 4); "tile" 2x2 with head_parallel 1 spans 4 '
+            "ranks, not cp_size 3",
+            "cp_size 4 with tile 2x2, or cp_size 2 with tile 2x1",
+        ),
+        (
+            {"cp_size": 4, "tile": "3x1"},
+            4,
+            '"tile" 3x1 with head_parallel 1 spans 3 ranks, not cp_size 4',
+            "cp_size 4 with tile 2x2, or cp_size 2 with tile 2x1",
+        ),
+        (
+            {"cp_size": 4, "head_parallel": 3},
+            4,
+            '"head_parallel" 3 does not divide cp_size 4 (divisors: 1, 2, 4)',
+            "cp_size 4, head_parallel 2 with tile 2x1, or cp_size 2, head_parallel 2 with tile 1x1",
+        ),
+        (
+            {"cp_size": 8, "head_parallel": 2, "tile": "2x4"},
+            8,
+            '"tile" 2x4 with head_parallel 2 spans 16 ranks, not cp_size 8',
+            "cp_size 8, head_parallel 2 with tile 2x2, or cp_size 4, head_parallel 2 with tile 2x1",
+        ),
+        (
+            {"cp_size": 4, "seq_len": 100},
+            4,
+            '"seq_len" 100 is not a multiple of 2 * cp_size = 8',
+            "cp_size 4 with tile 2x2 and seq_len 104, or cp_size 2 with tile 2x1",
+        ),
+        (
+            {"cp_size": 8, "tile": "auto", "topology": "h100", "seq_len": 64},
+            4,
+            '"cp_size" 8 does not divide the 4 ranks (divisors: 1, 2, 4)',
+            "cp_size 4, or cp_size 2",
+        ),
+    ],
+)
+def test_one_message_names_every_broken_constraint_and_valid_blocks(block, world, broken, advice) -> None:
+    """The layout's constraints are checked together against the world (no process group: ``tile_for(world)``), so
+    the message names each broken one with its values and blocks that satisfy all of them on that world."""
+    cfg = MeshConfig.from_dict({"enabled": True, **block})
+    seq = ", seq_len a multiple of 2 * cp_size" if "seq_len" in block else ""
+    message = f'"mesh_attention" on {world} ranks: {broken}. {RULES.format(w=world, seq=seq)}{advice}'
+    with pytest.raises(ValueError) as err:
+        cfg.tile_for(world)
+    assert str(err.value) == message
+    for suggestion in advice.split(", or "):  # each suggested block passes on that world
+        words = suggestion.replace(",", "").replace(" with ", " ").replace(" and ", " ").split()
+        fixed = {**block, **{k: v if k == "tile" else int(v) for k, v in zip(words[::2], words[1::2], strict=True)}}
+        MeshConfig.from_dict({"enabled": True, **fixed}).check_world(world)  # raises if the advice were wrong

@@ -288,12 +288,36 @@ def _other_blocks() -> dict:
     model = tiny_llama()
     engine, *_ = mesh_ds.initialize(model=model, model_parameters=model.parameters(), config=config)
     return {
+        **_engine_world(engine),
         "auto tile": auto.mesh.tile,
         "auto head_parallel": auto.mesh.head_parallel,
         "auto reason": auto.mesh.reason,
         "disabled": getattr(engine, "mesh_attention", "absent"),
         "disabled attention": model.config._attn_implementation,
     }
+
+
+def _engine_world(engine) -> dict:
+    """A DeepSpeed engine that averages over all 4 ranks (built without the layout's mpu) against a layout built on
+    2 of them (a mesh on a subgroup): refused naming both worlds and the fix; against the world's own layout (the
+    engine without the mpu averages over the same ranks), accepted."""
+    import torch.distributed as dist
+
+    from mesh_cp.integrations import hf
+    from mesh_cp.integrations.layout import check_ds_engine
+    from mesh_cp.runtime.groups import new_subgroups
+
+    half = new_subgroups(dist.group.WORLD, [[0, 1], [2, 3]])
+    ranks = dist.get_process_group_ranks(half)
+    errors: dict = {}
+    on_half = hf.DataContextParallel.create(half, cp_size=2, tile="1x2")
+    expect_error(errors, "engine over 4, layout over 2", ValueError,
+                 rf"the DeepSpeed engine sees another world than mesh_cp's DP x CP group of 2 ranks \{ranks}.*: "
+                 r"dp_world_size 4 \(expected 2\), seq_dp_world_size 4 \(expected 2\), data_parallel_group ranks "
+                 rf"\[0, 1, 2, 3\] \(expected \{ranks}\);.*mesh_cp.integrations.deepspeed.initialize.*DS_ACCELERATOR=cpu",
+                 lambda: check_ds_engine(engine, on_half))  # fmt: skip
+    check_ds_engine(engine, hf.DataContextParallel.create(dist.group.WORLD, cp_size=2, tile="1x2"))
+    return {"engine world": errors}
 
 
 def _batch_size_case(world: int) -> dict:
@@ -346,19 +370,22 @@ def _bad_blocks(world: int) -> dict:
         mesh_ds.initialize(model=model, model_parameters=model.parameters(), config=config, **kwargs)
 
     errors: dict = {}
-    expect_error(errors, "cp_size 3", ValueError, r'"cp_size" 3 does not divide the 4 ranks; choose one of \[1, 2, 4\]',
-                 lambda: start(cp_size=3, tile="3x1"))  # fmt: skip
-    expect_error(errors, "tile 3x1", ValueError, r"tile 3x1 does not factor the CP group size 4.*1x4, 2x2, 4x1",
-                 lambda: start(cp_size=4, tile="3x1"))  # fmt: skip
+    # cp_size 3 with tile 2x2 on 4 ranks: both broken rules in one message, and blocks that satisfy every rule.
+    expect_error(errors, "cp_size 3, tile 2x2", ValueError, r'"mesh_attention" on 4 ranks: "cp_size" 3 does not divide '
+                 r'the 4 ranks \(divisors: 1, 2, 4\); "tile" 2x2 with head_parallel 1 spans 4 ranks, not cp_size 3\. '
+                 r".*on 4 ranks use cp_size 4 with tile 2x2, or cp_size 2 with tile 2x1$",
+                 lambda: start(cp_size=3, tile="2x2"))  # fmt: skip
+    expect_error(errors, "tile 3x1", ValueError, r'"tile" 3x1 with head_parallel 1 spans 3 ranks, not cp_size 4.*'
+                 r"use cp_size 4 with tile 2x2", lambda: start(cp_size=4, tile="3x1"))  # fmt: skip
     expect_error(errors, "unknown key", ValueError, r'unknown key "tiles"', lambda: start(cp_size=4, tiles="2x2"))
     expect_error(errors, "no cp_size", ValueError, r'needs "cp_size"', lambda: start(tile="2x2"))
     expect_error(errors, "schedule", ValueError, r"\"mesh_attention\": schedule 'ring' is not supported; choose one of \['collective', 'overlap'\]",
                  lambda: start(cp_size=4, schedule="ring"))  # fmt: skip
     expect_error(errors, "auto", ValueError, r"needs \['topology', 'seq_len'\]", lambda: start(cp_size=4, tile="auto"))
-    expect_error(errors, "seq_len", ValueError, r'"seq_len" 100 must be a multiple of 2 \* cp_size = 8',
-                 lambda: start(cp_size=4, seq_len=100))  # fmt: skip
+    expect_error(errors, "seq_len", ValueError, r'"seq_len" 100 is not a multiple of 2 \* cp_size = 8.*'
+                 r"cp_size 4 with tile 2x2 and seq_len 104", lambda: start(cp_size=4, seq_len=100))  # fmt: skip
     expect_error(errors, "head_parallel 3", ValueError,
-                 r'head_parallel=3 does not divide the CP group size P=4; choose one of \[1, 2, 4\] \("cp_size"\)',
+                 r'"head_parallel" 3 does not divide cp_size 4 \(divisors: 1, 2, 4\).*cp_size 4, head_parallel 2',
                  lambda: start(cp_size=4, head_parallel=3))  # fmt: skip
     expect_error(errors, "former heads key", ValueError,
                  r"\"mesh_attention\": 'heads' was renamed 'head_parallel'.*pass head_parallel=2",
@@ -549,6 +576,7 @@ def test_auto_tile_and_disabled_block(deepspeed_results: list[dict]) -> None:
         assert a * b * u == 4 and (u == 1 or f"head_parallel={u}" in other["auto reason"]), other
         assert "predicted" in other["auto reason"], other
         assert other["disabled"] == "absent" and other["disabled attention"] == "sdpa", other
+        assert other["engine world"] == {"engine over 4, layout over 2": True}, other["engine world"]
 
 
 def test_distributed_attention_states_what_it_computes() -> None:
