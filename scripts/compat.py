@@ -1,5 +1,5 @@
 """Compatibility run: the Hugging Face tests on the oldest supported and the newest released transformers, accelerate
-and trl.
+and trl; the Megatron tests on the newest megatron-core under Python 3.12.
 
 For each version set: a fresh virtualenv under ``--root`` (``/tmp/mesh_cp_compat/<set>``), ``pip install -e
 <repo>[dev]`` with the set's versions forced by a generated constraints file (torch stays at the CPU wheel's
@@ -14,6 +14,14 @@ adds a set of one's own (bisecting a lower bound)::
 
     .venv/bin/python scripts/compat.py --sets oldest,newest --write docs/compat.md
     .venv/bin/python scripts/compat.py --set t515=transformers==5.15.1 --sets t515 --tests "-x tests/integrations/hf"
+
+The Megatron sets (:data:`MEGATRON`: ``megatron-newest`` pins nothing, so pip takes the newest megatron-core release;
+``megatron-0.18`` the first release whose ``get_batch_on_this_cp_rank`` takes ``is_hybrid_cp``; a ``--set`` pinning
+``megatron-core`` is one too) are made from a Python 3.12 interpreter (megatron-core 0.17 and later need it; ``torch``
+is then PyPI's CUDA build, which runs on the CPU), install ``repo[megatron]`` with pytest and numpy, run
+``tests/integrations/megatron`` and fill their own table (between :data:`MEGATRON.marks`)::
+
+    .venv/bin/python scripts/compat.py --sets megatron-newest --write docs/compat.md
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +61,40 @@ SETS: dict[str, dict[str, str]] = {"oldest": OLDEST, "newest": {}}
 TORCH = "torch==2.13.0"
 """Every set's torch: the CPU wheel of constraints-cpu.txt (a looser pin resolves to a multi-GB CUDA build)."""
 
+MEGATRON_PACKAGE = "megatron-core"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """What the sets of one family share: the packages they pin, how they install, which tests and table."""
+
+    packages: tuple[str, ...]
+    """The packages a set of the family may pin (each a column of the table)."""
+    requirements: tuple[str, ...]
+    """What ``pip install`` is given beside ``-e``: ``{repo}`` is the repository."""
+    tests: tuple[str, ...]
+    """The default pytest arguments (a folder that does not exist is left out)."""
+    marks: tuple[str, str]
+    """The lines of the doc between which ``--write`` puts the family's table."""
+    python: str | None = None
+    """The interpreter version of its virtualenvs (``"3.12"``, found by :func:`find_python`); ``None``: ``--python``."""
+
+
+MEGATRON = Family(
+    packages=(MEGATRON_PACKAGE,),
+    requirements=("{repo}[megatron]", "pytest>=8", "numpy"),
+    tests=("tests/integrations/megatron",),
+    marks=(
+        "<!-- compat-megatron-table:start (written by scripts/compat.py --write) -->",
+        "<!-- compat-megatron-table:end -->",
+    ),
+    python="3.12",
+)
+"""megatron-core 0.17 and later need Python 3.12 (``Requires-Python >=3.12``)."""
+
+MEGATRON_SETS: dict[str, dict[str, str]] = {"megatron-newest": {}, "megatron-0.18": {MEGATRON_PACKAGE: "0.18.2"}}
+"""The Megatron sets: the newest release, and 0.18 (the first with ``is_hybrid_cp``)."""
+
 DEFAULT_ROOT = Path("/tmp/mesh_cp_compat")
 DEFAULT_TESTS: tuple[str, ...] = ("tests/integrations/hf", "tests/integrations/accelerate", "tests/integrations/trl")
 """The Hugging Face subset (a folder that does not exist is left out)."""
@@ -61,6 +104,28 @@ TEST_TIMEOUT_S = 3600
 
 MARK_START = "<!-- compat-table:start (written by scripts/compat.py --write) -->"
 MARK_END = "<!-- compat-table:end -->"
+
+HF = Family(
+    packages=PACKAGES, requirements=("{repo}[dev]",), tests=DEFAULT_TESTS, marks=(MARK_START, MARK_END), python=None
+)
+"""The Hugging Face sets (:data:`SETS`)."""
+
+
+def family_of(pins: Mapping[str, str], name: str = "") -> Family:
+    """:data:`MEGATRON` for a Megatron set (built-in, or pinning megatron-core), else :data:`HF`."""
+    return MEGATRON if name in MEGATRON_SETS or MEGATRON_PACKAGE in pins else HF
+
+
+def find_python(version: str) -> str:
+    """An interpreter of ``version`` (``"3.12"``): ``python3.12`` where it runs, else pyenv's newest ``3.12.x``."""
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found = sorted(pyenv.glob(f"{version}.*"), key=lambda p: Version(p.name), reverse=True) if pyenv.is_dir() else []
+    for candidate in [f"python{version}", *(str(p / "bin" / f"python{version}") for p in found)]:
+        path = shutil.which(candidate)
+        if path and subprocess.run([path, "-c", "pass"], capture_output=True).returncode == 0:
+            return path
+    raise ValueError(f"no Python {version} found (python{version} on PATH or pyenv's {pyenv}/{version}.*); install one")
+
 
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)\b")
 
@@ -81,12 +146,12 @@ class Result:
         return self.failure is None
 
 
-def constraints(pins: Mapping[str, str]) -> str:
+def constraints(pins: Mapping[str, str], packages: Sequence[str] = PACKAGES) -> str:
     """The pip constraints file of a set: its exact versions and :data:`TORCH`."""
-    unknown = sorted(set(pins) - set(PACKAGES))
+    unknown = sorted(set(pins) - set(packages))
     if unknown:
-        raise ValueError(f"a set pins {unknown}; only {list(PACKAGES)} are fixed per set (the rest floats)")
-    lines = [f"{name}=={pins[name]}" for name in PACKAGES if name in pins]
+        raise ValueError(f"a set pins {unknown}; only {list(packages)} are fixed per set (the rest floats)")
+    lines = [f"{name}=={pins[name]}" for name in packages if name in pins]
     return "\n".join([*lines, TORCH]) + "\n"
 
 
@@ -95,13 +160,16 @@ def parse_set(spec: str) -> tuple[str, dict[str, str]]:
     name, sep, body = spec.partition("=")
     if not sep or body.startswith("=") or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise ValueError(f"--set {spec!r}: expected NAME=PKG==VER[,PKG==VER...], e.g. t515=transformers==5.15.1")
-    if name in SETS:
-        raise ValueError(f"--set {spec!r}: {name!r} is a built-in set ({', '.join(SETS)}); give the set another name")
+    if name in SETS or name in MEGATRON_SETS:
+        builtin = ", ".join([*SETS, *MEGATRON_SETS])
+        raise ValueError(f"--set {spec!r}: {name!r} is a built-in set ({builtin}); give the set another name")
     pins: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in body.split(","))):
         package, eq, version = item.partition("==")
-        if not eq or package not in PACKAGES:
-            raise ValueError(f"--set {spec!r}: {item!r} is not PKG==VER with PKG one of {list(PACKAGES)}")
+        if not eq or package not in (*PACKAGES, MEGATRON_PACKAGE):
+            raise ValueError(
+                f"--set {spec!r}: {item!r} is not PKG==VER with PKG one of {[*PACKAGES, MEGATRON_PACKAGE]}"
+            )
         try:
             Version(version)
         except InvalidVersion:
@@ -109,12 +177,14 @@ def parse_set(spec: str) -> tuple[str, dict[str, str]]:
         if package in pins:
             raise ValueError(f"--set {spec!r}: {package} is pinned twice; keep one {package}==VER")
         pins[package] = version
+    if MEGATRON_PACKAGE in pins and len(pins) > 1:
+        raise ValueError(f"--set {spec!r}: a set pins {MEGATRON_PACKAGE} alone (its tests need none of {PACKAGES})")
     return name, pins
 
 
-def default_tests(repo: Path) -> list[str]:
-    """The folders of :data:`DEFAULT_TESTS` that exist in ``repo``."""
-    return [path for path in DEFAULT_TESTS if (repo / path).is_dir()]
+def default_tests(repo: Path, family: Family = HF) -> list[str]:
+    """The folders of the family's tests (:data:`DEFAULT_TESTS` for :data:`HF`) that exist in ``repo``."""
+    return [path for path in family.tests if (repo / path).is_dir()]
 
 
 def pytest_counts(output: str) -> dict[str, int]:
@@ -143,13 +213,14 @@ def result_text(result: Result) -> str:
     return f"FAIL: {shown} ({result.failure})" if c else f"FAIL: {result.failure}"
 
 
-def render_table(results: Sequence[Result]) -> str:
-    """The markdown table of ``results``."""
-    head = ["set", *PACKAGES, "torch", "result", "install s", "tests s"]
+def render_table(results: Sequence[Result], family: Family = HF) -> str:
+    """The markdown table of ``results`` (a Megatron table has a ``python`` column: its interpreter differs)."""
+    shown = (*family.packages, "python", "torch") if family.python else (*family.packages, "torch")
+    head = ["set", *shown, "result", "install s", "tests s"]
     rows = [
         [
             r.name,
-            *(r.versions.get(p, "-") for p in (*PACKAGES, "torch")),
+            *(r.versions.get(p, "-") for p in shown),
             result_text(r),
             f"{r.install_s:.0f}",
             f"{r.tests_s:.0f}",
@@ -161,25 +232,29 @@ def render_table(results: Sequence[Result]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def section(results: Sequence[Result], tests: Sequence[str], when: datetime.date | None = None) -> str:
-    """What ``--write`` puts between the markers: the table and how it was made."""
+def section(
+    results: Sequence[Result], tests: Sequence[str], when: datetime.date | None = None, family: Family = HF
+) -> str:
+    """What ``--write`` puts between the family's markers: the table and how it was made."""
     when = when or datetime.date.today()
-    python = ".".join(platform.python_version_tuple()[:2])
+    python = family.python or ".".join(platform.python_version_tuple()[:2])
     return (
-        render_table(results)
+        render_table(results, family)
         + f"\nRun {when.isoformat()} on Python {python}, {platform.system()} {platform.machine()}, CPU only: "
         + f"`python -m pytest -q {' '.join(tests)}` in each set's virtualenv.\n"
     )
 
 
-def replace_section(doc: str, body: str, path: str = "the doc") -> str:
-    """``doc`` with the text between :data:`MARK_START` and :data:`MARK_END` replaced by ``body``."""
-    start, end = doc.find(MARK_START), doc.find(MARK_END)
-    if start < 0 or end < 0 or end < start or doc.count(MARK_START) != 1 or doc.count(MARK_END) != 1:
+def replace_section(doc: str, body: str, path: str = "the doc", marks: tuple[str, str] = (MARK_START, MARK_END)) -> str:
+    """``doc`` with the text between ``marks`` (default :data:`MARK_START` and :data:`MARK_END`) replaced by
+    ``body``."""
+    mark_start, mark_end = marks
+    start, end = doc.find(mark_start), doc.find(mark_end)
+    if start < 0 or end < 0 or end < start or doc.count(mark_start) != 1 or doc.count(mark_end) != 1:
         raise ValueError(
-            f"{path} must hold one {MARK_START!r} line followed by one {MARK_END!r} line around the table; add them"
+            f"{path} must hold one {mark_start!r} line followed by one {mark_end!r} line around the table; add them"
         )
-    return doc[: start + len(MARK_START)] + "\n" + body.strip("\n") + "\n" + doc[end:]
+    return doc[: start + len(mark_start)] + "\n" + body.strip("\n") + "\n" + doc[end:]
 
 
 def _log(name: str, message: str) -> None:
@@ -235,23 +310,31 @@ def run_set(
     python: str,
     reuse: bool,
     timeout: float,
+    family: Family = HF,
 ) -> Result:
-    """Install ``repo[dev]`` with ``pins`` in ``root/name`` and run ``tests`` there."""
+    """Install the family's requirements (``repo[dev]`` for :data:`HF`) with ``pins`` in ``root/name`` and run
+    ``tests`` there."""
     result = Result(name)
     venv = root / name
     vpy = venv / "bin" / "python"
     env = {**os.environ, "VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("PYTHONPATH", None)
     env.pop("PYTHONHOME", None)
+    if (
+        name not in SETS and name not in MEGATRON_SETS
+    ):  # a set of one's own may go below the floors: mesh_cp warns there instead of refusing
+        env["MESH_CP_ALLOW_UNSUPPORTED"] = "1"
     started = time.monotonic()
     if not (reuse and vpy.exists()):
         _log(name, f"creating the virtualenv {venv}")
         subprocess.run([python, "-m", "venv", "--clear", str(venv)], check=True)
     cons = venv / "constraints.txt"
-    cons.write_text(constraints(pins))
+    cons.write_text(constraints(pins, family.packages))
     install_log = venv / "install.log"
-    # The three named as well: --upgrade moves a reused virtualenv's copies to the set's versions (or the newest).
-    cmd = [str(vpy), "-m", "pip", "install", "-c", str(cons), "-e", f"{repo}[dev]", "--upgrade", *PACKAGES]
+    editable, *others = (r.format(repo=repo) for r in family.requirements)
+    # The pinned packages named as well: --upgrade moves a reused virtualenv's copies to the set's versions (or the
+    # newest).
+    cmd = [str(vpy), "-m", "pip", "install", "-c", str(cons), "-e", editable, *others, "--upgrade", *family.packages]
     _log(name, f"pip install ({', '.join(cons.read_text().split())}), log {install_log}")
     status = _run_logged(cmd, install_log, cwd=repo, env=env, echo=False, timeout=timeout)
     result.install_s = time.monotonic() - started
@@ -259,8 +342,13 @@ def run_set(
         _log(name, f"pip install failed (exit {status}) after {result.install_s:.0f}s:\n{_tail(install_log)}")
         result.failure = f"install failed (exit {status})"
         return result
-    probe = "import importlib.metadata as m, json, sys; print(json.dumps({p: m.version(p) for p in sys.argv[1:]}))"
-    shown = subprocess.run([str(vpy), "-c", probe, *PACKAGES, "torch"], capture_output=True, text=True, check=True)
+    probe = (
+        "import importlib.metadata as m, json, platform, sys; "
+        "print(json.dumps({'python': platform.python_version(), **{p: m.version(p) for p in sys.argv[1:]}}))"
+    )
+    shown = subprocess.run(
+        [str(vpy), "-c", probe, *family.packages, "torch"], capture_output=True, text=True, check=True
+    )
     result.versions = json.loads(shown.stdout)
     _log(name, f"installed in {result.install_s:.0f}s: " + ", ".join(f"{k} {v}" for k, v in result.versions.items()))
     wrong = {p: (v, result.versions[p]) for p, v in pins.items() if result.versions[p] != v}
@@ -286,10 +374,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sets", default="oldest,newest", help="comma-separated set names (default oldest,newest)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=PKG==VER,...", help="define a set")
-    parser.add_argument("--tests", help="pytest arguments in place of the HF subset (one string, shell-quoted)")
+    parser.add_argument("--tests", help="pytest arguments in place of each family's subset (one string, shell-quoted)")
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"virtualenvs' folder (default {DEFAULT_ROOT})")
-    parser.add_argument("--write", type=Path, help="rewrite the table section of this markdown file")
-    parser.add_argument("--python", default=sys.executable, help="interpreter the virtualenvs are made from")
+    parser.add_argument("--write", type=Path, help="rewrite the table sections of this markdown file")
+    parser.add_argument("--python", default=sys.executable, help="interpreter the HF virtualenvs are made from")
+    parser.add_argument(
+        "--megatron-python",
+        help=f"interpreter the Megatron virtualenvs are made from (default: Python {MEGATRON.python})",
+    )
     parser.add_argument("--reuse", action="store_true", help="keep an existing virtualenv (pip still runs)")
     parser.add_argument("--timeout", type=float, default=TEST_TIMEOUT_S, help="seconds for one set's install or tests")
     parser.add_argument(
@@ -297,48 +389,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        sets = {name: dict(pins) for name, pins in SETS.items()}
+        sets = {name: dict(pins) for name, pins in (SETS | MEGATRON_SETS).items()}
         sets.update(parse_set(spec) for spec in args.set)
         names = [n.strip() for n in args.sets.split(",") if n.strip()]
         missing = [n for n in names if n not in sets]
         if missing or not names:
             problem = f"unknown set(s) {missing}" if missing else "no set named"
             raise ValueError(f"--sets {args.sets!r}: {problem}; known: {sorted(sets)} (define one with --set)")
+        families: dict[Family, list[str]] = {}
+        for name in names:
+            families.setdefault(family_of(sets[name], name), []).append(name)
         if args.write is not None:
             if not args.write.is_file():
                 raise ValueError(
                     f"--write {args.write}: no such file; create it with the lines {MARK_START} and {MARK_END}"
                 )
-            replace_section(args.write.read_text(), "", str(args.write))  # the markers are there before any run
+            for family in families:  # the markers are there before any run
+                replace_section(args.write.read_text(), "", str(args.write), family.marks)
     except (ValueError, OSError) as err:
         parser.error(str(err))
-    tests = shlex.split(args.tests) if args.tests is not None else default_tests(ROOT)
-    if args.dry_run:
-        for name in names:
-            print(f"[{name}] constraints:\n{constraints(sets[name])}", end="")
-        print(f"tests: {shlex.join(tests)}")
-        return 0
-    args.root.mkdir(parents=True, exist_ok=True)
-    results = []
-    for name in names:
-        results.append(
+    failed = []
+    for family, members in families.items():
+        tests = shlex.split(args.tests) if args.tests is not None else default_tests(ROOT, family)
+        if args.dry_run:
+            python = f"Python {family.python}" if family.python else args.python
+            for name in members:
+                print(f"[{name}] {python}, constraints:\n{constraints(sets[name], family.packages)}", end="")
+            print(f"tests: {shlex.join(tests)}")
+            continue
+        python = args.python if family.python is None else (args.megatron_python or find_python(family.python))
+        args.root.mkdir(parents=True, exist_ok=True)
+        results = [
             run_set(
                 name,
                 sets[name],
                 root=args.root,
                 repo=ROOT,
                 tests=tests,
-                python=args.python,
+                python=python,
                 reuse=args.reuse,
                 timeout=args.timeout,
+                family=family,
             )
-        )
-    table = render_table(results)
-    print("\n" + table, end="")
-    if args.write is not None:
-        args.write.write_text(replace_section(args.write.read_text(), section(results, tests), str(args.write)))
-        print(f"wrote the table to {args.write}")
-    failed = [r.name for r in results if not r.ok]
+            for name in members
+        ]
+        print("\n" + render_table(results, family), end="")
+        if args.write is not None:
+            body = section(results, tests, family=family)
+            args.write.write_text(replace_section(args.write.read_text(), body, str(args.write), family.marks))
+            print(f"wrote the table to {args.write}")
+        failed += [r.name for r in results if not r.ok]
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

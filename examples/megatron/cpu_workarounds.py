@@ -7,7 +7,8 @@ its RoPE module moves its frequencies to CUDA. On CPU the example uses instead:
   ``get_data_parallel_group(with_context_parallel=True)``, the global gradient norm and clipping. On GPU use
   Megatron's DDP with ``calculate_per_token_loss=True`` (it then sums) and its optimizer.
 - :func:`use_cpu_rotary_embedding`: the one CPU workaround for the model itself (RoPE).
-- :func:`cpu_thd_partition`: Megatron's ``get_thd_batch_on_this_cp_rank`` calls TransformerEngine's
+- :func:`cpu_thd_partition`: Megatron's THD partition (``get_thd_batch_on_this_cp_rank`` in megatron-core 0.16 and
+  0.17, ``get_batch_on_this_cp_rank`` of a batch with ``cu_seqlens`` from 0.18) calls TransformerEngine's
   ``thd_get_partitioned_indices`` (a CUDA kernel); on CPU it gets the same indices from
   :func:`mesh_cp.core.split.thd_partitioned_indices`.
 
@@ -104,7 +105,8 @@ def use_cpu_rotary_embedding(model: torch.nn.Module) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def cpu_thd_partition() -> Iterator[None]:
-    """CPU workaround: inside, ``megatron.core.utils.get_thd_batch_on_this_cp_rank`` partitions THD batches with
+    """CPU workaround: inside, megatron-core's THD partition (:func:`~mesh_cp.integrations.megatron.compat.
+    thd_batch_on_this_cp_rank` calls it in every supported version) partitions THD batches with
     :func:`mesh_cp.core.split.thd_partitioned_indices` (TransformerEngine's ``thd_partition_indices_kernel``, on the
     host) instead of TransformerEngine, which is CUDA-only. On GPU install TransformerEngine and do not use it."""
 

@@ -5,7 +5,8 @@ On CPU (8 gloo processes, TP 2 x CP 4 on a 2x2 mesh, 8192-token sequences)::
     .venv/bin/torchrun --nproc-per-node 8 examples/megatron/pretrain_gpt.py \\
         --config configs/megatron_cpu_demo.yaml
 
-Megatron-core only (``GPTModel``, ``parallel_state``, ``GPTDataset``, ``get_batch_on_this_cp_rank``);
+Megatron-core only (``GPTModel``, ``parallel_state``, ``GPTDataset``, ``get_batch_on_this_cp_rank``, called through
+:mod:`mesh_cp.integrations.megatron.compat` in every supported megatron-core, 0.16 to 0.20);
 the layer spec is :func:`mesh_cp.integrations.megatron.get_gpt_layer_mesh_spec`. ``--head-parallel u`` (config
 key ``head_parallel``, default 1; the former ``--cp-heads`` / ``cp_heads`` are refused, naming it) runs the
 head-parallel x mesh hybrid on Megatron's own zig-zag layout (Note [Hybrid on Megatron's layout] in
@@ -237,16 +238,16 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tokenizers import MegatronTokenizer
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.core.utils import get_batch_on_this_cp_rank
     from tqdm import tqdm
 
-    from mesh_cp.integrations.megatron import MeshLayout, checkpoint, training
+    from mesh_cp.integrations.megatron import MeshLayout, checkpoint, compat, training
 
     cuda = device.type == "cuda"
     world, rank = dist.get_world_size(), dist.get_rank()
     cp = args.cp or world // args.tp
     if world % (args.tp * cp):
         raise ValueError(f"TP {args.tp} x CP {cp} = {args.tp * cp} must divide the {world} processes")
+    compat.check_sequence_length(args.seq_len, cp=cp, name="--seq-len")
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=cp)
     ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     tile = tuple(int(x) for x in args.tile.split("x")) if "x" in str(args.tile) else args.tile
@@ -326,7 +327,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict | None:
         t0 = time.perf_counter()
         batch = replica_batch(dataset, consumed, dp_rank, args.micro_batch)
         consumed += dp * args.micro_batch
-        batch = get_batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
+        batch = compat.batch_on_this_cp_rank(batch, cp_group=ps.get_context_parallel_group())
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         global_tokens = training.global_token_count(batch["loss_mask"])
         per_token = step_fn.model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])

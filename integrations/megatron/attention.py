@@ -226,6 +226,8 @@ class MeshCoreAttention(MegatronModule):
             )
         u, comm = comm_type_head_parallel(cp_comm_type, config)
         self.mesh = mesh_provider.mesh_for(cp_group, comm_head_parallel=u, comm=comm)
+        self._from_parallel_state = getattr(pg_collection, "cp", None) is None
+        self._state_checked = False
         if self.mesh.head_parallel > 1:  # this rank's heads (after TP) must split over the head-parallel ranks
             tp = config.tensor_model_parallel_size
             counts = HeadCounts(config.num_attention_heads // tp, max(1, config.num_query_groups // tp))
@@ -262,6 +264,8 @@ class MeshCoreAttention(MegatronModule):
                 f"{[t.name for t in SUPPORTED_MASK_TYPES]} (padding and arbitrary masks are not supported)"
             )
         causal = mask_type == AttnMaskType.causal
+        if not self._state_checked:
+            self._check_parallel_state()
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._forward_thd(query, key, value, attention_mask, causal, packed_seq_params)
         if attention_mask is not None:
@@ -300,6 +304,27 @@ class MeshCoreAttention(MegatronModule):
         options = {"causal": causal, "softmax_scale": self.softmax_scale, "mask": mask}
         out = mesh_cp.mesh_attn_func(q, k, v, mesh=self.mesh, layout="zigzag", **options)
         return out[0].index_select(0, back).reshape(rows, -1)
+
+    def _check_parallel_state(self) -> None:
+        """At the first step: a layer built on Megatron's ``parallel_state`` still sees, in it, the CP group its mesh
+        tiles (the batch is cut over that group: ``get_batch_on_this_cp_rank``). ``parallel_state`` destroyed or
+        initialized again in another layout since the model was built is refused (``ValueError``), as the shards
+        would no longer be the mesh's. No collective, no host read of a tensor."""
+        if self._from_parallel_state:
+            if not parallel_state.model_parallel_is_initialized():
+                raise ValueError(
+                    f"Megatron's parallel_state is not initialized, but this layer's mesh was built over its CP group "
+                    f"{list(self.mesh.global_ranks)}; keep parallel_state initialized while the model runs"
+                )
+            ranks = tuple(dist.get_process_group_ranks(parallel_state.get_context_parallel_group()))
+            if ranks != self.mesh.global_ranks:
+                raise ValueError(
+                    f"Megatron's parallel_state CP group of rank {dist.get_rank()} is {list(ranks)} (world "
+                    f"{dist.get_world_size()}), but this layer's mesh tiles {list(self.mesh.global_ranks)}: "
+                    f"parallel_state was initialized again in another layout after the model was built; build the "
+                    f"model (and MeshLayout.from_parallel_state) after initialize_model_parallel"
+                )
+        self._state_checked = True
 
     def _check_mask(self, mask: Tensor, causal: bool, seq_local: int, batch: int) -> None:
         """Accept only the mask the mesh applies anyway: Megatron's causal mask (``True`` = masked) for

@@ -92,6 +92,7 @@ from mesh_cp.integrations.megatron.checkpoint_cpu import (
     CpuFullyParallelLoadStrategy,
     CpuTorchDistSaveStrategy,
 )
+from mesh_cp.integrations.megatron.compat import async_save_options
 from mesh_cp.integrations.megatron.rng_state import get_rng_state, rank_grid, set_rng_state
 
 _STEP = "step"
@@ -293,7 +294,10 @@ def _save(directory: Path, model, optimizer, common, rng: bool, fully_parallel: 
     if not async_save:
         dist_checkpointing.save(state, str(directory), sharded_strategy=strategy)
         return None
-    request = dist_checkpointing.save(state, str(directory), sharded_strategy=strategy, async_sharded_save=True)
+    options = async_save_options()  # megatron-core's own AsyncRequest in every version (compat)
+    request = dist_checkpointing.save(
+        state, str(directory), sharded_strategy=strategy, async_sharded_save=True, **options
+    )
     return _async_queue(on_cpu).schedule_async_request(request)
 
 

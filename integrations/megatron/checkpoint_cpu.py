@@ -40,6 +40,8 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from mesh_cp.integrations.megatron.compat import ASYNC_STRATEGY
+
 
 class CpuTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
     """Megatron's ``torch_dist`` save strategy without its CUDA calls (Note [Distributed checkpoints on CPU])."""
@@ -47,7 +49,15 @@ class CpuTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
     def __init__(self) -> None:
         super().__init__("torch_dist", 1, thread_count=1)
 
-    def _get_save_and_finalize_callbacks(self, writer: FileSystemWriterAsync, save_state_dict_ret: tuple) -> Any:
+    def _get_save_and_finalize_callbacks(
+        self, writer: FileSystemWriterAsync, save_state_dict_ret: tuple, async_strategy: str = ASYNC_STRATEGY
+    ) -> Any:
+        # megatron-core 0.17 added async_strategy ("mcore": its own AsyncRequest, the only one built here).
+        if async_strategy != ASYNC_STRATEGY:
+            raise NotImplementedError(
+                f"async_strategy {async_strategy!r} with parameters on the CPU: mesh_cp's CPU save runs megatron-core's "
+                f"own asynchronous save; pass async_strategy={ASYNC_STRATEGY!r}"
+            )
         save_fn, _, save_args = writer.get_save_function_and_args()
         storage_writer, global_metadata, dist_wrapper = save_state_dict_ret
 
@@ -86,11 +96,12 @@ class CpuFullyParallelLoadStrategy(FullyParallelLoadStrategyWrapper):
     def __init__(self, strategy: Any, parallelization_group: dist.ProcessGroup) -> None:
         super().__init__(strategy, parallelization_group, exchange_algo="gather_object")
 
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> Any:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, *args: Any) -> Any:
+        # *args: the async_strategy that dist_checkpointing.load passes from megatron-core 0.17 on.
         if torch.cuda.is_available():
-            return super().load(sharded_state_dict, checkpoint_dir)
+            return super().load(sharded_state_dict, checkpoint_dir, *args)
         with mock.patch.object(torch.cuda, "synchronize", _no_cuda_synchronize):
-            return super().load(sharded_state_dict, checkpoint_dir)
+            return super().load(sharded_state_dict, checkpoint_dir, *args)
 
 
 def _no_cuda_synchronize(device: Any = None) -> None:

@@ -1,7 +1,8 @@
 """Training-step pieces for a Megatron-core GPT under TP x CP(a x b) x DP with Mesh-Attention core attention.
 
 - :func:`shard_batch`: labels shifted on the *full* sequence, then Megatron's own
-  ``get_batch_on_this_cp_rank`` cuts the zig-zag chunks ``r`` and ``2CP-1-r``.
+  ``get_batch_on_this_cp_rank`` cuts the zig-zag chunks ``r`` and ``2CP-1-r`` (through
+  :func:`~mesh_cp.integrations.megatron.compat.batch_on_this_cp_rank`, which calls it in every supported version).
 - :func:`global_token_count`: the tokens that count in the whole global batch (summed over DP x CP).
 - :func:`loss_share`: this rank's token losses summed over that count, so losses and gradients summed over
   ``get_data_parallel_group(with_context_parallel=True)`` are those of the global mean. On GPU Megatron's
@@ -16,12 +17,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.utils import get_batch_on_this_cp_rank
 from torch import Tensor
 
+from mesh_cp.integrations.megatron.compat import batch_on_this_cp_rank, check_sequence_length
 from mesh_cp.runtime.device_checks import check_on_device
 
-__all__ = ["global_token_count", "loss_share", "shard_batch"]
+__all__ = ["check_cp_group", "global_token_count", "loss_share", "shard_batch"]
 
 
 def shard_batch(tokens: Tensor, *, cp_group: dist.ProcessGroup, loss_mask: Tensor | None = None) -> dict[str, Tensor]:
@@ -30,17 +31,14 @@ def shard_batch(tokens: Tensor, *, cp_group: dist.ProcessGroup, loss_mask: Tenso
     ``position_ids``, each ``(batch, seq / CP)`` in Megatron's zig-zag layout.
 
     ``seq`` must be a multiple of ``2 * CP``; ``loss_mask`` (``(batch, seq)``, 1 = counts) defaults to ones.
+    ``cp_group`` must be the CP group of Megatron's ``parallel_state`` when that is initialized (the group the
+    model's mesh tiles), else ``ValueError`` naming both.
     """
     if tokens.dim() != 2:
         raise ValueError(f"tokens must be (batch, seq + 1), got shape {tuple(tokens.shape)}")
     seq = tokens.shape[1] - 1
-    cp = cp_group.size()
-    if seq < 1 or seq % (2 * cp):
-        fix = -(-max(seq, 1) // (2 * cp)) * 2 * cp
-        raise ValueError(
-            f"sequence length {seq} (tokens {tokens.shape[1]} = seq + 1) must be a positive multiple of 2*CP = "
-            f"{2 * cp} for the zig-zag layout; use seq {fix}"
-        )
+    check_sequence_length(seq, cp=cp_group.size(), name="sequence length (tokens - 1)")
+    check_cp_group(cp_group)
     if loss_mask is None:
         mask = torch.ones(tokens.shape[0], seq, dtype=torch.float32, device=tokens.device)
     else:
@@ -53,7 +51,21 @@ def shard_batch(tokens: Tensor, *, cp_group: dist.ProcessGroup, loss_mask: Tenso
         "loss_mask": mask.to(tokens.device),
         "position_ids": torch.arange(seq, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1).contiguous(),
     }
-    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+    return batch_on_this_cp_rank(batch, cp_group=cp_group)
+
+
+def check_cp_group(cp_group: dist.ProcessGroup) -> None:
+    """Refuse (``ValueError``) a ``cp_group`` other than the CP group of Megatron's ``parallel_state``, when that is
+    initialized: the batch would be cut over other ranks than the ones the model's mesh tiles."""
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    ranks = dist.get_process_group_ranks(cp_group)
+    expected = dist.get_process_group_ranks(parallel_state.get_context_parallel_group())
+    if ranks != expected:
+        raise ValueError(
+            f"cp_group holds global ranks {ranks} but Megatron's parallel_state CP group of rank {dist.get_rank()} is "
+            f"{expected}; pass cp_group=parallel_state.get_context_parallel_group()"
+        )
 
 
 def loss_share(per_token_loss: Tensor, loss_mask: Tensor, global_tokens: int | Tensor) -> Tensor:

@@ -175,7 +175,7 @@ def test_usage_errors_exit_2_before_any_install(tmp_path: Path, capsys: pytest.C
     root = tmp_path / "venvs"
     for argv, message in [
         (["--sets", "oldest,nope"], "unknown set(s) ['nope']"),
-        (["--sets", " , "], "no set named; known: ['newest', 'oldest']"),
+        (["--sets", " , "], "no set named; known: ['megatron-0.18', 'megatron-newest', 'newest', 'oldest']"),
         (["--set", "x=numpy==2.0"], "'numpy==2.0' is not PKG==VER"),
         (["--write", str(tmp_path / "missing.md")], "missing.md: no such file; create it with the lines"),
     ]:
@@ -194,6 +194,32 @@ def test_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert compat.main(["--sets", "oldest,t53", "--set", "t53=transformers==5.3.0", "--dry-run"]) == 0
     out = capsys.readouterr().out
     oldest = "".join(f"{p}=={compat.OLDEST[p]}\n" for p in compat.PACKAGES)
-    assert f"[oldest] constraints:\n{oldest}{compat.TORCH}\n" in out
-    assert f"[t53] constraints:\ntransformers==5.3.0\n{compat.TORCH}\n" in out
+    assert f"[oldest] {sys.executable}, constraints:\n{oldest}{compat.TORCH}\n" in out
+    assert f"[t53] {sys.executable}, constraints:\ntransformers==5.3.0\n{compat.TORCH}\n" in out
     assert "tests: tests/integrations/hf" in out
+
+
+def test_megatron_sets_run_the_megatron_tests_under_python_312(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--sets", "megatron-newest,m18", "--set", "m18=megatron-core==0.18.2", "--dry-run"]
+    assert compat.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"[megatron-newest] Python 3.12, constraints:\n{compat.TORCH}\n" in out
+    assert f"[m18] Python 3.12, constraints:\nmegatron-core==0.18.2\n{compat.TORCH}\n" in out
+    assert out.rstrip().endswith("tests: tests/integrations/megatron")
+    assert compat.MEGATRON.requirements[0] == "{repo}[megatron]"
+    with pytest.raises(ValueError, match="pins megatron-core alone"):
+        compat.parse_set("mix=megatron-core==0.19.2,trl==1.16.0")
+
+
+def test_megatron_table_has_its_own_markers_and_a_python_column() -> None:
+    versions = {"megatron-core": "0.19.2", "python": "3.12.1", "torch": "2.13.0"}
+    result = compat.Result("megatron-newest", versions, {"passed": 12})
+    lines = compat.render_table([result], compat.MEGATRON).splitlines()
+    assert lines[0] == "| set | megatron-core | python | torch | result | install s | tests s |"
+    assert lines[2] == "| megatron-newest | 0.19.2 | 3.12.1 | 2.13.0 | pass: 12 passed, 0 failed, 0 skipped | 0 | 0 |"
+    hf_start, hf_end = compat.MARK_START, compat.MARK_END
+    start, end = compat.MEGATRON.marks
+    doc = f"{hf_start}\nHF\n{hf_end}\n{start}\nold\n{end}\n"
+    body = compat.section([result], ["tests/integrations/megatron"], datetime.date(2026, 1, 2), compat.MEGATRON)
+    new = compat.replace_section(doc, body, marks=compat.MEGATRON.marks)
+    assert new.startswith(f"{hf_start}\nHF\n{hf_end}\n") and "Run 2026-01-02 on Python 3.12" in new

@@ -139,11 +139,11 @@ def _micro_batches(rows: torch.Tensor, packed: bool, training, cp_group):
 
 
 def _thd_micro_batches(rows: torch.Tensor, cp_group):
-    """One THD row at a time, sharded by Megatron's ``get_thd_batch_on_this_cp_rank`` (TransformerEngine's partition
-    on CPU: ``cpu_thd_partition``): each document padded to a multiple of 8, positions restarting in each."""
-    from megatron.core.utils import get_thd_batch_on_this_cp_rank
-
+    """One THD row at a time, sharded by Megatron's THD partition (``compat.thd_batch_on_this_cp_rank``: every
+    supported megatron-core; TransformerEngine's partition on CPU: ``cpu_thd_partition``): each document padded to a
+    multiple of 8, positions restarting in each."""
     from examples.megatron import cpu_workarounds
+    from mesh_cp.integrations.megatron import compat
 
     padded = [-(-n // 8) * 8 for n in THD_DOCUMENTS]
     starts = torch.tensor([0, *padded]).cumsum(0)
@@ -157,8 +157,8 @@ def _thd_micro_batches(rows: torch.Tensor, cp_group):
         batch = {"tokens": row[None, :SEQ], "labels": row[None, 1 : SEQ + 1], "loss_mask": loss_mask.clone(),
                  "position_ids": positions.clone()}  # fmt: skip
         with cpu_workarounds.cpu_thd_partition():
-            yield get_thd_batch_on_this_cp_rank(
-                batch, cu, cu_padded, torch.tensor([max(padded)]), cp_size=cp_group.size(), cp_rank=cp_group.rank()
+            yield compat.thd_batch_on_this_cp_rank(
+                batch, cu_seqlens=cu, cu_seqlens_padded=cu_padded, max_seqlen=max(padded), cp_group=cp_group
             )
 
 
@@ -506,10 +506,44 @@ def _checks(rank: int, world: int) -> dict:
         out,
         "seq len",
         ValueError,
-        r"sequence length 30 .* 2\*CP = 8 .*; use seq 32",
+        r"sequence length \(tokens - 1\) 30 must be a positive multiple of 2\*CP = 8 \(CP 4\) for Megatron's zig-zag "
+        r"layout, which cuts each sequence into 8 chunks; the nearest valid lengths are 24 or 32",
         lambda: training.shard_batch(torch.zeros(1, 31, dtype=torch.long), cp_group=ps.get_context_parallel_group()),
     )
+    _parallel_state_checks(out, attention)
     return out
+
+
+def _parallel_state_checks(out: dict, attention) -> None:
+    """What Megatron's parallel_state sees against the mesh (TP2 x CP4): the example's --seq-len is checked before
+    any group is made; a batch cut over another group than parallel_state's CP group is refused; a layer whose
+    parallel_state was destroyed, or initialized again in another layout (TP1 x CP4), is refused at its first step.
+    Leaves parallel_state initialized in that other layout."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from examples.megatron import pretrain_gpt
+    from mesh_cp.integrations.megatron import training
+
+    expect_error(out, "example --seq-len", ValueError,
+                 r"--seq-len 1001 must be a positive multiple of 2\*CP = 8 \(CP 4\) .* nearest valid lengths are "
+                 r"1000 or 1008",
+                 lambda: pretrain_gpt.run(pretrain_gpt.parse_args(["--tp", "2", "--seq-len", "1001"]), torch.device("cpu")))  # fmt: skip
+    expect_error(out, "batch over the world", ValueError,
+                 r"cp_group holds global ranks \[0, 1, 2, 3, 4, 5, 6, 7\] but Megatron's parallel_state CP group of "
+                 r"rank \d is \[\d, \d, \d, \d\]; pass cp_group=parallel_state.get_context_parallel_group\(\)",
+                 lambda: training.shard_batch(torch.zeros(1, SEQ + 1, dtype=torch.long), cp_group=dist.group.WORLD))  # fmt: skip
+    layer = attention()
+    q, k = torch.zeros(SEQ // 4, 1, 2, 16), torch.zeros(SEQ // 4, 1, 1, 16)
+    ps.destroy_model_parallel()
+    expect_error(out, "parallel_state destroyed", ValueError,
+                 r"Megatron's parallel_state is not initialized, but this layer's mesh was built over its CP group",
+                 lambda: layer(q, k, k, None))  # fmt: skip
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=4)
+    expect_error(out, "parallel_state in another layout", ValueError,
+                 r"parallel_state CP group of rank \d is \[\d, \d, \d, \d\] \(world 8\), but this layer's mesh "
+                 r"tiles \[\d, \d, \d, \d\]: parallel_state was initialized again",
+                 lambda: layer(q, k, k, None))  # fmt: skip
 
 
 def _comm_type_checks(out: dict, attention, layout) -> None:
@@ -609,7 +643,7 @@ def test_layout_placement_and_refusals(mesh_results) -> None:
             k: v for k, v in res.items() if isinstance(v, bool | str) and k not in ("layout str", "--spec loss finite")
         }
         failed = {k: v for k, v in refusals.items() if v is not True}
-        assert len(refusals) == 22 and not failed, failed
+        assert len(refusals) == 26 and not failed, failed
         cp_ranks = [rank % 2 + 2 * c for c in range(4)]  # TP2 x CP4: head groups of CP ranks {0, 1} and {2, 3}
         first = rank // 2 // 2 * 2
         assert res["a2a+p2p mesh"] == (2, (1, 2), cp_ranks[first : first + 2]), res["a2a+p2p mesh"]
