@@ -320,9 +320,8 @@ def run_set(
     env = {**os.environ, "VIRTUAL_ENV": str(venv), "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("PYTHONPATH", None)
     env.pop("PYTHONHOME", None)
-    if (
-        name not in SETS and name not in MEGATRON_SETS
-    ):  # a set of one's own may go below the floors: mesh_cp warns there instead of refusing
+    # A set of one's own may go below the floors: mesh_cp then warns instead of refusing (integrations/versions.py).
+    if name not in SETS and name not in MEGATRON_SETS:
         env["MESH_CP_ALLOW_UNSUPPORTED"] = "1"
     started = time.monotonic()
     if not (reuse and vpy.exists()):

@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (the version check runs before the imports)
 """DeepSpeed: switch Mesh-Attention on with a ``"mesh_attention"`` block in the DeepSpeed config.
 
 ::
@@ -43,6 +44,10 @@ ranks).
 With the Hugging Face ``Trainer``, pass the same config to ``TrainingArguments(deepspeed=...)`` and
 use :func:`mesh_cp.integrations.hf.mesh_cp_trainer_class` without a ``layout``: it reads the block.
 """
+
+from mesh_cp.integrations.versions import require
+
+require("deepspeed")  # when installed: an unsupported release is refused here
 
 from mesh_cp.integrations.deepspeed.attention import MeshDistributedAttention
 from mesh_cp.integrations.deepspeed.config import BLOCK

@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (the version check runs before the imports)
 """Hugging Face transformers: the ``mesh_cp`` attention implementation and exact sequence sharding.
 
 ::
@@ -30,6 +31,11 @@ Importing this package registers ``attn_implementation="mesh_cp"`` (:func:`regis
 ``from_pretrained(..., attn_implementation="mesh_cp")`` and ``from_config(...)`` take it; such a model still needs
 ``hf.attach(model, mesh)`` before its first forward (the attention refuses to run without a mesh).
 
+Importing this package also checks the installed transformers against the supported releases
+(:mod:`mesh_cp.integrations.versions`: an older one is refused, one newer than tested warns once); accelerate and TRL
+are checked where they are used (:func:`mesh_cp_trainer_class`, :func:`parallel_from_accelerate`,
+:func:`accelerator_parallelism_config`).
+
 Under ``accelerate launch``, :func:`parallel_from_accelerate` builds the DP x CP layout from the config file's
 ``parallelism_config`` block, and :func:`accelerator_parallelism_config` is what the ``Accelerator`` is given instead
 (Note [accelerate's parallelism_config] in :mod:`mesh_cp.integrations.hf.accelerate_config`).
@@ -40,6 +46,10 @@ generation] in :mod:`mesh_cp.integrations.hf.generation`).
 """
 
 from __future__ import annotations
+
+from mesh_cp.integrations.versions import require
+
+require("transformers")  # first: an unsupported release is refused before a module here imports it
 
 from mesh_cp.integrations.hf.accelerate_config import accelerator_parallelism_config, parallel_from_accelerate
 from mesh_cp.integrations.hf.attach import LENGTH_DEPENDENT_ROPE, attach

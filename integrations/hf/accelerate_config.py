@@ -21,6 +21,7 @@ import torch.distributed as dist
 from mesh_cp.core import most_square_tile
 from mesh_cp.core.head_parallel import check_head_parallel
 from mesh_cp.core.options import refuse_renamed
+from mesh_cp.integrations.versions import require
 from mesh_cp.runtime.parallel import DataContextParallel
 
 # Note [accelerate's parallelism_config]
@@ -54,6 +55,7 @@ def accelerator_parallelism_config():
     or ``TrainingArguments(parallelism_config=...)`` for the Trainer) when mesh_cp takes the config file's
     ``parallelism_config`` block: every size 1, so accelerate neither refuses the block's ``cp_size`` nor shards the
     sequence itself (Note [accelerate's parallelism_config])."""
+    require("accelerate")
     from accelerate import ParallelismConfig
 
     return ParallelismConfig(**dict.fromkeys(_SIZES, 1), cp_backend="torch", sp_backend="deepspeed")
@@ -145,6 +147,7 @@ def _sizes(parallelism_config: Any):
 def _check_accelerator() -> None:
     """Refuse an ``Accelerator`` that runs FSDP or its own context parallelism (Note [accelerate's
     parallelism_config]); none created yet is fine (only ``accelerate launch``'s FSDP variable is checked)."""
+    require("accelerate")
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 

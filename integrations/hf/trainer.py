@@ -25,6 +25,7 @@ from mesh_cp.integrations.hf.compat import (
 )
 from mesh_cp.integrations.hf.evaluation import MeshCPEvaluation, check_evaluation, check_loss_inputs
 from mesh_cp.integrations.layout import ds_attention_shape, parallel_from_config
+from mesh_cp.integrations.versions import require, require_for_trainer
 from mesh_cp.runtime.batch import ShardingCollator
 from mesh_cp.runtime.parallel import DataContextParallel
 
@@ -64,6 +65,7 @@ def mesh_cp_trainer_class(base: type | None = None) -> type:
         from transformers import Trainer
 
         base = Trainer
+    require_for_trainer(base)  # accelerate, and TRL for its trainers: an unsupported release is refused
     return _trainer_class(base)
 
 
@@ -379,6 +381,7 @@ def _parallel_from_deepspeed_args(training_args: Any, model: torch.nn.Module) ->
             'the DeepSpeed config has no enabled "mesh_attention" block: add {"enabled": true, "cp_size": ..., '
             '"tile": ...} to it, or pass parallel= to MeshCPTrainer'
         )
+    require("deepspeed")
     shape = ds_attention_shape(model, cfg, ds_config.config) if cfg.tile == "auto" else None
     parallel = parallel_from_config(cfg, shape=shape)
     attach(model, parallel.mesh, **cfg.attention_options)

@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (the version check runs before the imports)
 """Megatron-core: Mesh-Attention as the ``core_attention`` of a layer spec, and CP on a 2-D mesh.
 
 ::
@@ -28,6 +29,10 @@ Megatron's own ``cp_comm_type="a2a+p2p"`` with ``hierarchical_context_parallel_s
 For Megatron-LM's ``pretrain_gpt.py``: ``--spec mesh_cp.integrations.megatron gpt_layer_mesh_spec``
 (most square tile of the CP size, LayerNorm) or ``gpt_layer_mesh_spec_rmsnorm``; see docs/megatron.md.
 """
+
+from mesh_cp.integrations.versions import require
+
+require("megatron-core")  # first: an unsupported release is refused before a module here imports it
 
 from mesh_cp.integrations.megatron.attention import (
     SUPPORTED_CP_COMM_TYPES,

@@ -223,3 +223,27 @@ def test_megatron_table_has_its_own_markers_and_a_python_column() -> None:
     body = compat.section([result], ["tests/integrations/megatron"], datetime.date(2026, 1, 2), compat.MEGATRON)
     new = compat.replace_section(doc, body, marks=compat.MEGATRON.marks)
     assert new.startswith(f"{hf_start}\nHF\n{hf_end}\n") and "Run 2026-01-02 on Python 3.12" in new
+
+
+def test_own_sets_run_with_unsupported_versions_allowed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A set of one's own (bisecting below a floor) runs its tests with MESH_CP_ALLOW_UNSUPPORTED=1, so that importing
+    the adapters warns instead of refusing; the built-in sets run as a user's install does."""
+    from mesh_cp.integrations.versions import ALLOW_UNSUPPORTED
+
+    seen = {}
+
+    def run_logged(cmd, log: Path, *, cwd, env, echo, timeout) -> int:
+        seen[log.parent.name] = env.get(ALLOW_UNSUPPORTED)
+        log.write_text("")
+        return 1  # the install "fails": nothing more runs
+
+    monkeypatch.setattr(compat, "_run_logged", run_logged)
+    monkeypatch.delenv(ALLOW_UNSUPPORTED, raising=False)
+    for name, pins in (("oldest", compat.OLDEST), ("t515", {"transformers": "5.15.1"})):
+        (tmp_path / name / "bin").mkdir(parents=True)
+        (tmp_path / name / "bin" / "python").touch()
+        result = compat.run_set(
+            name, pins, root=tmp_path, repo=ROOT, tests=[], python=sys.executable, reuse=True, timeout=1
+        )
+        assert result.failure == "install failed (exit 1)"
+    assert seen == {"oldest": None, "t515": "1"}
