@@ -19,11 +19,18 @@ from mesh_cp.core.options import check_layout, check_option
 from mesh_cp.integrations.hf.attention import NAME, register
 from mesh_cp.integrations.hf.compat import given_cache
 from mesh_cp.integrations.hf.model_checks import (
+    LossCheck,
     absolute_position_tables,
+    check_losses,
+    own_configs,
+    refuse_labels_of_one_process,
     refuse_left_padding,
+    refuse_loss_elsewhere,
     refuse_other_sequence_mixers,
+    refuse_pooled_heads,
     refuse_router_loss,
     refuse_temperature_tuning,
+    restore_loss,
 )
 from mesh_cp.runtime.batch import document_positions
 from mesh_cp.runtime.device_checks import check_on_device
@@ -75,7 +82,14 @@ def attach(
       models are refused);
     - RoPE types in :data:`LENGTH_DEPENDENT_ROPE` are given the whole sequence's length (Note
       [Length-dependent RoPE]); ``attn_temperature_tuning`` (Llama 4), which scales queries by positions
-      counted from 0 on each shard, is refused.
+      counted from 0 on each shard, is refused;
+    - heads that read across the sequence (sequence classification, question answering: ``POOLED_HEADS`` in
+      :mod:`~mesh_cp.integrations.hf.model_checks`) are refused; per-token heads are exact;
+    - a forward given ``labels`` needs ``shift_labels`` and ``num_items_in_batch`` (mesh_cp's batches hold all three),
+      and its loss must come from the model's ``loss_function`` with both (refused otherwise, by name).
+
+    The model gets its own copies of its configs, so another model built from the same config object keeps its
+    attention implementation.
     """
     _check_attach_arguments(model, mesh, schedule, backward, layout)
     from transformers import PreTrainedModel
@@ -83,16 +97,19 @@ def attach(
     models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
     refuse_temperature_tuning(models)
     refuse_other_sequence_mixers(model, models)
+    refuse_pooled_heads(model, models)
     layers = [(name, m) for name, m in model.named_modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
     _check_head_counts(layers, mesh)  # before the switch: a refused model is left as it was
     register()
     _detach(model)
+    own_configs(model)
     model.set_attn_implementation(NAME)
     _check_switched(models)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layers (modules with is_causal) to attach to")
     attached = _Attachment(mesh, layout, {"schedule": schedule, "backward": backward}, layers)
     attached.position_tables = absolute_position_tables(model)
+    attached.losses = check_losses(models)
     for _, layer in layers:
         layer.mesh_cp_attached = attached
     _hook_length_dependent_rope(model, attached)
@@ -158,9 +175,10 @@ def _hook_length_dependent_rope(model: torch.nn.Module, attached: _Attachment) -
 
 
 def _detach(model: torch.nn.Module) -> None:
-    """Remove what an earlier :func:`attach` added to ``model`` (its hooks and the layers' attachment)."""
+    """Remove what an earlier :func:`attach` added to ``model`` (hooks, loss checks, the layers' attachment)."""
     for module in model.modules():
         module.__dict__.pop("mesh_cp_attached", None)
+        restore_loss(module)
         for hooks, extras in (
             (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
             (module._forward_hooks, (module._forward_hooks_with_kwargs,)),
@@ -201,6 +219,9 @@ class _Attachment:
         """This forward's rows have documents or padding (positions restart): set by :meth:`before_forward`."""
         self.position_tables: list[str] = []
         """The model's learned absolute position tables (left padding is refused with them)."""
+        self.losses: list[LossCheck] = []
+        """The checks in place of the models' ``loss_function`` (the outermost model's first)."""
+        self.labels = False  # this forward was given labels (set by before_forward)
 
     def check_positions(self, position_ids: Tensor, mask: AttentionMask | None = None) -> None:
         """``position_ids`` must be this rank's positions of its tokens in every row: global positions
@@ -280,6 +301,9 @@ class _Attachment:
         over a :class:`~mesh_cp.integrations.hf.shard_cache.ShardedKVCache` that holds tokens feeds every rank the same
         new tokens at their own positions (Note [Sharded generation]): not a shard, so not checked as one."""
         self.called.clear()
+        self.labels = False
+        for check in self.losses:
+            check.calls = 0
         cache = given_cache(kwargs)
         if cache is not None and not hasattr(cache, "decoding"):
             raise NotImplementedError(
@@ -289,9 +313,10 @@ class _Attachment:
         self.decoding = getattr(cache, "decoding", False) is True
         if self.decoding:
             return
-        positions = kwargs.get("position_ids")
-        if positions is None and args:
-            positions = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.get("position_ids")
+        given = (
+            {**inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments, **kwargs} if args else kwargs
+        )
+        positions = given.get("position_ids")
         if positions is None:
             raise ValueError(
                 f"{type(model).__name__} was called without position_ids: it would number this rank's shard from 0; "
@@ -301,13 +326,17 @@ class _Attachment:
         self.check_positions(positions, mask)
         self.documents = mask is not None and mask.documents is not None
         refuse_router_loss(model, kwargs)
+        self.labels = given.get("labels") is not None
+        loss = self.losses[0].function if self.losses else None
+        refuse_labels_of_one_process(model, given.get("labels"), kwargs, loss)
         if cache is None:  # a prefill numbers left-padded rows from their first real token, as generate does
             refuse_left_padding(model, self.position_tables, mask)
 
     @torch.compiler.disable(reason="mesh_cp's per-forward checks read host state; they run eagerly")
     def after_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Forward hook of the attached model: on the first forward, check that every attention layer called
-        :func:`mesh_cp_attention`."""
+        :func:`mesh_cp_attention`; given labels, that a loss was made through the model's ``loss_function``."""
+        refuse_loss_elsewhere(model, self.labels, output, self.losses)
         if self.verified:
             return
         missing = [f"{name} ({type(m).__name__})" for name, m in self.layers if id(m) not in self.called]

@@ -1,7 +1,13 @@
-"""Model features :func:`~mesh_cp.integrations.hf.attach.attach` refuses by name: what a CP rank cannot compute
-exactly from its shard."""
+"""Model features :func:`~mesh_cp.integrations.hf.attach.attach` refuses by name (what a CP rank cannot compute
+exactly from its shard), and what it changes on a model so that it stays exact: the checks of its loss, its own
+configs."""
 
 from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -87,3 +93,149 @@ def refuse_left_padding(model: torch.nn.Module, tables: list[str], mask) -> None
             f"the left: one process numbers them from the first column, mesh_cp from the first real token; pad on "
             f"the right (tokenizer.padding_side='right') to train it"
         )
+
+
+POOLED_HEADS: tuple[str, ...] = (
+    "ForSequenceClassification",
+    "ForMultipleChoice",
+    "ForQuestionAnswering",
+    "ForNextSentencePrediction",
+    "ForPreTraining",
+    "DoubleHeadsModel",
+    "ForAudioClassification",
+    "ForImageClassification",
+    "ForVideoClassification",
+)
+"""Class-name endings (and ``loss_type``) of heads that read across the sequence: they pool one token (the last real
+one, or the first), or take a softmax over the positions (question answering)."""
+
+
+def refuse_pooled_heads(model: torch.nn.Module, models: list[torch.nn.Module]) -> None:
+    """A head that pools over the sequence (sequence classification and reward models pool the last real token) would
+    pool each rank's own shard: refused by name. Per-token heads (causal LM, token classification) are exact."""
+    found = [
+        f"{type(m).__name__}{f' (loss_type {m.loss_type})' if m.loss_type and m.loss_type in POOLED_HEADS else ''}"
+        for m in models
+        if type(m).__name__.endswith(POOLED_HEADS) or getattr(m, "loss_type", None) in POOLED_HEADS
+    ]
+    found += sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Pooler")})
+    if found:
+        raise NotImplementedError(
+            f"{type(model).__name__} has a head that reads across the sequence ({', '.join(found[:4])}): on a CP rank "
+            f"it would pool (or take a softmax over) its own shard of every row; mesh_cp runs per-token heads (causal "
+            f"LM, token classification) only"
+        )
+
+
+LOSS_KEYWORDS: tuple[str, ...] = ("shift_labels", "num_items_in_batch")
+"""What a loss under CP needs beside ``labels``: the labels shifted on the whole sequence (this rank's shard of them)
+and the label count of the whole batch (so a rank's loss is its share of the batch's mean)."""
+
+_CP_LABELS = (
+    "pass the batch of shard_batch / ShardingCollator / hf.ShardCollated as it is (model(**batch): it holds labels, "
+    "shift_labels and num_items_in_batch), or call the model without labels and take hf.causal_lm_loss(logits, "
+    "batch.shift_labels, batch.num_items_in_batch)"
+)
+
+
+def refuse_labels_of_one_process(model: torch.nn.Module, labels: object, kwargs: dict, loss_function: Any) -> None:
+    """``labels`` given to an attached model, where a loss is made: it needs ``shift_labels`` (transformers would
+    shift this rank's shard of the labels on its own, pairing tokens wrongly at the seams of the chunks) and
+    ``num_items_in_batch`` (the loss would be the mean over the shard, its sum over the ranks P times too large); a
+    loss function that takes neither (token classification) is refused with the way to compute it (``None``: the
+    model has none)."""
+    if labels is None:
+        return
+    takes = inspect.signature(loss_function).parameters if loss_function is not None else LOSS_KEYWORDS
+    name = getattr(loss_function, "__name__", type(loss_function).__name__)
+    if not set(LOSS_KEYWORDS) <= set(takes):
+        raise NotImplementedError(
+            f"{type(model).__name__} was given labels, and its loss ({name}) takes no shift_labels and "
+            f"num_items_in_batch: on a CP rank it would be the mean over this rank's shard; call the model without "
+            f"labels (its logits are per token, exact) and sum the loss over the shard's labels, divided by the label "
+            f"count of the whole batch"
+        )
+    missing = [k for k in LOSS_KEYWORDS if kwargs.get(k) is None]
+    if "shift_labels" in missing:  # labels and shift_labels (mesh_cp's batches): the loss reads shift_labels
+        raise ValueError(
+            f"{type(model).__name__} was given labels without shift_labels: transformers would shift this rank's "
+            f"shard of the labels itself (one process's way), pairing tokens wrongly at the seams of the chunks; under "
+            f"CP the labels are shifted on the whole sequence before sharding (shift_labels) and the loss is divided by "
+            f"the label count of the whole batch (num_items_in_batch): {_CP_LABELS}"
+        )
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__} was given labels without num_items_in_batch: its loss would be the mean over this "
+            f"rank's shard, and its sum over the P ranks (reduce_gradients, DDP) up to P times the batch's; {_CP_LABELS}"
+        )
+
+
+class LossCheck:
+    """A model's ``loss_function`` under :func:`~mesh_cp.integrations.hf.attach.attach`: every call must get
+    :data:`LOSS_KEYWORDS` (a forward that drops them, or a loss that takes neither, would make the shard's own mean).
+    ``calls`` counts the calls (reset by the attached model's forward, which refuses labels whose loss was made
+    elsewhere)."""
+
+    def __init__(self, function: object, previous: object):
+        self.function, self.previous, self.calls = function, previous, 0
+
+    def __call__(self, *args, **kwargs):
+        missing = [k for k in LOSS_KEYWORDS if kwargs.get(k) is None]
+        if missing:
+            name = getattr(self.function, "__name__", type(self.function).__name__)
+            raise NotImplementedError(
+                f"the model's loss ({name}) was called without {' and '.join(missing)}: under CP it would be the mean "
+                f"over this rank's shard; call the model without labels (its logits are per token, exact) and take "
+                f"hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)"
+            )
+        self.calls += 1
+        return self.function(*args, **kwargs)
+
+
+def check_losses(models: list[torch.nn.Module]) -> list[LossCheck]:
+    """Put a :class:`LossCheck` in place of the ``loss_function`` of every model in ``models`` that has one (its own,
+    or the one of its ``loss_type``; the outermost first); :func:`restore_loss` undoes it. A model without either (a
+    base model) makes no loss; one that does all the same is refused by :func:`refuse_loss_elsewhere`."""
+    checks = []
+    for m in models:
+        if m.__dict__.get("_loss_function") is None and getattr(m, "loss_type", None) is None:
+            continue
+        check = LossCheck(m.loss_function, m.__dict__.get("_loss_function"))
+        m.loss_function = check
+        checks.append(check)
+    return checks
+
+
+def restore_loss(module: torch.nn.Module) -> None:
+    """Give ``module`` back the ``loss_function`` it had before :func:`check_losses`."""
+    check = module.__dict__.get("_loss_function")
+    if isinstance(check, LossCheck):
+        if check.previous is None:
+            del module.__dict__["_loss_function"]
+        else:
+            module.__dict__["_loss_function"] = check.previous
+
+
+def refuse_loss_elsewhere(model: torch.nn.Module, labels: bool, output: object, checks: list[LossCheck]) -> None:
+    """A forward given ``labels`` (``labels`` true) that made a loss other than through the ``loss_function`` of its
+    models (``checks``, which check what the loss gets): refused."""
+    made = output.get("loss") is not None if isinstance(output, Mapping) else isinstance(output, tuple)
+    if labels and made and not any(check.calls for check in checks):
+        raise NotImplementedError(
+            f"{type(model).__name__} was given labels and made its loss without transformers' loss_function, which "
+            f"mesh_cp checks gets shift_labels and num_items_in_batch; call the model without labels (its logits are "
+            f"per token, exact) and take hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)"
+        )
+
+
+def own_configs(model: torch.nn.Module) -> None:
+    """Give ``model``'s modules their own copies of the configs they hold (shared among them as before):
+    ``set_attn_implementation`` writes the config, which another model built from the same config object (a policy
+    and its reference) reads too."""
+    from transformers import PretrainedConfig
+
+    copies: dict[int, Any] = {}  # deepcopy's memo: every config (and sub-config) copied once
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, PretrainedConfig):
+                module.__dict__[name] = copy.deepcopy(value, copies)

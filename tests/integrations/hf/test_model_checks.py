@@ -103,6 +103,78 @@ def checks_worker(rank: int, world: int) -> dict:
         input_ids=right.input_ids, position_ids=right.position_ids
     ).logits.shape[1]
     out |= _full_attention(mesh, configs["llama rope linear"], VOCAB)
+    out |= _attach_cases(mesh, configs["llama rope linear"], VOCAB)
+    return out
+
+
+def _attach_cases(mesh, config, vocab: int) -> dict:
+    """What :func:`hf.attach` refuses or keeps exact beyond the attention: labels given the one-process way or
+    without ``num_items_in_batch`` are refused, mesh_cp's batch is exact (loss and gradient against the stock model on
+    the whole sequence); pooled heads are refused, token classification's logits are exact and its labels refused; a
+    second model built from the same config object keeps its stock attention."""
+    import copy
+
+    import torch.distributed as dist
+    import transformers as tf
+
+    import mesh_cp
+    from mesh_cp.integrations import hf
+
+    out: dict = {}
+    ids = torch.randint(3, vocab, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    shared = copy.deepcopy(config)
+    shared._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    reference = tf.LlamaForCausalLM(shared)  # a policy and its reference, built from one config object
+    policy = tf.LlamaForCausalLM(shared)
+    policy.load_state_dict(reference.state_dict())
+    want = reference(input_ids=ids, labels=ids)
+    want.loss.backward()
+    hf.attach(policy, mesh)
+    sharded = hf.shard_batch(ids, mesh=mesh)
+    batch = hf.ShardingCollator.batch_dict(sharded)
+    got = policy(**batch)
+    got.loss.backward()
+    hf.reduce_gradients(policy, mesh)
+    loss = got.loss.detach().clone()
+    dist.all_reduce(loss)
+    out["loss of mesh_cp's batch error"] = (loss - want.loss).abs().item()
+    grads = [
+        (p.grad - q.grad).abs().max().item() for p, q in zip(policy.parameters(), reference.parameters(), strict=True)
+    ]
+    out["gradient of mesh_cp's batch error"] = max(grads)
+    again = reference(input_ids=ids).logits  # the other model still runs its stock attention on whole sequences
+    out["other model's attention"] = reference.config._attn_implementation
+    out["other model's logits error"] = (again - want.logits).abs().max().item()
+    whole = mesh_cp.shard_sequence(want.logits, mesh=mesh, dim=1, layout="zigzag")
+    out["attached model's logits error"] = (got.logits - whole).abs().max().item()
+    plain = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    own_labels = mesh_cp.shard_sequence(ids, mesh=mesh, dim=1, layout="zigzag")
+    expect_error(
+        out, "labels of one process", ValueError,
+        r"given labels without shift_labels: transformers would shift this rank's shard of the labels itself",
+        lambda: policy(**plain, labels=own_labels),
+    )  # fmt: skip
+    expect_error(
+        out, "labels without num_items_in_batch", ValueError, r"given labels without num_items_in_batch",
+        lambda: policy(**{k: batch[k] for k in ("input_ids", "position_ids", "labels", "shift_labels")}),
+    )  # fmt: skip
+    for head in (tf.LlamaForSequenceClassification, tf.LlamaForQuestionAnswering):
+        expect_error(
+            out, f"attach {head.__name__}", NotImplementedError,
+            rf"{head.__name__} has a head that reads across the sequence \({head.__name__}",
+            lambda head=head: hf.attach(head(copy.deepcopy(config)), mesh),
+        )  # fmt: skip
+    tagger = tf.LlamaForTokenClassification(copy.deepcopy(config)).eval()
+    tagged = tagger(input_ids=ids).logits
+    hf.attach(tagger, mesh)
+    shard = mesh_cp.shard_sequence(tagged, mesh=mesh, dim=1, layout="zigzag")
+    out["token classification logits error"] = (tagger(**plain).logits - shard).abs().max().item()
+    expect_error(
+        out, "token classification labels", NotImplementedError,
+        r"LlamaForTokenClassification was given labels, and its loss \(ForTokenClassification\) takes no shift_labels",
+        lambda: tagger(**plain, labels=own_labels),
+    )  # fmt: skip
     return out
 
 
@@ -141,11 +213,13 @@ def _full_attention(mesh, config, vocab: int) -> dict:
 
 def test_refused_by_name_on_two_ranks() -> None:
     for rank, out in enumerate(spawn_gloo(checks_worker, 2)):
-        refused = {k: v for k, v in out.items() if isinstance(v, bool | str)}
-        assert len(refused) == 8 and all(v is True for v in refused.values()), (rank, refused)
+        refused = {k: v for k, v in out.items() if isinstance(v, bool | str) and k != "other model's attention"}
+        assert len(refused) == 13 and all(v is True for v in refused.values()), (rank, refused)
+        errors = [k for k in out if k.endswith("error")]
+        assert len(errors) == 6 and all(out[k] <= 1e-5 for k in errors), (rank, {k: out[k] for k in errors})
+        assert out["other model's attention"] == "sdpa", (rank, out)
         assert out["router logits without a loss"] == 2, (rank, out)  # one per layer
         assert out["right padding with absolute positions"] == SEQ // 2, (rank, out)
-        assert out["full attention error"] <= 1e-5, (rank, out["full attention error"])
         assert out["longrope without documents"] == out["router loss off by keyword"] == SEQ // 2, (rank, out)
         assert out["labels -100 on padding"] == 2 * (SEQ - 1) - 12, (rank, out)  # 19 + 31 shifted labels
 
