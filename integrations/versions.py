@@ -24,8 +24,6 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from packaging.version import InvalidVersion, Version
-
 ALLOW_UNSUPPORTED = "MESH_CP_ALLOW_UNSUPPORTED"
 """The environment variable that, set to ``1``, turns the refusal of a version below the floor into a warning."""
 
@@ -99,6 +97,8 @@ def _check(package: str, version: str | None) -> None:
     raises every time: an exception is not cached)."""
     if version is None:
         return
+    from packaging.version import InvalidVersion, Version  # every framework checked depends on packaging; mesh_cp not
+
     supported = SUPPORTED[package]
     tested = f"{package}>={supported.floor}, tested up to {supported.newest}"
     try:
