@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -29,13 +29,12 @@ from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.numerics import document_ids
 from mesh_cp.core.options import Layout, check_layout
 from mesh_cp.core.split import split_documents
+from mesh_cp.runtime.example_keys import IGNORE_INDEX, Example, read_example
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.sharding import position_ids, shard_sequence
 
 BALANCE = (False, True, "order", "split")
 """What :class:`ShardingCollator`'s ``balance`` takes."""
-IGNORE_INDEX = -100
-"""The label of a token that does not count in the loss (PyTorch's and transformers' convention)."""
 
 
 @dataclass(frozen=True)
@@ -209,9 +208,16 @@ class ShardingCollator:
     ``num_items_in_batch``, so a transformers model's own ``loss`` is this rank's share of the global mean.
     ``device``: where the batch's tensors go (``None``: the CPU, where the collator builds them).
 
-    ``packed=True`` (padding-free packing): the examples of a batch become the documents of one row, laid back
-    to back and padded at the end; the batch then also holds ``mesh_cp_mask`` (the
-    :class:`~mesh_cp.core.AttentionMask` of the documents, which a model attached with
+    An example is a list of token ids or a mapping of :data:`~mesh_cp.runtime.example_keys.EXAMPLE_KEYS`, any other
+    key refused by name: ``labels`` (default the ids), ``attention_mask`` (left or right padding of an example of one
+    document), and the documents packed in an example (``seq_lengths`` of TRL's ``pack_dataset``, ``position_ids``
+    restarting at 0, ``cu_seq_lens_*``, ``seq_idx``; every one given must describe the same documents). Under
+    ``packed=False`` an example is a row; one holding several documents makes the batch carry ``mesh_cp_mask``, so
+    no token attends across a document boundary.
+
+    ``packed=True`` (padding-free packing): the documents of a batch's examples (each of an example's own documents
+    counts) become the documents of one row, laid back to back and padded at the end; the batch then also holds
+    ``mesh_cp_mask`` (the :class:`~mesh_cp.core.AttentionMask` of the documents, which a model attached with
     :func:`mesh_cp.integrations.hf.attach` passes to its attention) and ``position_ids`` that restart in every
     document. ``balance=True`` (or ``"order"``, with ``packed=True``) lays the documents out in the order that evens
     out the query-key pairs of the mesh's ranks (:func:`mesh_cp.core.balance.balance_documents`, Note [Balanced
@@ -255,19 +261,43 @@ class ShardingCollator:
         self.causal = bool(causal)
         self.multiple = math.lcm(mesh.seq_multiple(self.layout), pad_to_multiple_of)
 
-    def __call__(self, examples: Sequence[Mapping[str, Sequence[int]] | Sequence[int]]) -> dict[str, Tensor]:
-        ids = [torch.as_tensor(e["input_ids"] if isinstance(e, Mapping) else e, dtype=torch.long) for e in examples]
-        labels = [
-            torch.as_tensor(e["labels"], dtype=torch.long) if isinstance(e, Mapping) and "labels" in e else i
-            for e, i in zip(examples, ids, strict=True)
-        ]
+    def __call__(self, examples: Sequence[Mapping[str, Any] | Sequence[int]]) -> dict[str, Tensor]:
+        read = [read_example(e, i) for i, e in enumerate(examples)]
+        padded = [i for i, e in enumerate(read) if e.attention_mask is not None]
+        if self.packed:
+            return self._packed(read, padded)
+        several = [i for i, e in enumerate(read) if len(e.documents) > 1]
+        if padded and several:
+            raise ValueError(
+                f"examples {padded} pad (attention_mask 0) and examples {several} hold several documents: a batch "
+                f"takes padding or documents, not both; drop the padded tokens, or pass packed=True"
+            )
+        ones = [torch.ones_like(e.input_ids) if e.attention_mask is None else e.attention_mask for e in read]
+        rows = pad_batch(
+            [e.input_ids for e in read], [e.labels for e in read], ones, multiple=self.multiple,
+            pad_token_id=self.pad_token_id,
+        )  # fmt: skip
+        options = {"documents": [list(e.documents) for e in read]} if several else {"attention_mask": rows[2]}
+        return self._shard(rows[0], rows[1], options)
+
+    def _packed(self, read: list[Example], padded: list[int]) -> dict[str, Tensor]:
+        """One row of every example's documents (``packed=True``), in the balanced order if asked."""
+        if padded:
+            raise ValueError(
+                f"examples {padded} pad (attention_mask 0): packed=True lays documents back to back with no padding "
+                f"between them; drop the padded tokens (and attention_mask) from the examples"
+            )
+        parts = [part for e in read for part in e.parts()]
+        ids, labels = [p[0] for p in parts], [p[1] for p in parts]
         if self.balance == "order":
             ids, labels = self.balanced(ids, labels)
-        rows = [ids, labels] if not self.packed else [[torch.cat(ids)], [torch.cat(labels)]]
-        input_ids, label_ids, real = pad_batch(*rows, multiple=self.multiple, pad_token_id=self.pad_token_id)
-        options = {"documents": [[len(i) for i in ids]]} if self.packed else {"attention_mask": real}
-        if self.balance == "split":
-            options["split"] = True
+        input_ids, label_ids, _ = pad_batch(
+            [torch.cat(ids)], [torch.cat(labels)], multiple=self.multiple, pad_token_id=self.pad_token_id
+        )
+        options = {"documents": [[len(i) for i in ids]], "split": self.balance == "split"}
+        return self._shard(input_ids, label_ids, options)
+
+    def _shard(self, input_ids: Tensor, label_ids: Tensor, options: dict[str, Any]) -> dict[str, Tensor]:
         batch = shard_batch(
             input_ids, mesh=self.mesh, labels=label_ids, layout=self.layout, device=self.device, causal=self.causal,
             **options,

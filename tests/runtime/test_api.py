@@ -1,4 +1,5 @@
-"""The public API on real process groups: bad inputs, sharding, DeviceMesh / DP x CP, low precision.
+"""The public API on real process groups: bad inputs, sharding, DeviceMesh / DP x CP, low precision, the collator's
+examples (tests/runtime/test_batch.py).
 
 The cases on 4 ranks share one spawned group (:func:`world4`); each test reads its own section of it."""
 
@@ -11,6 +12,7 @@ import mesh_cp
 from mesh_cp.core import Tiling, layout_permutation
 from mesh_cp.core.numerics import reference_attention
 from mesh_cp.testing import expect_error, run_sections, section_results, spawn_gloo
+from tests.runtime.test_batch import check_examples_section, examples_section
 
 
 def errors_worker(rank: int, world: int) -> dict:
@@ -376,7 +378,17 @@ def test_auto_tile_uses_the_cost_model_choice(world4) -> None:
         assert not failures, f"rank {rank}: {failures}"
 
 
-WORLD4_SECTIONS = {"sharding": sharding_worker, "low precision": low_precision_worker, "auto tile": auto_tile_worker}
+def test_sharding_collator_honours_the_documents_of_examples(world4) -> None:
+    """``ShardingCollator`` over TRL's packed examples (tests/runtime/test_batch.py)."""
+    check_examples_section(section_results(world4, "collator examples"))
+
+
+WORLD4_SECTIONS = {
+    "sharding": sharding_worker,
+    "low precision": low_precision_worker,
+    "auto tile": auto_tile_worker,
+    "collator examples": examples_section,
+}
 
 
 def world4_worker(rank: int, world: int) -> dict[str, dict]:
