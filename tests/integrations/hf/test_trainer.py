@@ -96,3 +96,25 @@ def test_trainers_other_than_trainer_and_sft_are_refused_by_name() -> None:
         type("Mixed", (MeshCPTrainerMixin, refused["RewardTrainer"]), {})(model=None, args=None)
     for base in (Trainer, SFTTrainer, type("MySFT", (SFTTrainer,), {})):
         assert issubclass(hf.mesh_cp_trainer_class(base), base)
+
+
+def test_world_other_than_the_layout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_world, without a process group (the layout's group taken to hold 4 ranks): accelerate or the DeepSpeed
+    engine seeing another number of processes is refused naming both and the fix; 4 and 4 pass. The launched runs of
+    tests/integrations/trl/test_trl.py show accelerate's own count refused without use_cpu=True."""
+    from types import SimpleNamespace
+
+    from mesh_cp.integrations.hf import trainer as module
+
+    monkeypatch.setattr(module.dist, "get_world_size", lambda group: 4)
+
+    def trainer(processes: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            parallel=SimpleNamespace(group="group"), accelerator=SimpleNamespace(num_processes=processes)
+        )
+
+    module.check_world(trainer(4), engine=SimpleNamespace(dp_world_size=4))
+    with pytest.raises(ValueError, match=r"^accelerate sees 1 process\(es\) but .* spans 4 ranks.*use_cpu=True"):
+        module.check_world(trainer(1))
+    with pytest.raises(ValueError, match=r"^the DeepSpeed engine's data-parallel group sees 2 process\(es\) but .* 4"):
+        module.check_world(trainer(4), engine=SimpleNamespace(dp_world_size=2))
