@@ -53,7 +53,10 @@ def mesh_cp_trainer_class(base: type | None = None) -> type:
 
     ``evaluate()`` and ``predict()`` report the loss single-process ``Trainer.evaluate()`` reports (Note [Evaluation
     under CP] in :mod:`mesh_cp.integrations.hf.evaluation`). What would change the result under CP and is not
-    honoured is refused by name when the trainer is built (:data:`REFUSED_OPTIONS`).
+    honoured is refused by name when the trainer is built (:data:`REFUSED_OPTIONS`), and so are a ``base`` that is
+    another trainer of transformers or TRL than :data:`SUPPORTED_BASES` (:func:`check_base`) and an accelerate state
+    that sees another number of processes than ``parallel``'s group (:func:`check_world`; on CPU pass
+    ``TrainingArguments(use_cpu=True)``).
 
     With DeepSpeed (``TrainingArguments(deepspeed="ds_config.json")``) leave ``parallel`` out: the trainer builds it
     from the config's ``"mesh_attention"`` block (:class:`mesh_cp.config.MeshConfig`). TRL::
