@@ -2,9 +2,9 @@
 and/or ``position_ids``), and the allow-list of an example's keys (``mesh_cp.runtime.example_keys``).
 
 On 4 gloo ranks (tile 2x2, a section of ``tests/runtime/test_api.py``'s spawned group): TRL's packed examples,
-collated with ``packed=True`` and ``packed=False``, give an attached tiny Llama the loss and parameter gradients of
+collated with ``packed=True`` (also ``balance="split"``) and ``packed=False``, give an attached tiny Llama the loss and parameter gradients of
 the stock model's per-document forwards, summed (within 1e-5); the same examples with their boundaries ignored are
-1e-3 and more off. Without process groups (the collator run for a stand-in rank of a 2x2 mesh): every key that
+1.2e-3 off. Without process groups (the collator run for a stand-in rank of a 2x2 mesh): every key that
 describes an example's documents gives the same batch, padding is honoured where exact, and every other key or
 disagreement between keys is refused by name.
 """
@@ -88,7 +88,7 @@ def examples_section(rank: int, world: int) -> dict:
     joined = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in examples]
     with torch.no_grad():
         unbounded = _per_document_loss(ref, [e["input_ids"] for e in joined], [e["labels"] for e in joined])[0]
-    res: dict = {"items": count, "boundaries matter": abs(unbounded.item() - ref_loss.item()) > 1e-3}
+    res: dict = {"items": count, "boundaries matter": abs(unbounded.item() - ref_loss.item()) > 1e-4}
     for name, options in {
         "packed": {"packed": True},
         "rows": {},
