@@ -2,9 +2,9 @@
 and/or ``position_ids``), and the allow-list of an example's keys (``mesh_cp.runtime.example_keys``).
 
 On 4 gloo ranks (tile 2x2, a section of ``tests/runtime/test_api.py``'s spawned group): TRL's packed examples,
-collated with ``packed=True`` (also ``balance="split"``) and ``packed=False``, give an attached tiny Llama the loss and parameter gradients of
-the stock model's per-document forwards, summed (within 1e-5); the same examples with their boundaries ignored are
-1.2e-3 off. Without process groups (the collator run for a stand-in rank of a 2x2 mesh): every key that
+collated with ``packed=True`` (also ``balance="split"``) and ``packed=False``, give an attached tiny Llama the loss
+and parameter gradients of the stock model's per-document forwards, summed (within 1e-5); the same examples with
+their boundaries ignored are 1.2e-3 off. Without process groups (the collator run for a stand-in rank of a 2x2 mesh): every key that
 describes an example's documents gives the same batch, padding is honoured where exact, and every other key or
 disagreement between keys is refused by name.
 """
