@@ -3,10 +3,10 @@ and/or ``position_ids``), and the allow-list of an example's keys (``mesh_cp.run
 
 On 4 gloo ranks (tile 2x2, a section of ``tests/runtime/test_api.py``'s spawned group): TRL's packed examples,
 collated with ``packed=True`` (also ``balance="split"``) and ``packed=False``, give an attached tiny Llama the loss
-and parameter gradients of the stock model's per-document forwards, summed (within 1e-5); the same examples with
-their boundaries ignored are 1.2e-3 off. Without process groups (the collator run for a stand-in rank of a 2x2 mesh): every key that
-describes an example's documents gives the same batch, padding is honoured where exact, and every other key or
-disagreement between keys is refused by name.
+and parameter gradients of the stock model's per-document forwards, summed (within 1e-5); the same examples with their
+boundaries ignored are 1.2e-3 off. Without process groups (the collator run for a stand-in rank of a 2x2 mesh): every
+key that describes an example's documents gives the same batch, padding is honoured where exact, and every other key
+or disagreement between keys is refused by name.
 """
 
 from __future__ import annotations
@@ -223,7 +223,8 @@ REFUSALS = {
         {**BAD, "position_ids": [*range(4), *range(6), *range(6)]},
         {"packed": True},
         r"example 0's position_ids does not describe the documents of its seq_lengths \(documents \[4, 7, 5\]\): first "
-        r"difference at index 10: got \[\.\.\.\[3, 4, 5, 0, 1, 2, 3\]\.\.\.\], expected \[\.\.\.\[3, 4, 5, 6, 0, 1, 2\]",
+        r"difference at index 10: got \[\.\.\.\[3, 4, 5, 0, 1, 2, 3\]\.\.\.\], "
+        r"expected \[\.\.\.\[3, 4, 5, 6, 0, 1, 2\]",
     ),
     "cu_seq_lens against position_ids": (
         {"input_ids": IDS, "position_ids": BOUNDARIES["position_ids"], "cu_seq_lens_k": [0, 4, 16]},
