@@ -336,7 +336,7 @@ class _Attachment:
     def after_forward(self, model: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Forward hook of the attached model: on the first forward, check that every attention layer called
         :func:`mesh_cp_attention`; given labels, that a loss was made through the model's ``loss_function``."""
-        refuse_loss_elsewhere(model, self.labels, output, self.losses)
+        refuse_loss_elsewhere(model, {**kwargs, "labels": self.labels or None}, output, self.losses)
         if self.verified:
             return
         missing = [f"{name} ({type(m).__name__})" for name, m in self.layers if id(m) not in self.called]

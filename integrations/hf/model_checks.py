@@ -216,10 +216,16 @@ def restore_loss(module: torch.nn.Module) -> None:
             module.__dict__["_loss_function"] = check.previous
 
 
-def refuse_loss_elsewhere(model: torch.nn.Module, labels: bool, output: object, checks: list[LossCheck]) -> None:
-    """A forward given ``labels`` (``labels`` true) that made a loss other than through the ``loss_function`` of its
-    models (``checks``, which check what the loss gets): refused."""
+FUSED_LOSS = "fused_lm_head"
+"""The keyword of TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``): called with it true, the model's
+forward makes its loss itself, from ``shift_labels`` (not shifted again) divided by ``num_items_in_batch``."""
+
+
+def refuse_loss_elsewhere(model: torch.nn.Module, kwargs: dict, output: object, checks: list[LossCheck]) -> None:
+    """A forward given ``labels`` that made a loss other than through the ``loss_function`` of its models (``checks``,
+    which check what the loss gets) or TRL's fused LM head (:data:`FUSED_LOSS`): refused."""
     made = output.get("loss") is not None if isinstance(output, Mapping) else isinstance(output, tuple)
+    labels = kwargs.get("labels") is not None and not kwargs.get(FUSED_LOSS)
     if labels and made and not any(check.calls for check in checks):
         raise NotImplementedError(
             f"{type(model).__name__} was given labels and made its loss without transformers' loss_function, which "
