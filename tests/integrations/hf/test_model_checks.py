@@ -1,8 +1,10 @@
 """What the Hugging Face adapter cannot compute exactly from a rank's shard is refused by name, on 2 gloo ranks:
 length-dependent RoPE over rows with documents, an MoE router's auxiliary loss, a ``compute_loss_func`` (it would
 get labels already shifted), labels on padding, left padding with learned absolute positions, full attention without the mask of its padding (with it, a row the
-mesh pads equals the stock model). The default collator honours ``attention_mask`` and refuses other
-keys. (Hybrid state-space / linear-attention models: ``test_hf_architectures.py``.)
+mesh pads equals the stock model), labels without ``shift_labels`` or ``num_items_in_batch`` (mesh_cp's batch: the
+stock model's loss and gradients), pooled heads (token classification: exact logits, labels refused), and a second
+model built from the attached one's config object keeps its attention. The default collator honours
+``attention_mask`` and refuses other keys. (Hybrid state-space / linear-attention models: ``test_hf_architectures.py``.)
 """
 
 from __future__ import annotations
