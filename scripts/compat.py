@@ -15,13 +15,14 @@ adds a set of one's own (bisecting a lower bound)::
     .venv/bin/python scripts/compat.py --sets oldest,newest --write docs/compat.md
     .venv/bin/python scripts/compat.py --set t515=transformers==5.15.1 --sets t515 --tests "-x tests/integrations/hf"
 
-The Megatron sets (:data:`MEGATRON`: ``megatron-newest`` pins nothing, so pip takes the newest megatron-core release;
-``megatron-0.18`` the first release whose ``get_batch_on_this_cp_rank`` takes ``is_hybrid_cp``; a ``--set`` pinning
+The Megatron sets (:data:`MEGATRON_SETS`: ``megatron-newest`` pins nothing, so pip takes the newest megatron-core
+release; ``megatron-oldest`` the oldest supported, 0.16.1; ``megatron-0.18`` the first release whose
+``get_batch_on_this_cp_rank`` takes ``is_hybrid_cp``; a ``--set`` pinning
 ``megatron-core`` is one too) are made from a Python 3.12 interpreter (megatron-core 0.17 and later need it; ``torch``
 is then PyPI's CUDA build, which runs on the CPU), install ``repo[megatron]`` with pytest and numpy, run
 ``tests/integrations/megatron`` and fill their own table (between :data:`MEGATRON.marks`)::
 
-    .venv/bin/python scripts/compat.py --sets megatron-newest --write docs/compat.md
+    .venv/bin/python scripts/compat.py --sets megatron-oldest,megatron-0.18,megatron-newest --write docs/compat.md
 """
 
 from __future__ import annotations
@@ -92,8 +93,13 @@ MEGATRON = Family(
 )
 """megatron-core 0.17 and later need Python 3.12 (``Requires-Python >=3.12``)."""
 
-MEGATRON_SETS: dict[str, dict[str, str]] = {"megatron-newest": {}, "megatron-0.18": {MEGATRON_PACKAGE: "0.18.2"}}
-"""The Megatron sets: the newest release, and 0.18 (the first with ``is_hybrid_cp``)."""
+MEGATRON_SETS: dict[str, dict[str, str]] = {
+    "megatron-oldest": {MEGATRON_PACKAGE: "0.16.1"},
+    "megatron-0.18": {MEGATRON_PACKAGE: "0.18.2"},
+    "megatron-newest": {},
+}
+"""The Megatron sets: the oldest supported release (CI's, there on Python 3.11), 0.18 (the first with
+``is_hybrid_cp``) and the newest release."""
 
 DEFAULT_ROOT = Path("/tmp/mesh_cp_compat")
 DEFAULT_TESTS: tuple[str, ...] = ("tests/integrations/hf", "tests/integrations/accelerate", "tests/integrations/trl")

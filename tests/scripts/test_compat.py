@@ -175,7 +175,10 @@ def test_usage_errors_exit_2_before_any_install(tmp_path: Path, capsys: pytest.C
     root = tmp_path / "venvs"
     for argv, message in [
         (["--sets", "oldest,nope"], "unknown set(s) ['nope']"),
-        (["--sets", " , "], "no set named; known: ['megatron-0.18', 'megatron-newest', 'newest', 'oldest']"),
+        (
+            ["--sets", " , "],
+            "no set named; known: ['megatron-0.18', 'megatron-newest', 'megatron-oldest', 'newest', 'oldest']",
+        ),
         (["--set", "x=numpy==2.0"], "'numpy==2.0' is not PKG==VER"),
         (["--write", str(tmp_path / "missing.md")], "missing.md: no such file; create it with the lines"),
     ]:
