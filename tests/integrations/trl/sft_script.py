@@ -83,7 +83,9 @@ CASES: dict[str, tuple[str, dict]] = {
     "packing_wrapped": ("short", {"packing": True, "packing_strategy": "wrapped", "max_length": 40}),
     "padding_free": ("ragged", {"padding_free": True, "max_length": None}),
     "completion_only": ("completion", {"completion_only_loss": True}),
-    "assistant_only": ("chat", {"assistant_only_loss": True}),
+    # At learning rate 0.1 this case's loss rises (7.78, 8.30, 7.16) and the single process's own rounding grows about
+    # fivefold a step (the mesh run 5e-7, 4e-6, 2e-5 from it): a smaller step keeps the comparison one of exactness.
+    "assistant_only": ("chat", {"assistant_only_loss": True, "learning_rate": 0.02}),
     "no_gradient_checkpointing": ("short", {"packing": True, "max_length": 40, "gradient_checkpointing": False}),
     "bf16": ("ragged", {"bf16": True}),
     "sequential": ("ragged_10", {"train_sampling_strategy": "sequential"}),  # step 3: the epoch's short batch
@@ -110,9 +112,8 @@ def run_case(name: str, mesh, output_dir: str, deepspeed: str | None = None) -> 
         per_device_train_batch_size=BATCH if mesh is not None or deepspeed else BATCH * DP,
         per_device_eval_batch_size=EVAL_BATCH,
         max_steps=STEPS,
-        learning_rate=0.1,
         deepspeed=deepspeed,
-        **(SGD_RUN | BASE | fields),
+        **({"learning_rate": 0.1} | SGD_RUN | BASE | fields),
     )
     if mesh is None and deepspeed is None:
         trainer_class = SFTTrainer
