@@ -38,6 +38,7 @@ from torch import Tensor
 
 __all__ = [
     "ASYNC_STRATEGY",
+    "METADATA_KEYS",
     "THD_KEYS",
     "async_save_options",
     "batch_on_this_cp_rank",
@@ -48,6 +49,9 @@ __all__ = [
 
 ASYNC_STRATEGY = "mcore"
 """The asynchronous-save implementation mesh_cp schedules on (megatron-core's own ``AsyncCallsQueue``)."""
+
+METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size", "hybrid_cp_group")
+"""The keys that megatron-core 0.18 and later leave whole in ``get_batch_on_this_cp_rank`` (and 0.16 cuts)."""
 
 THD_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 """The keys a THD batch may hold: those 0.18 and later partition (0.16 partitions every key; another key would be
@@ -87,10 +91,12 @@ def batch_on_this_cp_rank(batch: dict[str, Tensor | None], *, cp_group: dist.Pro
     :func:`thd_batch_on_this_cp_rank`."""
     if cp_group is None:
         raise ValueError("cp_group is None; pass the CP group (parallel_state.get_context_parallel_group())")
-    if "cu_seqlens" in batch or "cu_seqlens_padded" in batch:
+    metadata = sorted(set(batch) & set(METADATA_KEYS))
+    if metadata:
         raise ValueError(
-            f"batch holds {sorted(k for k in batch if k.startswith('cu_seqlens'))}: a THD batch; shard it with "
-            f"thd_batch_on_this_cp_rank(batch, cu_seqlens=..., cu_seqlens_padded=..., max_seqlen=..., cp_group=...)"
+            f"batch holds {metadata}: megatron-core's metadata of THD and hybrid CP batches, which 0.16 cuts like a "
+            f"sequence and 0.18 leaves whole; shard a THD row with thd_batch_on_this_cp_rank(batch, cu_seqlens=..., "
+            f"cu_seqlens_padded=..., max_seqlen=..., cp_group=...) (hybrid CP is refused)"
         )
     for key, value in batch.items():
         if value is not None:

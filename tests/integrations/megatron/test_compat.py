@@ -43,7 +43,9 @@ def test_refusals_before_megatron_is_called() -> None:
     ids = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ValueError, match=r"cp_group is None; pass the CP group"):
         compat.batch_on_this_cp_rank({"tokens": ids}, cp_group=None)
-    with pytest.raises(ValueError, match=r"batch holds \['cu_seqlens'\]: a THD batch; shard it with thd_batch_on_"):
+    with pytest.raises(
+        ValueError, match=r"batch holds \['cu_seqlens'\]: megatron-core's metadata .* thd_batch_on_this_cp_rank"
+    ):
         compat.batch_on_this_cp_rank({"tokens": ids, "cu_seqlens": torch.tensor([0, 8])}, cp_group=object())
     bounds = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"THD batch keys \['attention_mask'\] are not partitioned by every"):
