@@ -193,12 +193,15 @@ class LossCheck:
 
 
 def check_losses(models: list[torch.nn.Module]) -> list[LossCheck]:
-    """Put a :class:`LossCheck` in place of the ``loss_function`` of every model in ``models`` that has one (its own,
-    or the one of its ``loss_type``; the outermost first); :func:`restore_loss` undoes it. A model without either (a
-    base model) makes no loss; one that does all the same is refused by :func:`refuse_loss_elsewhere`."""
+    """Put a :class:`LossCheck` in place of the ``loss_function`` of every model in ``models`` that makes a loss: its
+    forward takes ``labels``, or it has a loss of its own or of its ``loss_type`` (the outermost first). A head whose
+    class name matches no ``loss_type`` (``GPT2LMHeadModel``) gets transformers' default, ``ForCausalLMLoss``.
+    :func:`restore_loss` undoes it. A model without labels or a loss (a base model) makes none; one that does all the
+    same is refused by :func:`refuse_loss_elsewhere`."""
     checks = []
     for m in models:
-        if m.__dict__.get("_loss_function") is None and getattr(m, "loss_type", None) is None:
+        takes_labels = "labels" in inspect.signature(m.forward).parameters
+        if m.__dict__.get("_loss_function") is None and getattr(m, "loss_type", None) is None and not takes_labels:
             continue
         check = LossCheck(m.loss_function, m.__dict__.get("_loss_function"))
         m.loss_function = check

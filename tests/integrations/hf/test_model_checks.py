@@ -1,10 +1,11 @@
 """What the Hugging Face adapter cannot compute exactly from a rank's shard is refused by name, on 2 gloo ranks:
 length-dependent RoPE over rows with documents, an MoE router's auxiliary loss, a ``compute_loss_func`` (it would
-get labels already shifted), labels on padding, left padding with learned absolute positions, full attention without the mask of its padding (with it, a row the
-mesh pads equals the stock model), labels without ``shift_labels`` or ``num_items_in_batch`` (mesh_cp's batch: the
-stock model's loss and gradients), pooled heads (token classification: exact logits, labels refused), and a second
-model built from the attached one's config object keeps its attention. The default collator honours
-``attention_mask`` and refuses other keys. (Hybrid state-space / linear-attention models: ``test_hf_architectures.py``.)
+get labels already shifted), labels on padding, left padding with learned absolute positions, full attention without
+the mask of its padding (with it, a row the mesh pads equals the stock model), labels without ``shift_labels`` or
+``num_items_in_batch`` (mesh_cp's batch: the stock model's loss and gradients; also GPT2LMHeadModel, whose class name
+matches no loss_type), pooled heads (token classification: exact logits, labels refused), and a second model built
+from the attached one's config object keeps its attention. The default collator honours ``attention_mask`` and
+refuses other keys. (Hybrid state-space / linear-attention models: ``test_hf_architectures.py``.)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ SEQ = 32
 
 
 def checks_worker(rank: int, world: int) -> dict:
+    import copy
+
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, TrainingArguments
 
@@ -91,7 +94,8 @@ def checks_worker(rank: int, world: int) -> dict:
         pad_token_id=0,
     )
     out["labels -100 on padding"] = kept["num_items_in_batch"] if "num_items_in_batch" in kept else None
-    gpt2 = hf.attach(AutoModelForCausalLM.from_config(configs["gpt2 (learned absolute positions)"]), mesh)
+    gpt2_reference = AutoModelForCausalLM.from_config(configs["gpt2 (learned absolute positions)"]).eval()
+    gpt2 = hf.attach(copy.deepcopy(gpt2_reference), mesh)
     left = torch.ones_like(ids)
     left[1, :5] = 0
     padded = hf.shard_batch(ids, mesh=mesh, attention_mask=left)
@@ -104,6 +108,11 @@ def checks_worker(rank: int, world: int) -> dict:
     out["right padding with absolute positions"] = gpt2(
         input_ids=right.input_ids, position_ids=right.position_ids
     ).logits.shape[1]
+    labelled = gpt2(**hf.ShardingCollator.batch_dict(hf.shard_batch(ids, mesh=mesh))).loss.detach().clone()
+    dist.all_reduce(labelled)  # GPT2LMHeadModel: no loss_type, transformers' default loss
+    out["loss of a head without loss_type error"] = (
+        (labelled - gpt2_reference(input_ids=ids, labels=ids).loss).abs().item()
+    )
     out |= _full_attention(mesh, configs["llama rope linear"], VOCAB)
     out |= _attach_cases(mesh, configs["llama rope linear"], VOCAB)
     return out
@@ -218,7 +227,7 @@ def test_refused_by_name_on_two_ranks() -> None:
         refused = {k: v for k, v in out.items() if isinstance(v, bool | str) and k != "other model's attention"}
         assert len(refused) == 13 and all(v is True for v in refused.values()), (rank, refused)
         errors = [k for k in out if k.endswith("error")]
-        assert len(errors) == 6 and all(out[k] <= 1e-5 for k in errors), (rank, {k: out[k] for k in errors})
+        assert len(errors) == 7 and all(out[k] <= 1e-5 for k in errors), (rank, {k: out[k] for k in errors})
         assert out["other model's attention"] == "sdpa", (rank, out)
         assert out["router logits without a loss"] == 2, (rank, out)  # one per layer
         assert out["right padding with absolute positions"] == SEQ // 2, (rank, out)
