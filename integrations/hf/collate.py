@@ -23,6 +23,7 @@ from torch import Tensor
 
 from mesh_cp.core.options import Layout, check_layout
 from mesh_cp.runtime.batch import IGNORE_INDEX, ShardingCollator, pad_batch, shard_batch
+from mesh_cp.runtime.example_keys import encode_documents, first_difference
 from mesh_cp.runtime.mesh import CPMesh
 
 BATCH_KEYS: dict[str, str] = {
@@ -249,13 +250,6 @@ def _tensor(batch: Mapping[str, Any], key: str) -> Tensor:
     return value.long().cpu()
 
 
-def _first_difference(got: list[int], want: list[int]) -> str:
-    """Where two integer lists first differ, with a few values either side of it."""
-    at = next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), min(len(got), len(want)))
-    lo = max(0, at - 3)
-    return f"first difference at index {at}: got [...{got[lo : at + 4]}...], expected [...{want[lo : at + 4]}...]"
-
-
 def _check_padded_positions(positions: Tensor, attention_mask: Tensor) -> None:
     """``position_ids`` beside an ``attention_mask`` (TRL's ``return_position_ids``): each row's real tokens must be
     numbered 0, 1, ... (the positions mesh_cp gives them); other numberings are refused."""
@@ -268,7 +262,7 @@ def _check_padded_positions(positions: Tensor, attention_mask: Tensor) -> None:
         got = positions[r][keep[r]].tolist()
         if got != list(range(len(got))):
             raise ValueError(
-                f"position_ids of row {r} do not number its real tokens 0, 1, ... ({_first_difference(got, list(range(len(got))))}); "
+                f"position_ids of row {r} do not number its real tokens 0, 1, ... ({first_difference(got, list(range(len(got))))}); "
                 f"mesh_cp numbers a padded row's tokens from its first real token: drop position_ids or fix them"
             )
 
@@ -285,10 +279,10 @@ def _row_documents(positions: Tensor, ids: Tensor, pad_token_id: int, row: int) 
         )
     bounds = starts + [len(pos)]
     lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
-    expected = [p for n in lengths for p in range(n)]
+    expected = encode_documents("position_ids", lengths)
     if pos != expected:
         raise ValueError(
-            f"position_ids of row {row} are not 0, 1, ... inside each document ({_first_difference(pos, expected)}); "
+            f"position_ids of row {row} are not 0, 1, ... inside each document ({first_difference(pos, expected)}); "
             f"mesh_cp reads packed documents from positions that restart at 0"
         )
     tail = len(lengths)
@@ -309,20 +303,12 @@ def _check_packing_keys(batch: Mapping[str, Any], positions: Tensor) -> None:
             f"{given} describe one packed row; the batch has {positions.shape[0]} rows: pack the batch into one row "
             f"(padding_free) or drop them"
         )
-    starts = (positions[0] == 0).nonzero().flatten().tolist()
-    cu = starts + [positions.shape[1]]
+    cu = (positions[0] == 0).nonzero().flatten().tolist() + [positions.shape[1]]
     lengths = [b - a for a, b in zip(cu, cu[1:], strict=False)]
-    want = {
-        "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
-        "max_length_q": [max(lengths)],
-        "max_length_k": [max(lengths)],
-        "seq_idx": [d for d, n in enumerate(lengths) for _ in range(n)],
-    }
     for key in given:
-        got = torch.as_tensor(batch[key]).flatten().tolist()
-        if got != want[key]:
+        got, want = torch.as_tensor(batch[key]).flatten().tolist(), encode_documents(key, lengths)
+        if got != want:
             raise ValueError(
-                f"{key} does not describe the documents of position_ids ({_first_difference(got, want[key])}); "
+                f"{key} does not describe the documents of position_ids ({first_difference(got, want)}); "
                 f"mesh_cp takes packed documents from position_ids restarting at 0: make them agree or drop {key}"
             )

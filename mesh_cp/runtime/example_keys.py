@@ -118,7 +118,7 @@ def _documents(example: Mapping[str, Any], length: int, index: int) -> tuple[int
     lengths = _read_lengths(source, _ints(example[source]), length, index) if source else [length] if length else []
     checked = given + [k for k in ("max_length_q", "max_length_k") if example.get(k) is not None]
     for key in checked:
-        got, want = _ints(example[key]), _encode(key, lengths)
+        got, want = _ints(example[key]), encode_documents(key, lengths)
         if got == want:
             continue
         if key == source:  # position_ids or seq_idx numbering its documents otherwise
@@ -164,8 +164,9 @@ def _steps(bounds: list[int]) -> list[int]:
     return [b - a for a, b in pairwise(bounds)]
 
 
-def _encode(key: str, lengths: list[int]) -> list[int]:
-    """What ``key`` holds for documents of ``lengths``."""
+def encode_documents(key: str, lengths: list[int]) -> list[int]:
+    """What ``key`` (one of :data:`BOUNDARY_KEYS` or ``max_length_*``) holds for documents of ``lengths`` laid back
+    to back."""
     if key == "seq_lengths":
         return list(lengths)
     if key == "position_ids":
