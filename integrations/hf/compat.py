@@ -5,8 +5,8 @@
   ``cache`` from 5.24 (which still takes ``past_key_values`` with a deprecation warning until 5.40 / 6.0). Read from
   the model's own signature, never from a version number: a model's forward says which name it takes.
 - The private parts of ``transformers.Trainer``, ``accelerate`` and TRL's ``SFTTrainer`` that MeshCPTrainer uses where
-  no public hook exists, each in one function here (tests/integrations/hf/test_compat.py checks each against the
-  installed versions): the column removal of Trainer's dataloaders, the registration of a prepared dataloader with
+  no public hook exists, each in one function here (the Trainer and TRL tests run each against the installed
+  versions): the column removal of Trainer's dataloaders, the registration of a prepared dataloader with
   the accelerator, TRL's token counter, and the gather of TRL's training metrics.
 """
 
@@ -30,6 +30,7 @@ __all__ = [
     "eval_order",
     "every_rank_once",
     "forget_eval_prepare",
+    "gather_for_metrics_as",
     "given_cache",
     "output_cache",
     "prepare_as_single_process",
@@ -157,7 +158,22 @@ def eval_metric_lists(trainer: Any) -> dict[str, list]:
 
 
 @contextlib.contextmanager
-def every_rank_once(accelerator: Any) -> Iterator[None]:
+def gather_for_metrics_as(accelerator: Any, gather: Any) -> Iterator[None]:
+    """``accelerator.gather_for_metrics`` is ``gather`` inside the context (an instance attribute over the class's
+    method); what it was before (another instance attribute, or the method) is put back on leaving, an exception
+    included, so contexts nest."""
+    previous = accelerator.__dict__.get("gather_for_metrics")
+    accelerator.gather_for_metrics = gather
+    try:
+        yield
+    finally:
+        if previous is None:
+            accelerator.__dict__.pop("gather_for_metrics", None)
+        else:
+            accelerator.gather_for_metrics = previous
+
+
+def every_rank_once(accelerator: Any) -> contextlib.AbstractContextManager[None]:
     """Within a training step, ``accelerator.gather_for_metrics`` gathers from every rank, trimming nothing. TRL's
     ``entropy`` and ``mean_token_accuracy`` gather per-rank sums with it, and at an epoch's short last batch it keeps
     the first ``remainder`` entries (one per example, as if every process held examples), which would count only
@@ -167,8 +183,4 @@ def every_rank_once(accelerator: Any) -> Iterator[None]:
     def gather_all(data: Any, use_gather_object: bool = False) -> Any:
         return gather_object(data) if use_gather_object else accelerator.gather(data)
 
-    accelerator.gather_for_metrics = gather_all
-    try:
-        yield
-    finally:
-        del accelerator.gather_for_metrics  # the instance attribute: the class's method again
+    return gather_for_metrics_as(accelerator, gather_all)

@@ -11,7 +11,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from mesh_cp.integrations.hf.collate import TOKEN_COUNTS
-from mesh_cp.integrations.hf.compat import eval_metric_lists, eval_order, forget_eval_prepare, remove_unused_columns
+from mesh_cp.integrations.hf.compat import (
+    eval_metric_lists,
+    eval_order,
+    forget_eval_prepare,
+    gather_for_metrics_as,
+    remove_unused_columns,
+)
 
 # Note [Evaluation under CP]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -239,11 +245,12 @@ class BatchMetrics:
             dist.all_reduce(tensor, group=group)
             return tensor
 
-        self.accelerator.gather_for_metrics = over_cp_group
+        self.swap = gather_for_metrics_as(self.accelerator, over_cp_group)
+        self.swap.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.accelerator.gather_for_metrics  # the instance attribute: the class's method again
+        self.swap.__exit__(*exc)
 
     def keep_real(self, real: int) -> None:
         for key, values in eval_metric_lists(self.trainer).items():
