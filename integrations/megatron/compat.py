@@ -91,7 +91,7 @@ def batch_on_this_cp_rank(batch: dict[str, Tensor | None], *, cp_group: dist.Pro
     :func:`thd_batch_on_this_cp_rank`."""
     if cp_group is None:
         raise ValueError("cp_group is None; pass the CP group (parallel_state.get_context_parallel_group())")
-    metadata = sorted(set(batch) & set(METADATA_KEYS))
+    metadata = sorted(key for key in set(batch) & set(METADATA_KEYS) if batch[key] is not None)  # None: not THD
     if metadata:
         raise ValueError(
             f"batch holds {metadata}: megatron-core's metadata of THD and hybrid CP batches, which 0.16 cuts like a "

@@ -47,6 +47,9 @@ def test_refusals_before_megatron_is_called() -> None:
         ValueError, match=r"batch holds \['cu_seqlens'\]: megatron-core's metadata .* thd_batch_on_this_cp_rank"
     ):
         compat.batch_on_this_cp_rank({"tokens": ids, "cu_seqlens": torch.tensor([0, 8])}, cp_group=object())
+    one_rank = type("OneRank", (), {"size": lambda self: 1, "rank": lambda self: 0})()
+    plain = {"tokens": ids, "cu_seqlens": None, "max_seqlen": None}  # metadata keys holding None: not a THD batch
+    assert compat.batch_on_this_cp_rank(plain, cp_group=one_rank)["tokens"] is ids
     bounds = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"THD batch keys \['attention_mask'\] are not partitioned by every"):
         compat.thd_batch_on_this_cp_rank(
