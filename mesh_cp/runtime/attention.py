@@ -17,7 +17,7 @@ from mesh_cp.core.plan import make_plan
 from mesh_cp.core.shape import AttentionShape
 from mesh_cp.kernels import BlockKernel, KernelName, resolve_kernel, takes
 from mesh_cp.runtime.call import AttentionCall, Saved, by_segments
-from mesh_cp.runtime.check import check_same_call
+from mesh_cp.runtime.check import check_same, check_same_call
 from mesh_cp.runtime.executors import EXECUTORS
 from mesh_cp.runtime.heads import grads_from_heads, grads_to_heads, inputs_to_heads, outputs_from_heads
 from mesh_cp.runtime.mesh import CPMesh
@@ -35,7 +35,7 @@ class MeshAttnFunc(torch.autograd.Function):
     Gradients are not materialised: an output that no loss reads arrives in ``backward`` as ``None``
     (and is taken as zeros; an lse without a gradient is neither made nor sent through the head exchange, as
     ``plan.all_to_alls("backward", lse_grad=False)`` counts, so the ranks of a head group must agree on whether
-    their loss reads it). ``call.lse_grad`` (``mesh_attn_func``'s ``return_lse``, equal on every rank of
+    their loss reads it; ``mesh.debug`` checks that they do). ``call.lse_grad`` (``mesh_attn_func``'s ``return_lse``, equal on every rank of
     the mesh by its call check) says whether the lse may receive a gradient: the fused block kernels
     then take the exact path for any ``dlse``, otherwise their cheaper one (Note [Gradient of the lse]
     in :mod:`mesh_cp.kernels.base`). Every block of a row is computed with the same choice whichever
@@ -68,6 +68,8 @@ class MeshAttnFunc(torch.autograd.Function):
             dout = out.new_zeros(_token_shape(out.shape, u, tokens_at=1, heads_at=2))
         if not call.lse_grad:
             dlse = None  # None (no loss reads the lse) stays None: the head exchange sends no lse gradient
+        elif u > 1 and mesh.debug:
+            _check_lse_read_alike(mesh, dlse is not None)
         if u > 1:
             dout, dlse = grads_to_heads(dout, dlse, mesh, plan)
         saved = Saved(q=q, k=k, v=v, out=out, lse=lse, gathered=tuple(gathered))
@@ -75,6 +77,18 @@ class MeshAttnFunc(torch.autograd.Function):
         if u > 1:
             dq, dk, dv = grads_from_heads(dq, dk, dv, ctx.kv_heads, mesh, plan)
         return dq, dk, dv, None
+
+
+def _check_lse_read_alike(mesh: CPMesh, read: bool) -> None:
+    """With ``mesh.debug``: every rank's loss reads the returned lse, or none does. A head group sends the lse's
+    gradient only when a loss reads it, so ranks that disagree would pair unlike all-to-alls."""
+    check_same(
+        mesh.check_group,
+        {"a loss reads the returned lse": read},
+        what="back-propagated through mesh_attn_func(return_lse=True) with and without a loss reading the lse (with "
+        "head_parallel > 1 its gradient is exchanged only where one does; add 0 * lse.sum() to the loss of the ranks "
+        "that do not read it)",
+    )
 
 
 def _token_shape(shape: torch.Size, u: int, *, tokens_at: int, heads_at: int) -> tuple[int, ...]:

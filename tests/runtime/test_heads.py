@@ -117,6 +117,18 @@ def refusals(group, world: int) -> dict:
         r"head_parallel=4 and the 3 K/V heads must divide one another",
         lambda: mesh_cp.mesh_attn_func(torch.zeros(1, 8, 12, 8), kv3, kv3, mesh=mesh),
     )
+    debug = mesh_cp.CPMesh.create(group, tile=(1, 2), head_parallel=2, debug=True)
+    q = torch.randn(1, 4, 4, 8, requires_grad=True)
+    out, lse = mesh_cp.mesh_attn_func(q, q, q, mesh=debug, return_lse=True)
+    loss = out.sum() + (lse.sum() if debug.rank % 2 == 0 else 0)  # the lse read on half the ranks
+    expect_error(
+        results,
+        "lse read on some ranks only (debug)",
+        ValueError,
+        r"with and without a loss reading the lse .* add 0 \* lse.sum\(\) .*: a loss reads the returned lse "
+        r"\(rank 0: True, rank 1: False, rank 2: True, rank 3: False\)",
+        loss.backward,
+    )
     return results
 
 
@@ -153,7 +165,7 @@ def test_hybrid_matches_single_process_reference(heads_results) -> None:
     expected = len(LAYOUTS[world]) * (len(cases(world)) + 1) * 2  # + GQA causal with a loss on out only
     for rank, result in enumerate(results):
         refused = {k: result.pop(k) for k in list(result) if not isinstance(result[k], dict)}
-        assert len(refused) == (6 if world == 4 else 0) and all(v is True for v in refused.values()), refused
+        assert len(refused) == (7 if world == 4 else 0) and all(v is True for v in refused.values()), refused
         assert len(result) == expected, sorted(result)
         bad = {k: v for k, v in result.items() if max(v.values()) > TOL}
         assert not bad, f"rank {rank}: {bad}"
