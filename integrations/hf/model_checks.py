@@ -118,12 +118,15 @@ def refuse_pooled_heads(model: torch.nn.Module, models: list[torch.nn.Module]) -
         for m in models
         if type(m).__name__.endswith(POOLED_HEADS) or getattr(m, "loss_type", None) in POOLED_HEADS
     ]
-    found += sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Pooler")})
-    if found:
+    poolers = [
+        f"{name} ({type(m).__name__})" for name, m in model.named_modules() if type(m).__name__.endswith("Pooler")
+    ]
+    if found or poolers:
+        fix = " (build a base model without its pooler: add_pooling_layer=False)" if poolers and not found else ""
         raise NotImplementedError(
-            f"{type(model).__name__} has a head that reads across the sequence ({', '.join(found[:4])}): on a CP rank "
-            f"it would pool (or take a softmax over) its own shard of every row; mesh_cp runs per-token heads (causal "
-            f"LM, token classification) only"
+            f"{type(model).__name__} has a head that reads across the sequence ({', '.join((found + poolers)[:4])}): "
+            f"on a CP rank it would pool (or take a softmax over) its own shard of every row; mesh_cp runs per-token "
+            f"heads (causal LM, token classification) only{fix}"
         )
 
 

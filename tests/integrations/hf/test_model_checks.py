@@ -176,6 +176,14 @@ def _attach_cases(mesh, config, vocab: int) -> dict:
             rf"{head.__name__} has a head that reads across the sequence \({head.__name__}",
             lambda head=head: hf.attach(head(copy.deepcopy(config)), mesh),
         )  # fmt: skip
+    bert = tf.BertConfig(
+        vocab_size=vocab, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    expect_error(
+        out, "attach a base model with a pooler", NotImplementedError,
+        r"BertModel has a head that reads across the sequence \(pooler \(BertPooler\)\).*add_pooling_layer=False",
+        lambda: hf.attach(tf.BertModel(bert), mesh),
+    )  # fmt: skip
     tagger = tf.LlamaForTokenClassification(copy.deepcopy(config)).eval()
     tagged = tagger(input_ids=ids).logits
     hf.attach(tagger, mesh)
@@ -225,7 +233,7 @@ def _full_attention(mesh, config, vocab: int) -> dict:
 def test_refused_by_name_on_two_ranks() -> None:
     for rank, out in enumerate(spawn_gloo(checks_worker, 2)):
         refused = {k: v for k, v in out.items() if isinstance(v, bool | str) and k != "other model's attention"}
-        assert len(refused) == 13 and all(v is True for v in refused.values()), (rank, refused)
+        assert len(refused) == 14 and all(v is True for v in refused.values()), (rank, refused)
         errors = [k for k in out if k.endswith("error")]
         assert len(errors) == 7 and all(out[k] <= 1e-5 for k in errors), (rank, {k: out[k] for k in errors})
         assert out["other model's attention"] == "sdpa", (rank, out)
