@@ -135,8 +135,8 @@ LOSS_KEYWORDS: tuple[str, ...] = ("shift_labels", "num_items_in_batch")
 and the label count of the whole batch (so a rank's loss is its share of the batch's mean)."""
 
 _CP_LABELS = (
-    "pass the batch of shard_batch / ShardingCollator / hf.ShardCollated as it is (model(**batch): it holds labels, "
-    "shift_labels and num_items_in_batch), or call the model without labels and take hf.causal_lm_loss(logits, "
+    "pass the batch of ShardingCollator / hf.ShardCollated as it is (model(**batch): it holds labels, shift_labels "
+    "and num_items_in_batch; a ShardedBatch of shard_batch as model(**ShardingCollator.batch_dict(batch))), or call the model without labels and take hf.causal_lm_loss(logits, "
     "batch.shift_labels, batch.num_items_in_batch)"
 )
 

@@ -277,12 +277,17 @@ def check_world(trainer: Any, engine: Any = None) -> None:
         seen["the DeepSpeed engine's data-parallel group"] = getattr(engine, "dp_world_size", world)
     for who, size in seen.items():
         if size != world:
+            fix = (
+                "Build the layout over the launched world (DataContextParallel.create(dist.group.WORLD, ...))"
+                if size > world
+                else "On CPU set TrainingArguments(use_cpu=True) (--use_cpu on the command line; without it "
+                "accelerate takes a machine with no GPU for one process), and build the layout over the launched "
+                "world (dist.group.WORLD)"
+            )
             raise ValueError(
                 f"{who} sees {size} process(es) but mesh_cp's DP x CP layout spans {world} ranks: the gradients "
                 f"would not be averaged over every rank and the token count would be a part's; every process of the "
-                f"layout's group must be one of accelerate's. On CPU set TrainingArguments(use_cpu=True) "
-                f"(--use_cpu on the command line; without it accelerate takes a machine with no GPU for one "
-                f"process), and build the layout over the launched world (dist.group.WORLD)"
+                f"layout's group must be one of accelerate's. {fix}"
             )
 
 

@@ -83,7 +83,8 @@ class DataContextParallel:
         if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1 or world % cp_size:
             divisors = [d for d in range(1, world + 1) if world % d == 0]
             raise ValueError(
-                f"cp_size {cp_size!r} must divide the {world} ranks of the group; choose one of {divisors}"
+                f"cp_size {cp_size!r} must divide the {world} ranks of the group; choose one of {divisors}, or launch a "
+                f"multiple of {cp_size!r} processes"
             )
         ranks = dist.get_process_group_ranks(group)
         dp_rank = dist.get_rank(group) // cp_size

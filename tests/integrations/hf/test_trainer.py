@@ -118,3 +118,5 @@ def test_world_other_than_the_layout_is_refused(monkeypatch: pytest.MonkeyPatch)
         module.check_world(trainer(1))
     with pytest.raises(ValueError, match=r"^the DeepSpeed engine's data-parallel group sees 2 process\(es\) but .* 4"):
         module.check_world(trainer(4), engine=SimpleNamespace(dp_world_size=2))
+    with pytest.raises(ValueError, match=r"^accelerate sees 8 process\(es\) but .* 4 ranks.*Build the layout over the"):
+        module.check_world(trainer(8))  # a layout on a subgroup: use_cpu is not the fix there
