@@ -18,6 +18,7 @@ from packaging.version import Version
 
 from mesh_cp.integrations import versions
 from mesh_cp.integrations.versions import ALLOW_UNSUPPORTED, SUPPORTED, UntestedVersionWarning, require
+from tests.scripts.test_compat import constraint_pins
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -75,12 +76,7 @@ def test_floors_are_pyprojects_lower_bounds() -> None:
 
 
 def test_newest_tested_covers_the_pins_of_constraints_cpu() -> None:
-    pins = {}
-    for line in (ROOT / "constraints-cpu.txt").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            req = Requirement(line)
-            pins[req.name.lower()] = Version(next(iter(req.specifier)).version)
+    pins = {name: Version(next(iter(req.specifier)).version) for name, req in constraint_pins().items()}
     for package, supported in SUPPORTED.items():
         assert pins[package] >= Version(supported.floor), (package, pins[package])
         newest = Version(supported.newest).release

@@ -62,13 +62,19 @@ def test_trl_extra_and_dev_install_trl() -> None:
         assert {Requirement(r).name for r in extras[extra]} >= set(compat.PACKAGES), extra
 
 
-def test_constraints_cpu_pins_the_installed_versions() -> None:
+def constraint_pins() -> dict[str, Requirement]:
+    """Package name (lower case) -> its pin in constraints-cpu.txt."""
     pins = {}
     for line in (ROOT / "constraints-cpu.txt").read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             req = Requirement(line)
-            pins[req.name.lower()] = req.specifier
+            pins[req.name.lower()] = req
+    return pins
+
+
+def test_constraints_cpu_pins_the_installed_versions() -> None:
+    pins = {name: req.specifier for name, req in constraint_pins().items()}
     for package in (*compat.PACKAGES, "torch"):
         assert package in pins, f"constraints-cpu.txt pins no {package}"
         installed = importlib.metadata.version(package)
