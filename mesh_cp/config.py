@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from mesh_cp.core.head_parallel import head_parallel_unavailable
 from mesh_cp.core.options import Backward, Schedule, check_option, positive_int, refuse_renamed
 from mesh_cp.core.tiling import most_square_tile, parse_tile
 
@@ -151,7 +152,7 @@ class MeshConfig:
         broken = []
         if world % cp:
             broken.append(f'"cp_size" {cp} does not divide the {world} ranks (divisors: {_divisors(world)})')
-        if cp % u:
+        if head_parallel_unavailable(cp, u) is not None:  # the one check of the degree, worded here
             broken.append(f'"head_parallel" {u} does not divide cp_size {cp} (divisors: {_divisors(cp)})')
         if tile is not None and tile[0] * tile[1] * u != cp:
             broken.append(
