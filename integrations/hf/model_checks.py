@@ -136,8 +136,8 @@ and the label count of the whole batch (so a rank's loss is its share of the bat
 
 _CP_LABELS = (
     "pass the batch of ShardingCollator / hf.ShardCollated as it is (model(**batch): it holds labels, shift_labels "
-    "and num_items_in_batch; a ShardedBatch of shard_batch as model(**ShardingCollator.batch_dict(batch))), or call the model without labels and take hf.causal_lm_loss(logits, "
-    "batch.shift_labels, batch.num_items_in_batch)"
+    "and num_items_in_batch; a ShardedBatch of shard_batch as model(**ShardingCollator.batch_dict(batch))), or call "
+    "the model without labels and take hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)"
 )
 
 
