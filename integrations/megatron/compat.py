@@ -26,6 +26,7 @@ asks for it. ``False`` is the value for mesh_cp's zig-zag.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
 
@@ -58,6 +59,7 @@ THD_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 left whole there, so it is refused in every version)."""
 
 
+@functools.cache  # read once per installed function (batch_on_this_cp_rank asks every step)
 def _takes(function, name: str) -> bool:
     return name in inspect.signature(function).parameters
 
