@@ -27,6 +27,22 @@ SGD_RUN = {
 """TrainingArguments of a compared run: plain SGD at a constant rate, every step's loss logged, nothing saved."""
 
 
+def samples(metrics: dict, split: str) -> list[float]:
+    """``[samples, bound]``: the examples a ``Trainer`` run of ``split`` ("train", "eval") reports, as its samples per
+    second times its runtime, and how far that product can be off the count by Trainer's rounding alone
+    (``speed_metrics`` rounds the runtime to 4 decimals and the rate to 3: a millisecond's evaluation is off by 7%)."""
+    rate, runtime = metrics[f"{split}_samples_per_second"], metrics[f"{split}_runtime"]
+    return [rate * runtime, rate * 0.00005 + runtime * 0.0005]
+
+
+def check_samples(mesh: dict, reference: dict, tolerance: float = 0.05) -> None:
+    """Each replica's examples counted once: the samples of ``mesh`` and ``reference`` (:func:`samples`) agree within
+    ``tolerance`` of the reference's, beyond what Trainer's rounding of either allows."""
+    for key in ("train_samples", "eval_samples"):
+        (got, got_bound), (want, want_bound) = mesh[key], reference[key]
+        assert abs(got - want) <= tolerance * want + got_bound + want_bound, (key, mesh[key], reference[key])
+
+
 def padded(examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ``(input_ids, attention_mask)`` of ``examples`` (pad token 0)."""
     length = max(len(e["input_ids"]) for e in examples)

@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from mesh_cp.testing.models import VOCAB, tiny_config
-from tests.integrations.clients import SGD_RUN, launched_layout, padded, write_results
+from tests.integrations.clients import SGD_RUN, launched_layout, padded, samples, write_results
 
 DP, CP, BATCH, STEPS = 2, 2, 2, 4
 EVAL_BATCH, EVAL_EXAMPLES = 2, 5  # the replicas get 2 and 1 batches, the last one short
@@ -99,9 +99,9 @@ def run_case(name: str, mesh, output_dir: str) -> dict:
         "loss": [h["loss"] for h in steps],
         "tokens_seen": [h.get("num_input_tokens_seen") for h in steps],
         "eval_loss_before": before["eval_loss"],
-        "eval_samples": before["eval_samples_per_second"] * before["eval_runtime"],
+        "eval_samples": samples(before, "eval"),
         "test_loss": predicted["test_loss"],
-        "train_samples": metrics["train_samples_per_second"] * metrics["train_runtime"],
+        "train_samples": samples(metrics, "train"),
     }
 
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
 from mesh_cp.testing.models import VOCAB, tiny_config
-from tests.integrations.clients import SGD_RUN, launched_layout, write_results
+from tests.integrations.clients import SGD_RUN, launched_layout, samples, write_results
 
 DP, CP, BATCH, STEPS = 2, 2, 2, 3
 
@@ -146,8 +146,8 @@ def run_case(name: str, mesh, output_dir: str, deepspeed: str | None = None) -> 
         "mean_token_accuracy": [h["mean_token_accuracy"] for h in steps],
         "entropy": [h["entropy"] for h in steps],
         "eval_loss": evaluated["eval_loss"],
-        "eval_samples": evaluated["eval_samples_per_second"] * evaluated["eval_runtime"],
-        "train_samples": metrics["train_samples_per_second"] * metrics["train_runtime"],
+        "eval_samples": samples(evaluated, "eval"),
+        "train_samples": samples(metrics, "train"),
     }
 
 
