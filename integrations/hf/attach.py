@@ -18,6 +18,8 @@ from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.options import check_layout, check_option
 from mesh_cp.integrations.hf.attention import NAME, register
 from mesh_cp.integrations.hf.compat import given_cache
+from mesh_cp.integrations.hf.hybrid import check_heads, install, mixer_layers, uninstall
+from mesh_cp.integrations.hf.mixers import SPECS
 from mesh_cp.integrations.hf.model_checks import (
     LossCheck,
     absolute_position_tables,
@@ -96,10 +98,13 @@ def attach(
 
     models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
     refuse_temperature_tuning(models)
-    refuse_other_sequence_mixers(model, models)
+    refuse_other_sequence_mixers(model, models, set(SPECS))
     refuse_pooled_heads(model, models)
     layers = [(name, m) for name, m in model.named_modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
+    layers = [(name, m) for name, m in layers if type(m).__name__ not in SPECS]
+    mixers = mixer_layers(model, SPECS)
     _check_head_counts(layers, mesh)  # before the switch: a refused model is left as it was
+    check_heads(mixers, mesh)
     register()
     _detach(model)
     own_configs(model)
@@ -112,6 +117,8 @@ def attach(
     attached.losses = check_losses(models)
     for _, layer in layers:
         layer.mesh_cp_attached = attached
+    for _, layer, spec in mixers:
+        install(layer, spec, attached)
     _hook_length_dependent_rope(model, attached)
     model.register_forward_pre_hook(attached.before_forward, with_kwargs=True)
     model.register_forward_hook(attached.after_forward, with_kwargs=True)
@@ -178,6 +185,7 @@ def _detach(model: torch.nn.Module) -> None:
     """Remove what an earlier :func:`attach` added to ``model`` (hooks, loss checks, the layers' attachment)."""
     for module in model.modules():
         module.__dict__.pop("mesh_cp_attached", None)
+        uninstall(module)
         restore_loss(module)
         for hooks, extras in (
             (module._forward_pre_hooks, (module._forward_pre_hooks_with_kwargs,)),
@@ -222,6 +230,8 @@ class _Attachment:
         self.losses: list[LossCheck] = []
         """The checks in place of the models' ``loss_function`` (the outermost model's first)."""
         self.labels = False  # this forward was given labels (set by before_forward)
+        self.mask: AttentionMask | None = None
+        """This forward's ``mesh_cp_mask`` (read by mixer layers not given it: Note [Mixer cores])."""
 
     def check_positions(self, position_ids: Tensor, mask: AttentionMask | None = None) -> None:
         """``position_ids`` must be this rank's positions of its tokens in every row: global positions
@@ -323,6 +333,7 @@ class _Attachment:
                 f"pass the global positions of shard_batch / ShardingCollator (batch.position_ids)"
             )
         mask = kwargs.get("mesh_cp_mask")
+        self.mask = mask
         self.check_positions(positions, mask)
         self.documents = mask is not None and mask.documents is not None
         refuse_router_loss(model, kwargs)

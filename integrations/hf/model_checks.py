@@ -30,25 +30,36 @@ _OTHER_MIXERS = ("Mamba", "GatedDeltaNet", "ShortConv", "LinearAttention", "Rwkv
 """Class-name parts of sequence-mixing modules other than attention (state-space, linear attention, convolutions)."""
 
 
-def refuse_other_sequence_mixers(model: torch.nn.Module, models: list[torch.nn.Module]) -> None:
+def refuse_other_sequence_mixers(model: torch.nn.Module, models: list[torch.nn.Module], handled: set[str]) -> None:
     """Hybrid models mix the sequence in layers other than attention too (Mamba, linear attention, short
-    convolutions): on a rank those would run over its shard alone, so they are refused by name."""
-    found = []
-    for m in models:
-        config = m.config.get_text_config() if hasattr(m.config, "get_text_config") else m.config
-        for key in ("layer_types", "layers_block_type"):
-            kinds = getattr(config, key, None)
-            other = sorted({k for k in kinds if k not in ATTENTION_LAYER_TYPES}) if isinstance(kinds, list) else []
-            if other:
-                found.append(f"config.{key} {other}")
-        if getattr(config, "hybrid_override_pattern", None):
-            found.append(f"config.hybrid_override_pattern {config.hybrid_override_pattern!r}")
-    found += sorted({type(m).__name__ for m in model.modules() if any(p in type(m).__name__ for p in _OTHER_MIXERS)})
+    convolutions). Layers of the classes in ``handled`` run head-parallel (:mod:`~mesh_cp.integrations.hf.hybrid`);
+    any other such layer would see its rank's shard alone, so it is refused by name, and so is a model whose config
+    names non-attention layers but that has no handled layer."""
+    found = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if any(p in type(m).__name__ for p in _OTHER_MIXERS)
+            and type(m).__name__ not in handled
+            and not any(type(c).__name__ in handled for c in m.modules())
+        }
+    )
+    if not found and not any(type(m).__name__ in handled for m in model.modules()):
+        for m in models:
+            config = m.config.get_text_config() if hasattr(m.config, "get_text_config") else m.config
+            for key in ("layer_types", "layers_block_type"):
+                kinds = getattr(config, key, None)
+                other = sorted({k for k in kinds if k not in ATTENTION_LAYER_TYPES}) if isinstance(kinds, list) else []
+                if other:
+                    found.append(f"config.{key} {other}")
+            if getattr(config, "hybrid_override_pattern", None):
+                found.append(f"config.hybrid_override_pattern {config.hybrid_override_pattern!r}")
     found = list(dict.fromkeys(found))
     if found:
         raise NotImplementedError(
-            f"{type(model).__name__} mixes the sequence outside attention ({', '.join(found[:6])}): on a CP rank those "
-            f"layers would see its shard alone; mesh_cp runs models whose every sequence-mixing layer is attention"
+            f"{type(model).__name__} mixes the sequence outside attention ({', '.join(found[:6])}) in layers mesh_cp "
+            f"does not run: on a CP rank those layers would see its shard alone; mesh_cp runs attention and the "
+            f"mixer layers {sorted(handled)}"
         )
 
 

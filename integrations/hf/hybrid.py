@@ -1,0 +1,373 @@
+"""Sequence mixers other than attention (Gated DeltaNet, KDA, lightning attention, Mamba 1 and 2, short
+convolutions) under :func:`~mesh_cp.integrations.hf.attach.attach`: each runs head-parallel over the CP group
+(Note [Head-parallel mixers] in :mod:`mesh_cp.runtime.mixers`), through transformers' own layer code.
+
+Note [Mixer cores]
+~~~~~~~~~~~~~~~~~~
+transformers' mixer layers are one ``forward`` each: input projections, a short convolution, a scan, a gated
+norm, an output projection. mesh_cp runs that same ``forward`` for a share of the heads over the whole sequence,
+without copying its code:
+
+- the input projections run as they are on this rank's tokens (all channels);
+- the channels the core of this rank's heads reads are exchanged (tokens -> channels, the whole sequence);
+- a *core*, a shallow copy of the layer whose attributes say ``heads / P`` heads (``num_heads``,
+  ``intermediate_size``, ...) and whose per-channel parameters (convolution weights, ``A_log``, ``dt_bias``,
+  ``D``) are this rank's slices, runs ``forward`` with its input projections replaced by the exchanged tensors;
+- the core stops where the layer calls its *exit* module (the gated norm, or the output projection), whose
+  first argument is the core's output; it is exchanged back (channels -> tokens), and the rest of the layer
+  (the gate, the norm, the output projection: per token) runs on this rank's tokens with the layer's own modules.
+
+Gradients reach the layer's parameters through the slices: each rank's share, summed over the CP group by the
+gradient reduction as every other gradient. The core runs in eval mode: transformers then takes its unfused path
+(the CUDA kernels of the scan and the convolution, where installed, not the kernel that fuses the norm and the
+output projection, which the core must stop before). A row with documents or padding (``mesh_cp_mask``) runs
+the core once per document, so a state starts at zero at every document start, as the single process computes
+each document alone.
+
+A layer kind is described by a :class:`MixerSpec` (one module per layer kind in :mod:`mesh_cp.integrations.hf.mixers`): which
+projections feed the core and which of their channels each rank's heads read, the core's attributes and
+parameter slices, its exit, and the rest of the layer.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mesh_cp.core.masks import AttentionMask
+from mesh_cp.runtime.mesh import CPMesh
+from mesh_cp.runtime.mixers import channels_to_tokens, exchange_bytes, tokens_to_channels
+
+Channels = Callable[[torch.nn.Module, int, int], list[int]]
+"""``(layer, P, rank) ->`` channel indices; ``-1`` stands for a channel the core reads but does not use (a
+gate it passes on to the exit), given as zeros and never sent."""
+
+
+@dataclass(frozen=True)
+class MixerSpec:
+    """How one kind of mixer layer runs head-parallel (Note [Mixer cores])."""
+
+    family: str
+    """The model families with this layer, for messages and docs."""
+    heads: Callable[[torch.nn.Module, int], str | None]
+    """``(layer, P) ->`` why the layer's heads do not split over ``P`` ranks (``None`` when they do)."""
+    entries: Mapping[str, Channels]
+    """Input projection (child module name) -> the channels of its output rank ``r``'s core reads, in the order
+    the core reads them."""
+    attributes: Callable[[torch.nn.Module, int], dict[str, Any]]
+    """``(layer, P) ->`` the core's attributes (head counts and widths of one rank's share)."""
+    parameters: Callable[[torch.nn.Module, int, int], dict[str, Tensor]]
+    """``(layer, P, rank) ->`` the core's parameters by dotted name: slices of the layer's own."""
+    exit: str
+    """The child module whose call ends the core: its first argument is the core's output."""
+    outputs: Channels
+    """The channels of the core's output (reshaped to ``(batch, seq, -1)``) rank ``r`` computes."""
+    tail: Callable[[torch.nn.Module, Tensor, dict[str, Tensor]], Any]
+    """``(layer, core output of this rank's tokens (batch, seq_local, width), input projections of its tokens) ->``
+    what the layer returns."""
+    width: Callable[[torch.nn.Module], int]
+    """The core output's channels, all ranks together."""
+    call: Callable[[torch.nn.Module, Tensor], Any] = lambda core, x: core.forward(x)
+    """How the core's ``forward`` is called, given a stand-in for the hidden states of the right shape."""
+
+
+MIXER_KEYWORDS: dict[str, str] = {
+    "mesh_cp_mask": "the batch's documents and padding: the core runs once per document",
+    "position_ids": "this rank's positions (checked by the attention layers); a mixer does not read them",
+    "position_embeddings": "RoPE tables that ride along the layer call; a mixer does not read them",
+    "use_cache": "only False or None: generation over a sharded recurrent cache is not supported",
+    "output_attentions": "only False or None",
+    "output_hidden_states": "an output switch that rides along the model call; a mixer does not read it",
+    "output_router_logits": "an MoE output switch that rides along the model call; a mixer does not read it",
+    "num_items_in_batch": "a loss argument that rides along the model call; a mixer does not read it",
+    "shift_labels": "a loss argument that rides along the model call; a mixer does not read it",
+}
+"""Every keyword a mixer layer under mesh_cp accepts, and what is done with it; any other raises
+``NotImplementedError`` naming it (``cu_seq_lens_*`` and ``seq_idx``: mesh_cp's documents come as
+``mesh_cp_mask``)."""
+
+
+class _Exit(Exception):
+    """Raised by the core's exit module to end the core, carrying the core's output."""
+
+    def __init__(self, value: Tensor):
+        super().__init__("mixer core exit")
+        self.value = value
+
+
+class _Given(torch.nn.Module):
+    """Stands for an input projection in the core: returns the exchanged channels, whatever it is given."""
+
+    def __init__(self, value: Tensor):
+        super().__init__()
+        self.value = value
+
+    def forward(self, *args, **kwargs) -> Tensor:
+        return self.value
+
+
+class _ExitModule(torch.nn.Module):
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        raise _Exit(x)
+
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _shallow(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` sharing its tensors, with its own parameter and child dicts and no hooks."""
+    copy = module.__class__.__new__(module.__class__)
+    state = dict(module.__dict__)
+    state["_parameters"], state["_modules"] = dict(module._parameters), dict(module._modules)
+    for name in _HOOK_DICTS:
+        if name in state:
+            state[name] = collections.OrderedDict()
+    for name in ("forward", "_hf_hook", "mesh_cp_mixer"):
+        state.pop(name, None)
+    copy.__dict__ = state
+    return copy
+
+
+def _set(module: torch.nn.Module, dotted: str, value: Tensor) -> None:
+    """Put ``value`` as parameter ``dotted`` of ``module`` (a shallow copy), copying the children on the way."""
+    *path, leaf = dotted.split(".")
+    for name in path:
+        child = _shallow(module._modules[name])
+        module._modules[name] = child
+        module = child
+    if leaf not in module._parameters:
+        raise AssertionError(f"{type(module).__name__} has no parameter {leaf!r}")
+    module._parameters[leaf] = value
+
+
+@dataclass
+class _Plan:
+    """A layer's channel sets at one ``P`` (host lists, made once), and their device copies."""
+
+    entries: dict[str, tuple[list[Tensor], Tensor | None, int]]
+    """Projection -> (real channels of every rank, index placing this rank's zeros, zero count)."""
+    outputs: list[Tensor]
+    cached: dict[torch.device, Any]
+
+
+def _make_plan(layer: torch.nn.Module, spec: MixerSpec, mesh: CPMesh) -> _Plan:
+    world, rank = mesh.size, mesh.rank
+    entries = {}
+    for name, channels in spec.entries.items():
+        per_rank = [channels(layer, world, r) for r in range(world)]
+        real = [torch.tensor([c for c in chs if c >= 0], dtype=torch.long) for chs in per_rank]
+        mine = per_rank[rank]
+        zeros = sum(1 for c in mine if c < 0)
+        place = None
+        if zeros:  # real channels first, then one zero column for every placeholder
+            seen = iter(range(len(mine) - zeros))
+            place = torch.tensor([next(seen) if c >= 0 else len(mine) - zeros for c in mine], dtype=torch.long)
+        entries[name] = (real, place, zeros)
+    outputs = [torch.tensor(spec.outputs(layer, world, r), dtype=torch.long) for r in range(world)]
+    placed = torch.cat(outputs)
+    if not torch.equal(torch.sort(placed).values, torch.arange(spec.width(layer))):
+        raise AssertionError(f"{type(layer).__name__}: the ranks' core outputs do not cover its channels once each")
+    return _Plan(entries, outputs, {})
+
+
+class HybridMixer:
+    """What :func:`attach` gives a mixer layer: its spec, the mesh, and the forward that runs it head-parallel.
+    Installed as the layer's ``forward`` (removed by a later :func:`attach` or by detaching)."""
+
+    def __init__(self, layer: torch.nn.Module, spec: MixerSpec, attached: Any):
+        self.spec, self.attached = spec, attached
+        mesh = attached.mesh
+        self.plan = _make_plan(layer, spec, mesh)
+
+    def forward(self, layer: torch.nn.Module, hidden_states: Tensor, *args, **kwargs) -> Any:
+        cache = kwargs.pop("cache", None)
+        cache = kwargs.pop("cache_params", cache)
+        cache = kwargs.pop("past_key_values", cache)
+        attention_mask = kwargs.pop("attention_mask", None)
+        if args:
+            cache = args[0] if cache is None else cache
+            attention_mask = args[1] if len(args) > 1 and attention_mask is None else attention_mask
+        name = type(layer).__name__
+        if cache is not None or kwargs.get("use_cache"):
+            raise NotImplementedError(
+                f"{name} ({self.spec.family}) was given a cache: generation with mesh_cp does not shard recurrent "
+                f"(Mamba, linear-attention, convolution) caches; generate with the model on one process"
+            )
+        if attention_mask is not None:
+            raise NotImplementedError(
+                f"{name} was given an attention_mask: under mesh_cp, padding and documents reach a mixer as the "
+                f"batch's mesh_cp_mask; pass the attention_mask to shard_batch / ShardingCollator, not to the model"
+            )
+        unknown = sorted(k for k in kwargs if k not in MIXER_KEYWORDS)
+        if unknown:
+            raise NotImplementedError(
+                f"{name} under mesh_cp does not take {', '.join(map(repr, unknown))}: documents come as the batch's "
+                f"mesh_cp_mask; it takes {sorted(MIXER_KEYWORDS)}"
+            )
+        if kwargs.get("output_attentions"):
+            raise NotImplementedError(f"{name}: output_attentions=True; a mixer layer has no attention weights")
+        mask = kwargs.get("mesh_cp_mask", self.attached.mask)
+        return self.run(layer, hidden_states, mask)
+
+    def run(self, layer: torch.nn.Module, hidden_states: Tensor, mask: AttentionMask | None) -> Any:
+        spec, mesh, layout = self.spec, self.attached.mesh, self.attached.layout
+        batch, seq_local, _ = hidden_states.shape
+        device = hidden_states.device
+        plan = self._device_plan(device)
+        projections = {name: getattr(layer, name)(hidden_states) for name in spec.entries}
+        given = {}
+        for name, (real, place, zeros) in plan["entries"].items():
+            whole = tokens_to_channels(projections[name], real, mesh=mesh, layout=layout)
+            if zeros:
+                whole = torch.cat([whole, whole.new_zeros((*whole.shape[:-1], 1))], dim=-1).index_select(-1, place)
+            given[name] = whole
+        core = self._core(layer, mesh)
+        seq = seq_local * mesh.size
+        stand_in = hidden_states.new_zeros(()).expand(batch, seq, hidden_states.shape[-1])
+        if mask is None or mask.documents is None:
+            out = self._run_core(core, given, stand_in)
+        else:
+            out = self._run_documents(core, given, stand_in, mask, seq)
+        mine = channels_to_tokens(out, plan["outputs"], spec.width(layer), mesh=mesh, layout=layout)
+        return spec.tail(layer, mine, projections)
+
+    def _device_plan(self, device: torch.device) -> dict:
+        if device not in self.plan.cached:
+            self.plan.cached[device] = {
+                "entries": {
+                    name: ([c.to(device) for c in real], None if place is None else place.to(device), zeros)
+                    for name, (real, place, zeros) in self.plan.entries.items()
+                },
+                "outputs": [c.to(device) for c in self.plan.outputs],
+            }
+        return self.plan.cached[device]
+
+    def _core(self, layer: torch.nn.Module, mesh: CPMesh) -> torch.nn.Module:
+        core = _shallow(layer)
+        core.training = False  # the unfused path (Note [Mixer cores])
+        for key, value in self.spec.attributes(layer, mesh.size).items():
+            core.__dict__[key] = value
+        for dotted, value in self.spec.parameters(layer, mesh.size, mesh.rank).items():
+            _set(core, dotted, value)
+        core._modules[self.spec.exit] = _ExitModule()
+        return core
+
+    def _run_core(self, core: torch.nn.Module, given: dict[str, Tensor], stand_in: Tensor) -> Tensor:
+        for name, value in given.items():
+            core._modules[name] = _Given(value)
+        try:
+            self.spec.call(core, stand_in)
+        except _Exit as done:
+            return done.value.reshape(stand_in.shape[0], stand_in.shape[1], -1)
+        raise AssertionError(f"{type(core).__name__}'s forward did not call {self.spec.exit}")
+
+    def _run_documents(
+        self, core: torch.nn.Module, given: dict[str, Tensor], stand_in: Tensor, mask: AttentionMask, seq: int
+    ) -> Tensor:
+        """The core once per document of every row (its spans in order), zeros at padding."""
+        rows, positions, outputs = [], [], []
+        for row in range(stand_in.shape[0]):
+            for spans in mask.document_spans(row if mask.rows is not None else 0, seq):
+                index = torch.cat([torch.arange(start, stop) for start, stop in spans]).to(stand_in.device)
+                part = {name: value[row : row + 1].index_select(1, index) for name, value in given.items()}
+                outputs.append(self._run_core(core, part, stand_in[:1, : index.numel()])[0])
+                rows.append(torch.full_like(index, row))
+                positions.append(index)
+        width = outputs[0].shape[-1]
+        out = stand_in.new_zeros((stand_in.shape[0], seq, width))
+        return out.index_put((torch.cat(rows), torch.cat(positions)), torch.cat(outputs))
+
+    def bytes_per_row(self, layer: torch.nn.Module, seq_local: int, element_bytes: int) -> int:
+        """Bytes this rank sends in the layer's forward exchanges, per batch row (:func:`exchange_bytes`)."""
+        channels_in = sum(len(real[self.attached.mesh.rank]) for real, _, _ in self.plan.entries.values())
+        channels_out = len(self.plan.outputs[self.attached.mesh.rank])
+        return exchange_bytes(seq_local, channels_in, channels_out, self.attached.mesh.size, element_bytes)
+
+
+# Channel arithmetic of the specs (heads split contiguously over the ranks, rank after rank).
+
+
+def span(start: int, count: int) -> list[int]:
+    return list(range(start, start + count))
+
+
+def share(total: int, world: int, rank: int) -> range:
+    """Rank ``rank``'s contiguous share of ``total`` heads (``world`` divides ``total``)."""
+    n = total // world
+    return range(rank * n, (rank + 1) * n)
+
+
+def split_reason(what: str, count: int, world: int) -> str | None:
+    return None if count % world == 0 else f"its {count} {what} do not split over {world} ranks"
+
+
+def grouped_reason(groups_what: str, groups: int, heads_what: str, heads: int, world: int) -> str | None:
+    """Heads in groups (GQA-like): the heads split over the ranks, and the groups too or each rank's heads lie in
+    one group (``world`` a multiple of the group count)."""
+    return split_reason(heads_what, heads, world) or (
+        None
+        if groups % world == 0 or world % groups == 0
+        else f"its {groups} {groups_what} neither split over {world} ranks nor divide it"
+    )
+
+
+def groups_of(groups: int, heads: int, world: int, rank: int) -> range:
+    """The groups rank ``rank``'s heads belong to (one group, or a contiguous share of them)."""
+    if groups % world == 0:
+        return share(groups, world, rank)
+    first = share(heads, world, rank)[0] // (heads // groups)
+    return range(first, first + 1)
+
+
+def index(channels, like: Tensor) -> Tensor:
+    return torch.tensor(list(channels), dtype=torch.long, device=like.device)
+
+
+def mixer_layers(
+    model: torch.nn.Module, specs: Mapping[str, MixerSpec]
+) -> list[tuple[str, torch.nn.Module, MixerSpec]]:
+    """The mixer layers of ``model`` with a spec (by class name)."""
+    return [(name, m, specs[type(m).__name__]) for name, m in model.named_modules() if type(m).__name__ in specs]
+
+
+def check_heads(layers: list[tuple[str, torch.nn.Module, MixerSpec]], mesh: CPMesh) -> None:
+    """Every mixer layer's heads split over the CP group's ``P`` ranks; refused by name otherwise."""
+    for name, layer, spec in layers:
+        why = spec.heads(layer, mesh.size)
+        if why:
+            raise NotImplementedError(
+                f"{name} ({type(layer).__name__}, {spec.family}) runs head-parallel over the CP group of {mesh.size} "
+                f"ranks, and {why}; use a CP size that its heads split over"
+            )
+
+
+def install(layer: torch.nn.Module, spec: MixerSpec, attached: Any) -> HybridMixer:
+    """Make ``layer`` run head-parallel over ``attached.mesh`` (its ``forward`` replaced; see :func:`uninstall`)."""
+    mixer = HybridMixer(layer, spec, attached)
+    layer.mesh_cp_mixer = mixer
+    layer.forward = types.MethodType(_forward, layer)  # a bound method: a deep copy of the model binds its copy
+    return mixer
+
+
+def _forward(layer: torch.nn.Module, *args, **kwargs) -> Any:
+    return layer.mesh_cp_mixer.forward(layer, *args, **kwargs)
+
+
+def uninstall(layer: torch.nn.Module) -> None:
+    """Undo :func:`install`."""
+    if layer.__dict__.pop("mesh_cp_mixer", None) is not None:
+        layer.__dict__.pop("forward", None)

@@ -1,0 +1,89 @@
+"""Mamba 2 mixer layers (Bamba's ``BambaMixer`` and its kin): the SSD scan per head, B and C per group of heads
+(Note [Mixer cores] in :mod:`mesh_cp.integrations.hf.hybrid`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from mesh_cp.integrations.hf.hybrid import MixerSpec, grouped_reason, groups_of, index, share, span
+
+# Mamba 2 (Bamba and its kin): in_proj -> [gate (d_inner) | x (d_inner) | B (G N) | C (G N) | dt (H)]; conv over
+# [x | B | C]; the SSD scan per head, B and C per group; exit: norm(scan, gate); then out_proj.
+
+
+def _m2_heads(layer, world: int) -> str | None:
+    return grouped_reason("groups (n_groups)", layer.n_groups, "heads", layer.num_heads, world)
+
+
+def _m2_groups(layer, world: int, rank: int) -> range:
+    return groups_of(layer.n_groups, layer.num_heads, world, rank)
+
+
+def _m2_conv_channels(layer, world: int, rank: int) -> list[int]:
+    d, n, hd = layer.intermediate_size, layer.ssm_state_size, layer.head_dim
+    x = [c for h in share(layer.num_heads, world, rank) for c in span(h * hd, hd)]
+    groups = _m2_groups(layer, world, rank)
+    b = [d + c for g in groups for c in span(g * n, n)]
+    c_ = [d + layer.n_groups * n + c for g in groups for c in span(g * n, n)]
+    return x + b + c_
+
+
+def _m2_in_proj(layer, world: int, rank: int) -> list[int]:
+    d = layer.intermediate_size
+    gate = [-1] * (d // world)
+    conv = [d + c for c in _m2_conv_channels(layer, world, rank)]
+    dt = [d + layer.conv_dim + h for h in share(layer.num_heads, world, rank)]
+    return gate + conv + dt
+
+
+def _m2_attributes(layer, world: int) -> dict[str, Any]:
+    groups = len(_m2_groups(layer, world, 0))
+    inner = layer.intermediate_size // world
+    return {
+        "num_heads": layer.num_heads // world,
+        "intermediate_size": inner,
+        "n_groups": groups,
+        "conv_dim": inner + 2 * groups * layer.ssm_state_size,
+    }
+
+
+def _m2_parameters(layer, world: int, rank: int) -> dict[str, Tensor]:
+    heads = index(share(layer.num_heads, world, rank), layer.A_log)
+    conv = index(_m2_conv_channels(layer, world, rank), layer.A_log)
+    params = {
+        "conv1d.weight": layer.conv1d.weight.index_select(0, conv),
+        "A_log": layer.A_log.index_select(0, heads),
+        "dt_bias": layer.dt_bias.index_select(0, heads),
+        "D": layer.D.index_select(0, heads),
+    }
+    if layer.conv1d.bias is not None:
+        params["conv1d.bias"] = layer.conv1d.bias.index_select(0, conv)
+    return params
+
+
+def _m2_outputs(layer, world: int, rank: int) -> list[int]:
+    hd = layer.head_dim
+    return [c for h in share(layer.num_heads, world, rank) for c in span(h * hd, hd)]
+
+
+def _m2_tail(layer, core: Tensor, projections: dict[str, Tensor]) -> Tensor:
+    gate = projections["in_proj"][..., : layer.intermediate_size]
+    return layer.out_proj(layer.norm(core, gate))
+
+
+BAMBA_MAMBA2 = MixerSpec(
+    family="Mamba 2 (Bamba)",
+    heads=_m2_heads,
+    entries={"in_proj": _m2_in_proj},
+    attributes=_m2_attributes,
+    parameters=_m2_parameters,
+    exit="norm",
+    outputs=_m2_outputs,
+    tail=_m2_tail,
+    width=lambda layer: layer.intermediate_size,
+)
+
+
+SPECS: dict[str, MixerSpec] = {"BambaMixer": BAMBA_MAMBA2}
