@@ -5,7 +5,14 @@ code of its layers. :data:`SPECS` maps a layer class name to its spec."""
 from __future__ import annotations
 
 from mesh_cp.integrations.hf.hybrid import MixerSpec
-from mesh_cp.integrations.hf.mixers import gated_deltanet, mamba2
+from mesh_cp.integrations.hf.mixers import gated_deltanet, kda, lightning, mamba1, mamba2, short_conv
 
-SPECS: dict[str, MixerSpec] = {**gated_deltanet.SPECS, **mamba2.SPECS}
+SPECS: dict[str, MixerSpec] = {
+    **gated_deltanet.SPECS,
+    **kda.SPECS,
+    **lightning.SPECS,
+    **mamba1.SPECS,
+    **mamba2.SPECS,
+    **short_conv.SPECS,
+}
 """Mixer layer class name -> its spec."""
