@@ -1,0 +1,208 @@
+"""Hybrid models (attention beside Gated DeltaNet, KDA, lightning attention, Mamba 1/2, short convolutions) through
+``hf.attach`` on 4 gloo ranks: every family exact against the stock single-process model, or refused by name.
+
+Exact means: this rank's logits, the loss and every parameter gradient (summed over the CP group) within 1e-5 of
+the stock model in fp32, at tiles 2x2 and 1x4, and with packed rows and left padding (the reference: the stock
+model on each document alone). Refused: a mixer whose heads do not split over the 4 ranks, generation (recurrent
+caches are not sharded), keywords a mixer does not take. The families come from the ``cases_*`` modules of
+``tests/integrations/hf/hybrid``; one spawned group of 4 ranks runs them all.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import pathlib
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import mesh_cp  # noqa: E402
+from mesh_cp.testing import spawn_gloo  # noqa: E402
+from mesh_cp.testing.models import VOCAB  # noqa: E402
+
+TOL = 1e-5
+SEQ = 32
+WORLD = 4
+DOCUMENTS = [[12, 14], [5, 17, 10]]
+"""Packed rows: document lengths per row (row 0 ends in 6 tokens of padding)."""
+LEFT_PAD = 6
+"""Left padding of the padded case's second row."""
+
+FAMILIES = (
+    "qwen3_next",
+    "qwen3_5",
+    "kimi_linear",
+    "minimax",
+    "nemotron_h",
+    "granitemoehybrid",
+    "bamba",
+    "falcon_h1",
+    "zamba2",
+    "jamba",
+    "lfm2",
+)
+"""The eleven families the suite must run (more may be in the cases modules)."""
+
+
+def _case_modules() -> list:
+    folder = pathlib.Path(__file__).parent / "hybrid"
+    return [importlib.import_module(f"tests.integrations.hf.hybrid.{p.stem}") for p in sorted(folder.glob("cases_*.py"))]
+
+
+def _cases(kind: str) -> dict:
+    out: dict = {}
+    for module in _case_modules():
+        out.update(getattr(module, kind, dict)())
+    return out
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _stock(config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    except ValueError:
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+
+
+def _reference(ref, ids: torch.Tensor, spans: list[list[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The stock model on each document alone: logits placed at the documents' positions (zeros elsewhere), the
+    summed next-token loss over the documents divided by their label count, and that count."""
+    logits = torch.zeros(*ids.shape, VOCAB)
+    total, count = 0.0, 0
+    for row, row_spans in enumerate(spans):
+        for start, stop in row_spans:
+            doc = ids[row : row + 1, start:stop]
+            out = ref(input_ids=doc, use_cache=False).logits
+            logits[row, start:stop] = out[0]
+            total = total + torch.nn.functional.cross_entropy(out[0, :-1], doc[0, 1:], reduction="sum")
+            count += stop - start - 1
+    (total / count).backward()
+    return logits.detach(), (total / count).detach(), count
+
+
+def run_case(config, mesh, rows: str) -> str:
+    """``"exact"`` or what differs. ``rows``: ``"plain"`` (whole rows), ``"packed"`` (:data:`DOCUMENTS`) or
+    ``"padded"`` (right padding in row 0, :data:`LEFT_PAD` tokens of left padding in row 1)."""
+    import torch.distributed as dist
+
+    from mesh_cp.integrations import hf
+
+    ref = _stock(config)
+    model = copy.deepcopy(ref)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    if rows == "plain":
+        spans = [[(0, SEQ)], [(0, SEQ)]]
+        shard = {}
+    elif rows == "packed":
+        spans = [[(s - n, s) for n, s in zip(r, [sum(r[: i + 1]) for i in range(len(r))], strict=True)] for r in DOCUMENTS]
+        shard = {"documents": DOCUMENTS}
+    else:
+        spans = [[(0, SEQ - 5)], [(LEFT_PAD, SEQ)]]
+        mask = torch.zeros(2, SEQ, dtype=torch.long)
+        for row, ((start, stop),) in enumerate(spans):
+            mask[row, start:stop] = 1
+        shard = {"attention_mask": mask}
+    logits, loss, count = _reference(ref, ids, spans)
+    try:
+        hf.attach(model, mesh)
+        batch = hf.shard_batch(ids, mesh=mesh, **shard)
+        extra = {} if batch.mask is None else {"mesh_cp_mask": batch.mask}
+        local = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **extra).logits
+        local_loss = hf.causal_lm_loss(local, batch.shift_labels, batch.num_items_in_batch)
+        local_loss.backward()
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        return f"raised {type(err).__name__}: {err}"
+    hf.reduce_gradients(model, mesh)
+    summed = local_loss.detach().clone()
+    dist.all_reduce(summed, group=mesh.group)
+    real = torch.zeros(2, SEQ, 1)
+    for row, row_spans in enumerate(spans):
+        for start, stop in row_spans:
+            real[row, start:stop] = 1
+    shard_of = lambda t: mesh_cp.shard_sequence(t, mesh=mesh, dim=1, layout="zigzag")  # noqa: E731
+    errors = {
+        "logits": _max_err(local.detach() * shard_of(real), shard_of(logits)),
+        "loss": _max_err(summed, loss),
+        "label count": abs(int(batch.num_items_in_batch) - count),
+    }
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if (p.grad is None) != (q.grad is None):
+            return f"gradient of {name} is {'missing' if p.grad is None else 'unexpected'}"
+        if p.grad is not None:
+            errors[name] = _max_err(p.grad, q.grad)
+    worst = max(errors, key=errors.get)
+    dist.barrier(group=mesh.group)
+    return "exact" if errors[worst] <= TOL else f"wrong: {worst} error {errors[worst]:.2e}"
+
+
+def refusal(config, mesh, what: str) -> str:
+    """The message of the refusal of ``what``: ``"heads"`` (attach over too many ranks), ``"generate"``,
+    ``"keyword"`` (``cu_seq_lens_q`` given to the model)."""
+    from mesh_cp.integrations import hf
+
+    model = _stock(config)
+    ids = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(2))
+    try:
+        hf.attach(model, mesh)
+        if what == "generate":
+            hf.generate(model, ids, mesh=mesh, max_new_tokens=2, do_sample=False)
+        elif what == "keyword":
+            batch = hf.shard_batch(ids, mesh=mesh)
+            cu = torch.tensor([0, SEQ // WORLD], dtype=torch.int32)
+            model(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seq_lens_q=cu, use_cache=False)
+    except (NotImplementedError, ValueError) as err:
+        return str(err)
+    return "not refused"
+
+
+def hybrid_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    meshes = {f"{a}x{b}": mesh_cp.CPMesh.create(dist.group.WORLD, tile=(a, b)) for a, b in ((2, 2), (1, 4))}
+    out = {}
+    for family, config in _cases("configs").items():
+        for tile, mesh in meshes.items():
+            out[f"{family} {tile}"] = run_case(config, mesh, "plain")
+        out[f"{family} packed"] = run_case(config, meshes["2x2"], "packed")
+        out[f"{family} padded"] = run_case(config, meshes["1x4"], "padded")
+    for family, config in _cases("too_few_heads").items():
+        out[f"{family} too few heads"] = refusal(config, meshes["2x2"], "heads")
+    first = next(iter(_cases("configs").values()))
+    out["generate"] = refusal(first, meshes["2x2"], "generate")
+    out["keyword"] = refusal(first, meshes["2x2"], "keyword")
+    return out
+
+
+REFUSALS = {
+    "too few heads": r"runs head-parallel over the CP group of 4 ranks, and its .* do not split over 4 ranks",
+    "generate": r"generation with mesh_cp does not shard recurrent",
+    "keyword": r"does not take 'cu_seq_lens_q'",
+}
+
+
+def test_hybrid_families_are_exact_or_refused_by_name() -> None:
+    configs = _cases("configs")
+    assert set(FAMILIES) <= set(configs), f"families without a case: {sorted(set(FAMILIES) - set(configs))}"
+    assert _cases("too_few_heads"), "no case of a mixer whose heads do not split over the ranks"
+    per_rank = spawn_gloo(hybrid_worker, WORLD)
+    failures = []
+    for name in per_rank[0]:
+        got = sorted({res[name] for res in per_rank})
+        pattern = next((p for key, p in REFUSALS.items() if name.endswith(key)), None)
+        ok = all(re.search(pattern, g) for g in got) if pattern else got == ["exact"]
+        if not ok:
+            failures.append(f"{name:40} got {' | '.join(got)}")
+    assert not failures, "hybrid outcomes differ from exact / refused by name:\n" + "\n".join(failures)
