@@ -42,7 +42,7 @@ from torch import Tensor
 
 from mesh_cp.core.masks import AttentionMask
 from mesh_cp.runtime.mesh import CPMesh
-from mesh_cp.runtime.mixers import channels_to_tokens, exchange_bytes, tokens_to_channels
+from mesh_cp.runtime.mixers import channels_to_tokens, tokens_to_channels
 
 Channels = Callable[[torch.nn.Module, int, int], list[int]]
 """``(layer, P, rank) ->`` channel indices; ``-1`` stands for a channel the core reads but does not use (a
@@ -291,11 +291,12 @@ class HybridMixer:
         out = stand_in.new_zeros((stand_in.shape[0], seq, width))
         return out.index_put((torch.cat(rows), torch.cat(positions)), torch.cat(outputs))
 
-    def bytes_per_row(self, layer: torch.nn.Module, seq_local: int, element_bytes: int) -> int:
-        """Bytes this rank sends in the layer's forward exchanges, per batch row (:func:`exchange_bytes`)."""
-        channels_in = sum(len(real[self.attached.mesh.rank]) for real, _, _ in self.plan.entries.values())
-        channels_out = len(self.plan.outputs[self.attached.mesh.rank])
-        return exchange_bytes(seq_local, channels_in, channels_out, self.attached.mesh.size, element_bytes)
+
+def core_channels(layer: torch.nn.Module, spec: MixerSpec, world: int, rank: int = 0) -> tuple[int, int]:
+    """The channels rank ``rank``'s core reads (over all input projections, placeholders left out) and writes: what
+    it exchanges per token (:func:`mesh_cp.core.mixers.mixer_exchange_bytes`)."""
+    read = sum(sum(1 for c in channels(layer, world, rank) if c >= 0) for channels in spec.entries.values())
+    return read, len(spec.outputs(layer, world, rank))
 
 
 # Channel arithmetic of the specs (heads split contiguously over the ranks, rank after rank).

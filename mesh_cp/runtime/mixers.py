@@ -60,13 +60,6 @@ def _token_order(seq_len: int, mesh: CPMesh, layout: Layout, device: torch.devic
     return torch.cat(positions).to(device)
 
 
-def exchange_bytes(seq_local: int, channels_in: int, channels_out: int, world: int, element_bytes: int) -> int:
-    """Bytes one rank sends (and as many it receives) in the two exchanges of a mixer layer's forward, per row:
-    ``(P - 1)`` pieces of ``seq_local`` tokens of a rank's ``channels_in`` core inputs, then of its ``channels_out``
-    core outputs (Note [Head-parallel mixers])."""
-    return (world - 1) * seq_local * (channels_in + channels_out) * element_bytes
-
-
 def tokens_to_channels(x: Tensor, channels: Sequence[Tensor], *, mesh: CPMesh, layout: Layout) -> Tensor:
     """``x (batch, seq_local, C)``, this rank's tokens with every channel, -> ``(batch, seq, c)``: the whole
     sequence in global order, channels ``channels[mesh.rank]`` (indices into ``C``). ``channels[j]`` are the
