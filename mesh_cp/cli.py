@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mesh_cp.core import AttentionShape, DecodeShape, Tiling, check_seq_len, head_parallel_unavailable
+from mesh_cp.core.mixers import mixer_exchange_bytes
 from mesh_cp.core.options import positive_int as _positive
 from mesh_cp.sim import PRESETS, SimResult, Topology, best_of_kind, choose, simulate_candidates
 from mesh_cp.sim.decode import decode_table, format_decode_table
@@ -149,8 +150,14 @@ def _plan_command(args: argparse.Namespace) -> int:
     else:
         lines.append(f"{'ulysses':>9}  unavailable: {reason}")
     lines += _hybrid_rows(args, runs, ring)
-    _, _, why = choose(
+    u, tiling, why = choose(
         args.world, shape, topology, memory_budget=args.memory_budget, head_parallel=args.head_parallel, **options
+    )
+    lines += _mixer_rows(
+        args,
+        shape,
+        runs["collective"][(u, tiling)].traffic.total,
+        runs["collective"][(1, Tiling(world=args.world, a=1, b=args.world))].traffic.total,
     )
     lines += [
         "",
@@ -165,6 +172,38 @@ def _plan_command(args: argparse.Namespace) -> int:
         plot_scaling(args, topology, Path(args.plot))
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _mixer_rows(args: argparse.Namespace, shape: AttentionShape, chosen: int, ring: int) -> list[str]:
+    """Rows of the ``--mixer`` layers: their exchange's bytes per rank (forward + backward) against one attention
+    layer's, the chosen layout's and the ring's (collective schedule)."""
+    lines = []
+    for name, (channels_in, channels_out) in args.mixer or ():
+        sent = 2 * mixer_exchange_bytes(
+            seq_local=shape.seq_local,
+            channels_in=channels_in,
+            channels_out=channels_out,
+            world=args.world,
+            itemsize=shape.itemsize,
+            batch=shape.batch,
+        )
+        lines.append(
+            f"{'mixer':>9}  {format_bytes(sent):>10}  {name}: head-parallel exchange of {channels_in} + {channels_out} "
+            f"channels per token, {sent / chosen:.2f}x the chosen attention layout's bytes, {sent / ring:.2f}x the ring's"
+        )
+    return lines
+
+
+def parse_mixer(text: str) -> tuple[str, tuple[int, int]]:
+    """``NAME=CIN,COUT`` of ``--mixer``: a mixer layer kind and the channels one rank's core reads and writes."""
+    name, _, channels = text.partition("=")
+    parts = channels.split(",")
+    if not name or len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"--mixer takes NAME=CIN,COUT (the channels one rank's core reads and writes, as "
+            f"scripts/mixer_traffic.py prints them for a transformers config), got {text!r}"
+        )
+    return name, (int(parts[0]), int(parts[1]))
 
 
 def _hybrid_rows(args: argparse.Namespace, runs: dict[str, dict], ring: float) -> list[str]:
@@ -350,6 +389,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         help="fix the head-parallel degree u of the choice (1: a plain mesh; default: the cost model chooses u)",
+    )
+    plan.add_argument(
+        "--mixer",
+        type=parse_mixer,
+        action="append",
+        metavar="NAME=CIN,COUT",
+        help="a hybrid model's mixer layer (Mamba, linear attention, short convolution): the channels one rank's core "
+        "reads and writes at this --world (scripts/mixer_traffic.py prints them for a transformers config); adds a "
+        "row of its exchange's bytes against the attention's (repeatable)",
     )
     plan.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of traffic and speed-up vs P=4..1024")
     plan.set_defaults(run=_plan_command, command_parser=plan)
