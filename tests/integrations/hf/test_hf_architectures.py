@@ -9,7 +9,9 @@ the single-process model (SDPA, or eager where the model has no SDPA path) in fp
 error whose message names the feature. The test asserts the whole table of outcomes against
 ``EXPECTED`` and prints the table on any mismatch: no architecture may be silently wrong.
 
-One spawned group of 4 gloo ranks runs every architecture (tile 2x2; 1x4 for a few).
+One spawned group of 4 gloo ranks runs every architecture (tile 2x2; 1x4 for a few). Hybrid models whose mixer
+layers mesh_cp runs (Gated DeltaNet, Mamba, ...) are in ``test_hybrid.py``; one whose mixer it does not run
+(RecurrentGemma's RG-LRU) is refused here.
 """
 
 from __future__ import annotations
@@ -80,8 +82,7 @@ EXPECTED = {
     "gptj (AttentionInterface from transformers 5.24)": ("2x2", _through_attention_interface("gptj")),
     "bloom (ALiBi, no AttentionInterface)": ("2x2", "refused:AttentionInterface"),
     "mpt (ALiBi, no AttentionInterface)": ("2x2", "refused:AttentionInterface"),
-    "lfm2 (short convolutions)": ("2x2", "refused:other sequence mixers"),
-    "qwen3_next (gated delta net: linear attention)": ("2x2", "refused:other sequence mixers"),
+    "recurrent_gemma (RG-LRU recurrent blocks)": ("2x2", "refused:other sequence mixers"),
 }
 
 
@@ -217,9 +218,11 @@ def architectures() -> dict:
         "mpt (ALiBi, no AttentionInterface)": tf.MptConfig(
             vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=256, **ids
         ),
-        "lfm2 (short convolutions)": tf.Lfm2Config(**base, layer_types=["conv", "full_attention"]),
-        "qwen3_next (gated delta net: linear attention)": tf.Qwen3NextConfig(
-            **base, head_dim=8, layer_types=["linear_attention", "full_attention"], num_experts=2, **moe
+        "recurrent_gemma (RG-LRU recurrent blocks)": tf.RecurrentGemmaConfig(
+            **{k: v for k, v in base.items() if k != "max_position_embeddings"},
+            lru_width=32,
+            attention_window_size=16,
+            block_types=["recurrent", "attention"],
         ),
     }
 

@@ -50,7 +50,9 @@ FAMILIES = (
 
 def _case_modules() -> list:
     folder = pathlib.Path(__file__).parent / "hybrid"
-    return [importlib.import_module(f"tests.integrations.hf.hybrid.{p.stem}") for p in sorted(folder.glob("cases_*.py"))]
+    return [
+        importlib.import_module(f"tests.integrations.hf.hybrid.{p.stem}") for p in sorted(folder.glob("cases_*.py"))
+    ]
 
 
 def _cases(kind: str) -> dict:
@@ -105,7 +107,9 @@ def run_case(config, mesh, rows: str) -> str:
         spans = [[(0, SEQ)], [(0, SEQ)]]
         shard = {}
     elif rows == "packed":
-        spans = [[(s - n, s) for n, s in zip(r, [sum(r[: i + 1]) for i in range(len(r))], strict=True)] for r in DOCUMENTS]
+        spans = [
+            [(s - n, s) for n, s in zip(r, [sum(r[: i + 1]) for i in range(len(r))], strict=True)] for r in DOCUMENTS
+        ]
         shard = {"documents": DOCUMENTS}
     else:
         spans = [[(0, SEQ - 5)], [(LEFT_PAD, SEQ)]]
@@ -206,3 +210,90 @@ def test_hybrid_families_are_exact_or_refused_by_name() -> None:
         if not ok:
             failures.append(f"{name:40} got {' | '.join(got)}")
     assert not failures, "hybrid outcomes differ from exact / refused by name:\n" + "\n".join(failures)
+
+
+def test_unhandled_mixers_are_refused_by_name() -> None:
+    """A mixer class without a spec, or a config naming non-attention layers with no handled layer, is refused."""
+    from types import SimpleNamespace
+
+    from mesh_cp.integrations.hf.model_checks import refuse_other_sequence_mixers
+    from mesh_cp.integrations.hf.mixers import SPECS
+
+    class RwkvBlock(torch.nn.Module):
+        pass
+
+    class Model(torch.nn.Module):
+        def __init__(self, kinds):
+            super().__init__()
+            self.block = RwkvBlock()
+            self.config = SimpleNamespace(layer_types=kinds)
+
+    with pytest.raises(NotImplementedError, match=r"outside attention \(RwkvBlock\) in layers mesh_cp does not run"):
+        refuse_other_sequence_mixers(Model(["full_attention"]), [], set(SPECS))
+    plain = Model(["mamba", "full_attention"])
+    plain.block = torch.nn.Linear(2, 2)
+    with pytest.raises(NotImplementedError, match=r"config.layer_types \['mamba'\]"):
+        refuse_other_sequence_mixers(plain, [plain], set(SPECS))
+
+
+def test_exchange_bytes_and_the_plan_row() -> None:
+    """The exchange's bytes per rank (P - 1 pieces of the rank's tokens, in and out), and `mesh-cp plan --mixer`."""
+    import contextlib
+    import io
+
+    from mesh_cp.cli import main
+    from mesh_cp.core.mixers import mixer_exchange_bytes
+
+    assert (
+        mixer_exchange_bytes(seq_local=4, channels_in=10, channels_out=6, world=4, itemsize=2, batch=3)
+        == 3 * 4 * 16 * 2 * 3
+    )
+    with pytest.raises(ValueError, match="world"):
+        mixer_exchange_bytes(seq_local=4, channels_in=1, channels_out=1, world=0, itemsize=2)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(
+            [
+                "plan",
+                "--world",
+                "8",
+                "--seq",
+                "65536",
+                "--heads",
+                "16",
+                "--kv-heads",
+                "2",
+                "--head-dim",
+                "256",
+                "--mixer",
+                "gdn=1032,512",
+            ]
+        )
+    row = next(line for line in out.getvalue().splitlines() if "gdn:" in line)
+    expected = 2 * mixer_exchange_bytes(seq_local=8192, channels_in=1032, channels_out=512, world=8, itemsize=2)
+    assert f"{expected / 2**20:.1f} MiB" in row, row
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+        main(["plan", "--world", "8", "--seq", "64", "--heads", "4", "--head-dim", "8", "--mixer", "gdn=12"])
+    assert "NAME=CIN,COUT" in err.getvalue()
+
+
+def test_core_channels_of_a_grouped_layer() -> None:
+    """Bamba's Mamba 2 with one group at P = 4: each rank reads its heads' x, dt and the group's B and C."""
+    import transformers as tf
+
+    from mesh_cp.integrations.hf.hybrid import core_channels
+    from mesh_cp.integrations.hf.mixers import SPECS
+
+    config = tf.BambaConfig(
+        hidden_size=32,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_indices=[1],
+        num_hidden_layers=2,
+    )
+    layer = tf.AutoModelForCausalLM.from_config(config).model.layers[0].mamba
+    assert core_channels(layer, SPECS["BambaMixer"], 4) == (16 + 2 * 8 + 1, 16)

@@ -5,7 +5,7 @@ the mask of its padding (with it, a row the mesh pads equals the stock model), l
 ``num_items_in_batch`` (mesh_cp's batch: the stock model's loss and gradients; also GPT2LMHeadModel, whose class name
 matches no loss_type), pooled heads (token classification: exact logits, labels refused), and a second model built
 from the attached one's config object keeps its attention. The default collator honours ``attention_mask`` and
-refuses other keys. (Hybrid state-space / linear-attention models: ``test_hf_architectures.py``.)
+refuses other keys. (Hybrid state-space / linear-attention models: ``test_hybrid.py``.)
 """
 
 from __future__ import annotations
