@@ -170,6 +170,84 @@ def refusal(config, mesh, what: str) -> str:
     return "not refused"
 
 
+KERNELS = {
+    "bamba": (
+        "transformers.models.bamba.modeling_bamba",
+        "mamba2_chunk_scan",
+        "mamba2_split_conv1d_scan_combined",
+        # argument -> axis of heads (h) or groups (g)
+        {0: ("h", 2), 1: ("h", 2), 2: ("h", 0), 3: ("g", 2), 4: ("g", 2), "D": ("h", 0), "dt_bias": ("h", 0)},
+    ),
+    "qwen3_next": (
+        "transformers.models.qwen3_next.modeling_qwen3_next",
+        "torch_chunk_gated_delta_rule",
+        None,
+        {0: ("g", 2), 1: ("g", 2), 2: ("h", 2), "g": ("h", 2), "beta": ("h", 2)},
+    ),
+}
+"""Family -> (its modeling module, the scan it calls, its fused kernel the core must not take, the scan's tensor
+arguments with their head or group axis)."""
+
+
+def kernel_arguments(family: str, config, mesh) -> str:
+    """Where a GPU calls its kernel (fla, mamba_ssm) a rank's core calls the same function as the single process,
+    with the single process's arguments restricted to the rank's heads (and their groups), over the whole sequence;
+    the fused kernel (which folds in the norm and the output projection) is never called. Checked by recording the
+    calls of the function transformers dispatches to."""
+    import importlib
+
+    from mesh_cp.integrations import hf
+    from mesh_cp.integrations.hf.hybrid import MIXER_KEYWORDS, groups_of, share
+
+    module_name, scan, fused, axes = KERNELS[family]
+    module = importlib.import_module(module_name)
+    calls: dict[str, list] = {"scan": [], "fused": []}
+    original, original_fused = getattr(module, scan), getattr(module, fused) if fused else None
+
+    def record(*args, **kwargs):
+        calls["scan"].append((args, kwargs))
+        return original(*args, **kwargs)
+
+    def record_fused(*args, **kwargs):
+        calls["fused"].append(1)
+        return original_fused(*args, **kwargs)  # None on the CPU: the layer goes on unfused
+
+    setattr(module, scan, record)
+    if fused:
+        setattr(module, fused, record_fused)
+    try:
+        ref = _stock(config)
+        model = copy.deepcopy(ref)
+        ids = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
+        ref(input_ids=ids, use_cache=False)
+        full, fused_full = calls["scan"][:], len(calls["fused"])
+        calls["scan"].clear(), calls["fused"].clear()
+        hf.attach(model, mesh)
+        batch = hf.shard_batch(ids, mesh=mesh)
+        model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    finally:
+        setattr(module, scan, original)
+        if fused:
+            setattr(module, fused, original_fused)
+    if len(calls["scan"]) != len(full) or calls["fused"] or not full or (fused and not fused_full):
+        return f"calls: {len(calls['scan'])} scans (single process {len(full)}), {len(calls['fused'])} fused"
+    layer = next(m for m in model.modules() if hasattr(m, "mesh_cp_mixer"))
+    heads = getattr(layer, "num_heads", None) or layer.num_v_heads
+    groups = getattr(layer, "n_groups", None) or layer.num_k_heads
+    kept = {"h": share(heads, mesh.size, mesh.rank), "g": groups_of(groups, heads, mesh.size, mesh.rank)}
+    for (args, kwargs), (ref_args, ref_kwargs) in zip(calls["scan"], full, strict=True):
+        for key, (kind, axis) in axes.items():
+            got = args[key] if isinstance(key, int) else kwargs[key]
+            want = ref_args[key] if isinstance(key, int) else ref_kwargs[key]
+            want = want.index_select(axis, torch.tensor(list(kept[kind])))
+            if got.shape != want.shape or _max_err(got, want) > TOL:
+                return f"argument {key}: got {tuple(got.shape)}, expected {tuple(want.shape)} (the heads' slice)"
+        options = {k: v for k, v in ref_kwargs.items() if k not in MIXER_KEYWORDS and not isinstance(v, torch.Tensor)}
+        if any(k not in kwargs or kwargs[k] != v for k, v in options.items()):
+            return f"options {options} expected (keywords that ride along left out), got {kwargs}"
+    return "exact"
+
+
 def hybrid_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
     import transformers
@@ -184,6 +262,9 @@ def hybrid_worker(rank: int, world: int) -> dict:
         out[f"{family} padded"] = run_case(config, meshes["1x4"], "padded")
     for family, config in _cases("too_few_heads").items():
         out[f"{family} too few heads"] = refusal(config, meshes["2x2"], "heads")
+    for family in KERNELS:
+        if family in _cases("configs"):
+            out[f"{family} kernel arguments"] = kernel_arguments(family, _cases("configs")[family], meshes["2x2"])
     first = next(iter(_cases("configs").values()))
     out["generate"] = refusal(first, meshes["2x2"], "generate")
     out["keyword"] = refusal(first, meshes["2x2"], "keyword")
@@ -216,8 +297,8 @@ def test_unhandled_mixers_are_refused_by_name() -> None:
     """A mixer class without a spec, or a config naming non-attention layers with no handled layer, is refused."""
     from types import SimpleNamespace
 
-    from mesh_cp.integrations.hf.model_checks import refuse_other_sequence_mixers
     from mesh_cp.integrations.hf.mixers import SPECS
+    from mesh_cp.integrations.hf.model_checks import refuse_other_sequence_mixers
 
     class RwkvBlock(torch.nn.Module):
         pass
