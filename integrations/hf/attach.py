@@ -80,8 +80,10 @@ def attach(
     - every forward of ``model`` gets ``position_ids`` equal to this rank's global positions in ``layout``
       (one check per ``position_ids`` tensor; the model would number a shard from 0, and packed batches
       restart positions per document);
-    - no layer mixes the sequence other than by attention (hybrid state-space, linear-attention or convolution
-      models are refused);
+    - layers that mix the sequence other than by attention (Gated DeltaNet, KDA, lightning attention, Mamba 1 and 2,
+      short convolutions: the classes of :data:`~mesh_cp.integrations.hf.mixers.SPECS`) run head-parallel over the
+      CP group (:mod:`~mesh_cp.integrations.hf.hybrid`), their heads split over its ranks (refused by name
+      otherwise); any other such layer is refused;
     - RoPE types in :data:`LENGTH_DEPENDENT_ROPE` are given the whole sequence's length (Note
       [Length-dependent RoPE]); ``attn_temperature_tuning`` (Llama 4), which scales queries by positions
       counted from 0 on each shard, is refused;

@@ -193,6 +193,7 @@ class HybridMixer:
         mesh = attached.mesh
         self.plan = _make_plan(layer, spec, mesh)
 
+    @torch.compiler.disable(reason="a mixer layer under mesh_cp communicates over the CP group; it runs eagerly")
     def forward(self, layer: torch.nn.Module, hidden_states: Tensor, *args, **kwargs) -> Any:
         cache = kwargs.pop("cache", None)
         cache = kwargs.pop("cache_params", cache)

@@ -93,15 +93,19 @@ def _reference(ref, ids: torch.Tensor, spans: list[list[tuple[int, int]]]) -> tu
     return logits.detach(), (total / count).detach(), count
 
 
-def run_case(config, mesh, rows: str) -> str:
+def run_case(config, mesh, rows: str, checkpointing: bool = False) -> str:
     """``"exact"`` or what differs. ``rows``: ``"plain"`` (whole rows), ``"packed"`` (:data:`DOCUMENTS`) or
-    ``"padded"`` (right padding in row 0, :data:`LEFT_PAD` tokens of left padding in row 1)."""
+    ``"padded"`` (right padding in row 0, :data:`LEFT_PAD` tokens of left padding in row 1); ``checkpointing``:
+    with transformers' gradient checkpointing."""
     import torch.distributed as dist
 
     from mesh_cp.integrations import hf
 
     ref = _stock(config)
     model = copy.deepcopy(ref)
+    if checkpointing:  # layers run again in backward: a mixer not handed the mask reads the forward's
+        model.activation_checkpointing_enable()
+        model.train()
     ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     if rows == "plain":
         spans = [[(0, SEQ)], [(0, SEQ)]]
@@ -260,6 +264,9 @@ def hybrid_worker(rank: int, world: int) -> dict:
             out[f"{family} {tile}"] = run_case(config, mesh, "plain")
         out[f"{family} packed"] = run_case(config, meshes["2x2"], "packed")
         out[f"{family} padded"] = run_case(config, meshes["1x4"], "padded")
+    for family in ("bamba", "jamba"):
+        if family in _cases("configs"):
+            out[f"{family} packed, checkpointed"] = run_case(_cases("configs")[family], meshes["2x2"], "packed", True)
     for family, config in _cases("too_few_heads").items():
         out[f"{family} too few heads"] = refusal(config, meshes["2x2"], "heads")
     for family in KERNELS:
