@@ -2,10 +2,11 @@
 launch``: DP 2 x CP 2) against the real single-process ``Trainer`` on the same data and seed, with batches of
 DP x B (trainer_cases.py runs both): random, sequential and length-grouped sampling, ``data_seed``, gradient
 checkpointing and accumulation, ``dataloader_drop_last``, ``include_num_input_tokens_seen="non_padding"``, and
-transformers' padding-free ``DataCollatorWithFlattening`` (documents kept apart by their ``position_ids``).
+transformers' padding-free ``DataCollatorWithFlattening`` (documents kept apart by their ``position_ids``), and a
+hybrid model (Bamba: Mamba 2 layers, head-parallel over the CP group, beside attention).
 
 Every case, in fp32: every step's loss within 1e-5; the token counter equal; ``evaluate()`` before training with a
-partial last batch (5 examples in batches of 2) within 1e-6; ``predict()`` after training within 1e-5; the
+partial last batch (5 examples in batches of 2) within 2e-6 (4 fp32 ulps of a loss near 5); ``predict()`` after training within 1e-5; the
 throughput metrics (samples per second times runtime) within 5% of the reference's samples.
 """
 
@@ -36,7 +37,7 @@ def test_trainer_equals_single_process(runs, case: str) -> None:
     err = max(abs(a - b) for a, b in zip(mesh["loss"], reference["loss"], strict=True))
     assert err <= 1e-5, (mesh["loss"], reference["loss"])
     assert mesh["tokens_seen"] == reference["tokens_seen"], (mesh["tokens_seen"], reference["tokens_seen"])
-    assert abs(mesh["eval_loss_before"] - reference["eval_loss_before"]) <= 1e-6, (mesh, reference)
+    assert abs(mesh["eval_loss_before"] - reference["eval_loss_before"]) <= 2e-6, (mesh, reference)
     assert abs(mesh["test_loss"] - reference["test_loss"]) <= 1e-5, (mesh["test_loss"], reference["test_loss"])
     check_samples(mesh, reference)
 

@@ -38,13 +38,29 @@ CASES: dict[str, dict] = {
     "tokens_non_padding": {"include_num_input_tokens_seen": "non_padding"},
     "data_seed": {"data_seed": 7},
     "flattening": {"collator": "flattening"},
+    "hybrid_mamba2": {"model": "bamba"},
 }
 """Case name -> TrainingArguments fields (``collator``: ``"flattening"`` for transformers' padding-free
-``DataCollatorWithFlattening`` with its flash-attention keywords and ``seq_idx``; default a padding collator)."""
+``DataCollatorWithFlattening`` with its flash-attention keywords and ``seq_idx``; default a padding collator;
+``model``: ``"bamba"`` for a hybrid of Mamba 2 and attention layers, default a Llama)."""
 
 
-def model_config():
-    """A tiny GQA Llama with weights large enough that its predictions are far from uniform."""
+def model_config(kind: str | None = None):
+    """A tiny GQA Llama with weights large enough that its predictions are far from uniform (``kind="bamba"``: a
+    Bamba, Mamba 2 then attention, with weights half as large: at 0.5 its scan's fp32 roundoff, which sums in
+    another order over a rank's heads, grows to 1e-5 of the gradients)."""
+    if kind == "bamba":
+        return tiny_config(
+            "BambaConfig",
+            num_key_value_heads=2,
+            initializer_range=0.25,
+            pad_token_id=0,
+            attn_layer_indices=[1],
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_chunk_size=8,
+        )
     return tiny_config("LlamaConfig", num_key_value_heads=2, initializer_range=0.5, pad_token_id=0)
 
 
@@ -66,9 +82,9 @@ def examples(count: int, low: int, high: int, seed: int) -> list[dict]:
 
 def run_case(name: str, mesh, output_dir: str) -> dict:
     train, held_out = examples(18, 6, 30, 1), examples(EVAL_EXAMPLES, 6, 20, 2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(model_config(), attn_implementation="sdpa")
     fields = {"max_steps": STEPS} | CASES[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config(fields.pop("model", None)), attn_implementation="sdpa")
     packed = fields.pop("collator", None) == "flattening"
     args = TrainingArguments(
         output_dir=output_dir,
