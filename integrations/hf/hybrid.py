@@ -21,10 +21,11 @@ Gradients reach the layer's parameters through the slices: each rank's share, su
 gradient reduction as every other gradient. The core runs in eval mode: transformers then takes its unfused path
 (the CUDA kernels of the scan and the convolution, where installed, not the kernel that fuses the norm and the
 output projection, which the core must stop before). A row with documents or padding (``mesh_cp_mask``) runs
-the core once per document, so a state starts at zero at every document start, as the single process computes
-each document alone.
+the core over every document alone, so a state starts at zero at every document start, as the single process
+computes each document alone; documents within a power of two of each other's length run as one batch of rows,
+padded on the right (the core is causal).
 
-A layer kind is described by a :class:`MixerSpec` (one module per layer kind in :mod:`mesh_cp.integrations.hf.mixers`): which
+A layer kind is described by a :class:`MixerSpec` (one module per kind in :mod:`mesh_cp.integrations.hf.mixers`): which
 projections feed the core and which of their channels each rank's heads read, the core's attributes and
 parameter slices, its exit, and the rest of the layer.
 """
@@ -78,7 +79,7 @@ class MixerSpec:
 
 
 MIXER_KEYWORDS: dict[str, str] = {
-    "mesh_cp_mask": "the batch's documents and padding: the core runs once per document",
+    "mesh_cp_mask": "the batch's documents and padding: the core runs over each document alone",
     "position_ids": "this rank's positions (checked by the attention layers); a mixer does not read them",
     "position_embeddings": "RoPE tables that ride along the layer call; a mixer does not read them",
     "use_cache": "only False or None: generation over a sharded recurrent cache is not supported",
@@ -279,18 +280,30 @@ class HybridMixer:
     def _run_documents(
         self, core: torch.nn.Module, given: dict[str, Tensor], stand_in: Tensor, mask: AttentionMask, seq: int
     ) -> Tensor:
-        """The core once per document of every row (its spans in order), zeros at padding."""
-        rows, positions, outputs = [], [], []
+        """The core over every document of every row alone (its spans in order), zeros at padding. Documents of
+        lengths within a power of two run as one batch, each padded on the right to the longest (the core is
+        causal: what follows a document's last token cannot change its outputs)."""
+        device = stand_in.device
+        buckets: dict[int, list[tuple[int, Tensor]]] = {}
         for row in range(stand_in.shape[0]):
             for spans in mask.document_spans(row if mask.rows is not None else 0, seq):
-                index = torch.cat([torch.arange(start, stop) for start, stop in spans]).to(stand_in.device)
-                part = {name: value[row : row + 1].index_select(1, index) for name, value in given.items()}
-                outputs.append(self._run_core(core, part, stand_in[:1, : index.numel()])[0])
-                rows.append(torch.full_like(index, row))
+                index = torch.cat([torch.arange(start, stop) for start, stop in spans])
+                buckets.setdefault((index.numel() - 1).bit_length(), []).append((row, index))
+        rows, positions, outputs = [], [], []
+        for documents in buckets.values():
+            longest = max(index.numel() for _, index in documents)
+            part = {}
+            for name, value in given.items():
+                pieces = [value[row].index_select(0, index.to(device)) for row, index in documents]
+                part[name] = torch.stack([torch.nn.functional.pad(p, (0, 0, 0, longest - p.shape[0])) for p in pieces])
+            out = self._run_core(core, part, stand_in[:1, :1].expand(len(documents), longest, -1))
+            for (row, index), result in zip(documents, out, strict=True):
+                outputs.append(result[: index.numel()])
+                rows.append(torch.full((index.numel(),), row, dtype=torch.long))
                 positions.append(index)
         width = outputs[0].shape[-1]
         out = stand_in.new_zeros((stand_in.shape[0], seq, width))
-        return out.index_put((torch.cat(rows), torch.cat(positions)), torch.cat(outputs))
+        return out.index_put((torch.cat(rows).to(device), torch.cat(positions).to(device)), torch.cat(outputs))
 
 
 def core_channels(layer: torch.nn.Module, spec: MixerSpec, world: int, rank: int = 0) -> tuple[int, int]:
