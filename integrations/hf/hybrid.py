@@ -82,7 +82,8 @@ MIXER_KEYWORDS: dict[str, str] = {
     "mesh_cp_mask": "the batch's documents and padding: the core runs over each document alone",
     "position_ids": "this rank's positions (checked by the attention layers); a mixer does not read them",
     "position_embeddings": "RoPE tables that ride along the layer call; a mixer does not read them",
-    "use_cache": "only False or None: generation over a sharded recurrent cache is not supported",
+    "use_cache": "rides along; the cache a model makes for itself keeps no state of the mixer layers (the attached "
+    "model takes no such cache in a later call), and generation over a sharded cache is refused",
     "output_attentions": "only False or None",
     "output_hidden_states": "an output switch that rides along the model call; a mixer does not read it",
     "output_router_logits": "an MoE output switch that rides along the model call; a mixer does not read it",
@@ -204,9 +205,11 @@ class HybridMixer:
             cache = args[0] if cache is None else cache
             attention_mask = args[1] if len(args) > 1 and attention_mask is None else attention_mask
         name = type(layer).__name__
-        if cache is not None or kwargs.get("use_cache"):
+        # A cache the model made for itself in a forward (use_cache=True) is left without this layer's states: the
+        # attached model refuses any cache but a ShardedKVCache as the cache of a later call.
+        if hasattr(cache, "decoding"):
             raise NotImplementedError(
-                f"{name} ({self.spec.family}) was given a cache: generation with mesh_cp does not shard recurrent "
+                f"{name} ({self.spec.family}) was given a ShardedKVCache: generation with mesh_cp does not shard recurrent "
                 f"(Mamba, linear-attention, convolution) caches; generate with the model on one process"
             )
         if attention_mask is not None:
