@@ -1,5 +1,8 @@
-"""Gated DeltaNet layers (Qwen3-Next's ``Qwen3NextGatedDeltaNet``): the delta rule per value head, key heads
-shared by groups of value heads (Note [Mixer cores] in :mod:`mesh_cp.integrations.hf.hybrid`)."""
+"""Gated DeltaNet layers (Qwen3-Next's ``Qwen3NextGatedDeltaNet``, Qwen3.5's ``Qwen3_5GatedDeltaNet`` and
+``Qwen3_5MoeGatedDeltaNet``, OLMo Hybrid's ``OlmoHybridGatedDeltaNet``): the delta rule per value head, key heads
+shared by groups of value heads (value head ``h`` reads key head ``h // (value heads / key heads)``), so a rank's
+value heads read one key head or a contiguous share of them (Note [Mixer cores] in
+:mod:`mesh_cp.integrations.hf.hybrid`). The layers differ in how their input projections are split."""
 
 from __future__ import annotations
 
@@ -117,4 +120,85 @@ QWEN3_NEXT_GDN = MixerSpec(
 )
 
 
-SPECS: dict[str, MixerSpec] = {"Qwen3NextGatedDeltaNet": QWEN3_NEXT_GDN}
+# Qwen3.5 (dense and MoE): in_proj_qkv -> [q (key_dim) | k (key_dim) | v (value_dim)], the conv's channels as they
+# are; in_proj_z -> z per value head; in_proj_b, in_proj_a -> one channel per value head; exit: norm(core, z).
+
+
+def _gdn_heads_channels(layer, world: int, rank: int) -> list[int]:
+    """One channel per value head (b, a): this rank's value heads."""
+    return list(_gdn_value_heads(layer, world, rank))
+
+
+def _gdn_gate_placeholder(layer, world: int, rank: int) -> list[int]:
+    """The norm's gate, per value head: the core passes it to the exit only, so nothing of it is sent."""
+    return [-1] * (layer.num_v_heads // world * layer.head_v_dim)
+
+
+def _qwen3_5_tail(layer, core: Tensor, projections: dict[str, Tensor]) -> Tensor:
+    """The layer's output on this rank's tokens: out_proj(norm(core, z)) per value head."""
+    dv = layer.head_v_dim
+    normed = layer.norm(core.reshape(-1, dv), projections["in_proj_z"].reshape(-1, dv))
+    return layer.out_proj(normed.reshape(core.shape))
+
+
+QWEN3_5_GDN = MixerSpec(
+    family="Gated DeltaNet (Qwen3.5)",
+    heads=_gdn_heads,
+    entries={
+        "in_proj_qkv": _gdn_conv_channels,
+        "in_proj_z": _gdn_gate_placeholder,
+        "in_proj_b": _gdn_heads_channels,
+        "in_proj_a": _gdn_heads_channels,
+    },
+    attributes=_gdn_attributes,
+    parameters=_gdn_parameters,
+    exit="norm",
+    outputs=_gdn_outputs,
+    tail=_qwen3_5_tail,
+    width=lambda layer: layer.value_dim,
+)
+
+
+# OLMo Hybrid: q_proj, k_proj (key_dim), v_proj (value_dim) concatenated into the conv's channels; b_proj, a_proj
+# one channel per value head; g_proj the norm's gate per value head; exit: o_norm(core, gate); then o_proj.
+
+
+def _olmo_keys(layer, world: int, rank: int) -> list[int]:
+    """The channels of this rank's key heads in q_proj or k_proj (``key_dim`` wide)."""
+    dk = layer.head_k_dim
+    return [c for g in _gdn_key_heads(layer, world, rank) for c in span(g * dk, dk)]
+
+
+def _olmo_tail(layer, core: Tensor, projections: dict[str, Tensor]) -> Tensor:
+    """The layer's output on this rank's tokens: o_proj(o_norm(core, g_proj(x))) per value head."""
+    dv = layer.head_v_dim
+    normed = layer.o_norm(core.reshape(-1, dv), projections["g_proj"].reshape(-1, dv))
+    return layer.o_proj(normed.reshape(core.shape))
+
+
+OLMO_HYBRID_GDN = MixerSpec(
+    family="Gated DeltaNet (OLMo Hybrid)",
+    heads=_gdn_heads,
+    entries={
+        "q_proj": _olmo_keys,
+        "k_proj": _olmo_keys,
+        "v_proj": _gdn_outputs,
+        "b_proj": _gdn_heads_channels,
+        "a_proj": _gdn_heads_channels,
+        "g_proj": _gdn_gate_placeholder,
+    },
+    attributes=_gdn_attributes,
+    parameters=_gdn_parameters,
+    exit="o_norm",
+    outputs=_gdn_outputs,
+    tail=_olmo_tail,
+    width=lambda layer: layer.value_dim,
+)
+
+
+SPECS: dict[str, MixerSpec] = {
+    "Qwen3NextGatedDeltaNet": QWEN3_NEXT_GDN,
+    "Qwen3_5GatedDeltaNet": QWEN3_5_GDN,
+    "Qwen3_5MoeGatedDeltaNet": QWEN3_5_GDN,
+    "OlmoHybridGatedDeltaNet": OLMO_HYBRID_GDN,
+}
