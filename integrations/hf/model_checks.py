@@ -42,6 +42,7 @@ def refuse_other_sequence_mixers(model: torch.nn.Module, models: list[torch.nn.M
             if any(p in type(m).__name__ for p in _OTHER_MIXERS)
             and type(m).__name__ not in handled
             and not any(type(c).__name__ in handled for c in m.modules())
+            and not (hasattr(m, "is_causal") and hasattr(m, "config"))  # attention (Kimi's KimiLinearAttention: MLA)
         }
     )
     if not found and not any(type(m).__name__ in handled for m in model.modules()):
