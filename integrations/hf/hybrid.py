@@ -59,14 +59,14 @@ class MixerSpec:
     heads: Callable[[torch.nn.Module, int], str | None]
     """``(layer, P) ->`` why the layer's heads do not split over ``P`` ranks (``None`` when they do)."""
     entries: Mapping[str, Channels]
-    """Input projection (child module name) -> the channels of its output rank ``r``'s core reads, in the order
-    the core reads them."""
+    """Input projection (submodule name, dotted for a grandchild) -> the channels of its output rank ``r``'s core
+    reads, in the order the core reads them. All projections travel in one all-to-all."""
     attributes: Callable[[torch.nn.Module, int], dict[str, Any]]
     """``(layer, P) ->`` the core's attributes (head counts and widths of one rank's share)."""
     parameters: Callable[[torch.nn.Module, int, int], dict[str, Tensor]]
     """``(layer, P, rank) ->`` the core's parameters by dotted name: slices of the layer's own."""
     exit: str
-    """The child module whose call ends the core: its first argument is the core's output."""
+    """The submodule (dotted name) whose call ends the core: its first argument is the core's output."""
     outputs: Channels
     """The channels of the core's output (reshaped to ``(batch, seq, -1)``) rank ``r`` computes."""
     tail: Callable[[torch.nn.Module, Tensor, dict[str, Tensor]], Any]
@@ -156,6 +156,16 @@ def _set(module: torch.nn.Module, dotted: str, value: Tensor) -> None:
     module._parameters[leaf] = value
 
 
+def _put(module: torch.nn.Module, dotted: str, child: torch.nn.Module) -> None:
+    """Put ``child`` as submodule ``dotted`` of ``module`` (a shallow copy), copying the modules on the way."""
+    *path, leaf = dotted.split(".")
+    for name in path:
+        copied = _shallow(module._modules[name])
+        module._modules[name] = copied
+        module = copied
+    module._modules[leaf] = child
+
+
 @dataclass
 class _Plan:
     """A layer's channel sets at one ``P`` (host lists, made once), and their device copies."""
@@ -233,13 +243,8 @@ class HybridMixer:
         batch, seq_local, _ = hidden_states.shape
         device = hidden_states.device
         plan = self._device_plan(device)
-        projections = {name: getattr(layer, name)(hidden_states) for name in spec.entries}
-        given = {}
-        for name, (real, place, zeros) in plan["entries"].items():
-            whole = tokens_to_channels(projections[name], real, mesh=mesh, layout=layout)
-            if zeros:
-                whole = torch.cat([whole, whole.new_zeros((*whole.shape[:-1], 1))], dim=-1).index_select(-1, place)
-            given[name] = whole
+        projections = {name: layer.get_submodule(name)(hidden_states) for name in spec.entries}
+        given = self._exchange(projections, plan, mesh, layout)
         core = self._core(layer, mesh)
         seq = seq_local * mesh.size
         stand_in = hidden_states.new_zeros(()).expand(batch, seq, hidden_states.shape[-1])
@@ -250,6 +255,32 @@ class HybridMixer:
         mine = channels_to_tokens(out, plan["outputs"], spec.width(layer), mesh=mesh, layout=layout)
         return spec.tail(layer, mine, projections)
 
+    def _exchange(self, projections: dict[str, Tensor], plan: dict, mesh: CPMesh, layout: str) -> dict[str, Tensor]:
+        """Every input projection's channels for this rank's core, over the whole sequence: one all-to-all for all
+        the projections together (their channels side by side), then zeros where the core reads placeholders."""
+        sending = [name for name, (real, _, _) in plan["entries"].items() if real[mesh.rank].numel()]
+        widths = tuple(projections[name].shape[-1] for name in sending)
+        if widths not in plan["merged"]:
+            offsets = [sum(widths[:i]) for i in range(len(widths))]
+            plan["merged"][widths] = [
+                torch.cat(
+                    [plan["entries"][name][0][rank] + offset for name, offset in zip(sending, offsets, strict=True)]
+                )
+                for rank in range(mesh.size)
+            ]
+        joined = torch.cat([projections[name] for name in sending], dim=-1)
+        whole = tokens_to_channels(joined, plan["merged"][widths], mesh=mesh, layout=layout)
+        parts = dict(
+            zip(sending, whole.split([len(plan["entries"][n][0][mesh.rank]) for n in sending], dim=-1), strict=True)
+        )
+        given = {}
+        for name, (_, place, zeros) in plan["entries"].items():
+            part = parts.get(name, whole[..., :0])
+            if zeros:
+                part = torch.cat([part, part.new_zeros((*part.shape[:-1], 1))], dim=-1).index_select(-1, place)
+            given[name] = part
+        return given
+
     def _device_plan(self, device: torch.device) -> dict:
         if device not in self.plan.cached:
             self.plan.cached[device] = {
@@ -258,6 +289,7 @@ class HybridMixer:
                     for name, (real, place, zeros) in self.plan.entries.items()
                 },
                 "outputs": [c.to(device) for c in self.plan.outputs],
+                "merged": {},
             }
         return self.plan.cached[device]
 
@@ -268,12 +300,12 @@ class HybridMixer:
             core.__dict__[key] = value
         for dotted, value in self.spec.parameters(layer, mesh.size, mesh.rank).items():
             _set(core, dotted, value)
-        core._modules[self.spec.exit] = _ExitModule()
+        _put(core, self.spec.exit, _ExitModule())
         return core
 
     def _run_core(self, core: torch.nn.Module, given: dict[str, Tensor], stand_in: Tensor) -> Tensor:
         for name, value in given.items():
-            core._modules[name] = _Given(value)
+            _put(core, name, _Given(value))
         try:
             self.spec.call(core, stand_in)
         except _Exit as done:
