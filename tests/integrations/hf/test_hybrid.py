@@ -183,12 +183,15 @@ KERNELS = {
         # argument -> axis of heads (h) or groups (g)
         {0: ("h", 2), 1: ("h", 2), 2: ("h", 0), 3: ("g", 2), 4: ("g", 2), "D": ("h", 0), "dt_bias": ("h", 0)},
     ),
-    "qwen3_next": (
-        "transformers.models.qwen3_next.modeling_qwen3_next",
-        "torch_chunk_gated_delta_rule",
-        None,
-        {0: ("g", 2), 1: ("g", 2), 2: ("h", 2), "g": ("h", 2), "beta": ("h", 2)},
-    ),
+    **{
+        family: (
+            f"transformers.models.{family}.modeling_{family}",
+            "torch_chunk_gated_delta_rule",
+            None,
+            {0: ("g", 2), 1: ("g", 2), 2: ("h", 2), "g": ("h", 2), "beta": ("h", 2)},
+        )
+        for family in ("qwen3_next", "qwen3_5", "olmo_hybrid")
+    },
 }
 """Family -> (its modeling module, the scan it calls, its fused kernel the core must not take, the scan's tensor
 arguments with their head or group axis)."""
