@@ -64,9 +64,10 @@ class MixerSpec:
     attributes: Callable[[torch.nn.Module, int], dict[str, Any]]
     """``(layer, P) ->`` the core's attributes (head counts and widths of one rank's share)."""
     parameters: Callable[[torch.nn.Module, int, int], dict[str, Tensor]]
-    """``(layer, P, rank) ->`` the core's parameters by dotted name: slices of the layer's own."""
-    exit: str
-    """The submodule (dotted name) whose call ends the core: its first argument is the core's output."""
+    """``(layer, P, rank) ->`` the core's parameters (and buffers) by dotted name: slices of the layer's own."""
+    exit: str | Callable[[torch.nn.Module], str]
+    """The submodule (dotted name, or ``layer ->`` it) whose call ends the core: its first argument is the core's
+    output."""
     outputs: Channels
     """The channels of the core's output (reshaped to ``(batch, seq, -1)``) rank ``r`` computes."""
     tail: Callable[[torch.nn.Module, Tensor, dict[str, Tensor]], Any]
@@ -76,6 +77,9 @@ class MixerSpec:
     """The core output's channels, all ranks together."""
     call: Callable[[torch.nn.Module, Tensor], Any] = lambda core, x: core.forward(x)
     """How the core's ``forward`` is called, given a stand-in for the hidden states of the right shape."""
+    project: Callable[[torch.nn.Module, str, Tensor], Tensor] = lambda layer, name, x: layer.get_submodule(name)(x)
+    """``(layer, entry, hidden states of this rank's tokens) ->`` the entry's projection, as the layer's ``forward``
+    computes it (Falcon-H1 scales the hidden states first)."""
 
 
 MIXER_KEYWORDS: dict[str, str] = {
@@ -135,6 +139,7 @@ def _shallow(module: torch.nn.Module) -> torch.nn.Module:
     copy = module.__class__.__new__(module.__class__)
     state = dict(module.__dict__)
     state["_parameters"], state["_modules"] = dict(module._parameters), dict(module._modules)
+    state["_buffers"] = dict(module._buffers)
     for name in _HOOK_DICTS:
         if name in state:
             state[name] = collections.OrderedDict()
@@ -151,9 +156,12 @@ def _set(module: torch.nn.Module, dotted: str, value: Tensor) -> None:
         child = _shallow(module._modules[name])
         module._modules[name] = child
         module = child
-    if leaf not in module._parameters:
-        raise AssertionError(f"{type(module).__name__} has no parameter {leaf!r}")
-    module._parameters[leaf] = value
+    if leaf in module._parameters:
+        module._parameters[leaf] = value
+    elif leaf in module._buffers:
+        module._buffers[leaf] = value
+    else:
+        raise AssertionError(f"{type(module).__name__} has no parameter or buffer {leaf!r}")
 
 
 def _put(module: torch.nn.Module, dotted: str, child: torch.nn.Module) -> None:
@@ -243,7 +251,7 @@ class HybridMixer:
         batch, seq_local, _ = hidden_states.shape
         device = hidden_states.device
         plan = self._device_plan(device)
-        projections = {name: layer.get_submodule(name)(hidden_states) for name in spec.entries}
+        projections = {name: spec.project(layer, name, hidden_states) for name in spec.entries}
         given = self._exchange(projections, plan, mesh, layout)
         core = self._core(layer, mesh)
         seq = seq_local * mesh.size
@@ -281,6 +289,9 @@ class HybridMixer:
             given[name] = part
         return given
 
+    def exit_name(self, layer: torch.nn.Module) -> str:
+        return self.spec.exit if isinstance(self.spec.exit, str) else self.spec.exit(layer)
+
     def _device_plan(self, device: torch.device) -> dict:
         if device not in self.plan.cached:
             self.plan.cached[device] = {
@@ -300,7 +311,7 @@ class HybridMixer:
             core.__dict__[key] = value
         for dotted, value in self.spec.parameters(layer, mesh.size, mesh.rank).items():
             _set(core, dotted, value)
-        _put(core, self.spec.exit, _ExitModule())
+        _put(core, self.exit_name(layer), _ExitModule())
         return core
 
     def _run_core(self, core: torch.nn.Module, given: dict[str, Tensor], stand_in: Tensor) -> Tensor:
@@ -310,7 +321,7 @@ class HybridMixer:
             self.spec.call(core, stand_in)
         except _Exit as done:
             return done.value.reshape(stand_in.shape[0], stand_in.shape[1], -1)
-        raise AssertionError(f"{type(core).__name__}'s forward did not call {self.spec.exit}")
+        raise AssertionError(f"{type(core).__name__}'s forward did not call its exit ({self.spec.exit})")
 
     def _run_documents(
         self, core: torch.nn.Module, given: dict[str, Tensor], stand_in: Tensor, mask: AttentionMask, seq: int

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import Tensor
@@ -87,3 +88,59 @@ BAMBA_MAMBA2 = MixerSpec(
 
 
 SPECS: dict[str, MixerSpec] = {"BambaMixer": BAMBA_MAMBA2}
+
+
+def _same_as_bamba(family: str) -> MixerSpec:
+    """Nemotron-H, Granite 4 and Zamba2 name their Mamba 2 layer's attributes as Bamba does."""
+    return dataclasses.replace(BAMBA_MAMBA2, family=f"Mamba 2 ({family})")
+
+
+# Falcon-H1: the hidden states are scaled by ssm_in_multiplier before in_proj, its output by mup_vector inside the
+# core (sliced to the core's channels); without mamba_rms_norm the gate multiplies the scan before out_proj, so the
+# core reads the gate and ends at out_proj.
+
+
+def _falcon_in_proj(layer, world: int, rank: int) -> list[int]:
+    channels = _m2_in_proj(layer, world, rank)
+    if layer.mamba_rms_norm:
+        return channels
+    gate = [c for h in share(layer.num_heads, world, rank) for c in span(h * layer.head_dim, layer.head_dim)]
+    return gate + channels[len(gate) :]
+
+
+def _falcon_parameters(layer, world: int, rank: int) -> dict[str, Tensor]:
+    channels = [max(c, 0) for c in _falcon_in_proj(layer, world, rank)]  # a placeholder's factor multiplies zeros
+    return {
+        **_m2_parameters(layer, world, rank),
+        "mup_vector": layer.mup_vector.index_select(-1, index(channels, layer.A_log)),
+    }
+
+
+def _falcon_tail(layer, core: Tensor, projections: dict[str, Tensor]) -> Tensor:
+    if not layer.mamba_rms_norm:
+        return layer.out_proj(core)
+    gate = (projections["in_proj"] * layer.mup_vector)[..., : layer.intermediate_size]
+    return layer.out_proj(layer.norm(core, gate))
+
+
+FALCON_H1_MAMBA2 = MixerSpec(
+    family="Mamba 2 (Falcon-H1)",
+    heads=_m2_heads,
+    entries={"in_proj": _falcon_in_proj},
+    attributes=_m2_attributes,
+    parameters=_falcon_parameters,
+    exit=lambda layer: "norm" if layer.mamba_rms_norm else "out_proj",
+    outputs=_m2_outputs,
+    tail=_falcon_tail,
+    width=lambda layer: layer.intermediate_size,
+    project=lambda layer, name, x: layer.in_proj(x * layer.ssm_in_multiplier),
+)
+
+SPECS.update(
+    {
+        "NemotronHMamba2Mixer": _same_as_bamba("Nemotron-H"),
+        "GraniteMoeHybridMambaLayer": _same_as_bamba("Granite 4"),
+        "Zamba2MambaMixer": _same_as_bamba("Zamba2"),
+        "FalconH1Mixer": FALCON_H1_MAMBA2,
+    }
+)
