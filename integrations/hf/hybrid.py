@@ -307,6 +307,7 @@ class HybridMixer:
     def _core(self, layer: torch.nn.Module, mesh: CPMesh) -> torch.nn.Module:
         core = _shallow(layer)
         core.training = False  # the unfused path (Note [Mixer cores])
+        core.__dict__["mesh_cp_mesh"] = mesh  # for a spec's call that reduces over the ranks (Mamba 1)
         for key, value in self.spec.attributes(layer, mesh.size).items():
             core.__dict__[key] = value
         for dotted, value in self.spec.parameters(layer, mesh.size, mesh.rank).items():

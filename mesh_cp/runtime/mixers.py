@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from mesh_cp.core.layout import chunk_ranges
@@ -92,3 +93,26 @@ def channels_to_tokens(y: Tensor, channels: Sequence[Tensor], width: int, *, mes
     if placed.numel() != width:
         raise AssertionError(f"the ranks' output channels number {placed.numel()}, not {width}")
     return joined.index_select(-1, torch.argsort(placed))
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Sum ``x`` over the group, every rank getting the sum; its adjoint is the same sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_ranks(x: Tensor, *, mesh: CPMesh) -> Tensor:
+    """The sum of every CP rank's ``x`` (same shape on all), on every rank: a projection that reads all of a
+    token's channels (Mamba 1's ``x_proj``) from the partial products of each rank's channel share."""
+    return _SumOverGroup.apply(x.contiguous(), mesh.group)
