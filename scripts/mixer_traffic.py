@@ -41,6 +41,17 @@ FAMILIES = {
 }
 """Family -> its transformers config class (default arguments: the family's flagship shape)."""
 
+OVERRIDES = {
+    "lfm2": {  # transformers' default makes every layer attention; LFM2-1.2B's layout
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 16,
+        "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+    },
+}
+"""Family -> config arguments beside the defaults, where the defaults are not the flagship's layout."""
+
 
 def meta_model(config):
     from transformers import AutoModelForCausalLM
@@ -116,7 +127,7 @@ def main() -> int:
         configs = {data["model_type"]: transformers.AutoConfig.for_model(**data)}
     else:
         names = args.families or list(FAMILIES)
-        configs = {f: getattr(transformers, FAMILIES[f])() for f in names}
+        configs = {f: getattr(transformers, FAMILIES[f])(**OVERRIDES.get(f, {})) for f in names}
     table = []
     for family, config in configs.items():
         table += rows(family, config, args.world, args.seq, args.topology)
