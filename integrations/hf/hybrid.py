@@ -33,6 +33,7 @@ parameter slices, its exit, and the rest of the layer.
 from __future__ import annotations
 
 import collections
+import inspect
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -215,13 +216,12 @@ class HybridMixer:
 
     @torch.compiler.disable(reason="a mixer layer under mesh_cp communicates over the CP group; it runs eagerly")
     def forward(self, layer: torch.nn.Module, hidden_states: Tensor, *args, **kwargs) -> Any:
-        cache = kwargs.pop("cache", None)
-        cache = kwargs.pop("cache_params", cache)
-        cache = kwargs.pop("past_key_values", cache)
-        attention_mask = kwargs.pop("attention_mask", None)
-        if args:
-            cache = args[0] if cache is None else cache
-            attention_mask = args[1] if len(args) > 1 and attention_mask is None else attention_mask
+        given = _bind(layer, hidden_states, args, kwargs)
+        cache = given.pop("cache", None)
+        cache = given.pop("cache_params", cache)
+        cache = given.pop("past_key_values", cache)
+        attention_mask = given.pop("attention_mask", None)
+        kwargs = given
         name = type(layer).__name__
         # A cache the model made for itself in a forward (use_cache=True) is left without this layer's states: the
         # attached model refuses any cache but a ShardedKVCache as the cache of a later call.
@@ -423,6 +423,20 @@ def install(layer: torch.nn.Module, spec: MixerSpec, attached: Any) -> HybridMix
     layer.mesh_cp_mixer = mixer
     layer.forward = types.MethodType(_forward, layer)  # a bound method: a deep copy of the model binds its copy
     return mixer
+
+
+def _bind(layer: torch.nn.Module, hidden_states: Tensor, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of ``layer`` (positional ones by the names of its class's ``forward``), but the
+    hidden states, in one dict; ``None`` values left out."""
+    signature = inspect.signature(type(layer).forward)
+    bound = signature.bind(layer, hidden_states, *args, **kwargs).arguments
+    rest = {
+        k: v for k, v in list(bound.items())[2:] if signature.parameters[k].kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    for k, v in bound.items():
+        if signature.parameters[k].kind is inspect.Parameter.VAR_KEYWORD:
+            rest.update(v)
+    return {k: v for k, v in rest.items() if v is not None}
 
 
 def _forward(layer: torch.nn.Module, *args, **kwargs) -> Any:
