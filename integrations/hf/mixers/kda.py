@@ -15,12 +15,6 @@ from mesh_cp.integrations.hf.hybrid import MixerSpec, index, share, span, split_
 # per channel, times exp(A_log) per head; the output gate g_b_proj(g_a_proj(x)), read by the exit only; exit:
 # o_norm(core, gate) per head; then o_proj.
 
-FORGET_INPUT = "mesh_cp_forget_input"
-"""The name under which the layer's ``forget_gate.f_a_proj`` feeds the core: the forget gate's low-rank input,
-which every head reads whole (``head_dim`` channels), is exchanged; ``f_b_proj`` and the rest of the gate run in
-the core on this rank's rows."""
-
-
 class _Zeros(torch.nn.Module):
     """Stands for the output gate's up-projection in the core (the exit does not read the gate): zeros of
     ``width`` channels."""
@@ -50,9 +44,8 @@ def _kda_head_channels(layer, world: int, rank: int) -> list[int]:
 
 
 def _kda_forget_input(layer, world: int, rank: int) -> list[int]:
-    """All channels of the forget gate's low-rank input. The layer's ``forget_gate.f_a_proj`` is made reachable
-    as ``layer.mesh_cp_forget_input`` (an unregistered alias: no parameter or state-dict entry of its own)."""
-    layer.__dict__[FORGET_INPUT] = layer.forget_gate.f_a_proj
+    """All channels of the forget gate's low-rank input (``forget_gate.f_a_proj``): every head reads it whole;
+    ``f_b_proj`` and the rest of the gate run in the core on this rank's rows."""
     return list(range(layer.forget_gate.f_a_proj.out_features))
 
 
@@ -94,9 +87,7 @@ def _kda_parameters(layer, world: int, rank: int) -> dict[str, Tensor]:
 
 
 def _kda_call(core, x: Tensor) -> Any:
-    """The core's ``forward``, its forget gate (a copy holding this rank's slices) fed the exchanged low-rank input
-    and its output gate's up-projection giving zeros."""
-    core.forget_gate._modules["f_a_proj"] = core._modules[FORGET_INPUT]
+    """The core's ``forward``, its output gate's up-projection giving zeros."""
     core._modules["g_b_proj"] = _Zeros(core.qkv_dim)
     return core.forward(x)
 
@@ -116,7 +107,7 @@ KIMI_LINEAR_KDA = MixerSpec(
         "k_proj": _kda_channels,
         "v_proj": _kda_channels,
         "b_proj": _kda_head_channels,
-        FORGET_INPUT: _kda_forget_input,
+        "forget_gate.f_a_proj": _kda_forget_input,
         "g_a_proj": _kda_gate_placeholder,
     },
     attributes=_kda_attributes,
