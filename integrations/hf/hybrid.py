@@ -413,7 +413,7 @@ def check_heads(layers: list[tuple[str, torch.nn.Module, MixerSpec]], mesh: CPMe
         if why:
             raise NotImplementedError(
                 f"{name} ({type(layer).__name__}, {spec.family}) runs head-parallel over the CP group of {mesh.size} "
-                f"ranks, and {why}; use a CP size that its heads split over"
+                f"ranks, and {why}; use a CP size that splits them"
             )
 
 
