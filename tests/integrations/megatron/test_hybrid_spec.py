@@ -36,6 +36,7 @@ from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules  # noqa: E402
 
+import mesh_cp  # noqa: E402
 from mesh_cp.core.layout import local_positions  # noqa: E402
 from mesh_cp.core.split import thd_partitioned_indices  # noqa: E402
 from mesh_cp.core.tiling import Tiling, factorizations  # noqa: E402
@@ -176,8 +177,9 @@ def test_mamba_undoes_the_zigzag_shards_of_shard_batch(world: int, fake_dist) ->
 @pytest.mark.parametrize("world", WORLDS)
 def test_head_parallel_meshes_hold_the_same_tokens(world: int, fake_dist) -> None:
     """Every head-parallel mesh of ``world`` CP ranks (``u`` dividing it, every tile of ``world / u``) holds the
-    shards of ``shard_batch`` (so Mamba's undo gives ``0..S-1``), and its head exchange reads them as the zig-zag of
-    the ``world / u`` mesh ranks (Note [Head-parallel x mesh])."""
+    shards of ``shard_batch`` (its ``local_ranges`` and ``mesh_cp.position_ids``; so Mamba's undo gives
+    ``0..S-1``), and its head exchange reads them as the zig-zag of the ``world / u`` mesh ranks (Note
+    [Head-parallel x mesh])."""
     seq = 2 * world * 3
     shards = [shard["position_ids"][0].tolist() for shard in _zigzag_shards(seq, world)]
     undone = mamba_cp._undo_attention_load_balancing(torch.tensor(sum(shards, []))[:, None, None], world)
@@ -193,6 +195,7 @@ def test_head_parallel_meshes_hold_the_same_tokens(world: int, fake_dist) -> Non
                 )  # fmt: skip
                 assert mesh.size == world
                 assert [p for lo, hi in mesh.local_ranges(seq, "zigzag") for p in range(lo, hi)] == shards[rank]
+                assert mesh_cp.position_ids(seq, mesh=mesh, layout="zigzag").tolist() == shards[rank]
             order, _ = _mesh_order(u, seq // world, "zigzag", torch.device("cpu"))
             for g in range(m):
                 group = torch.tensor(sum(shards[g * u : (g + 1) * u], []))
@@ -255,6 +258,15 @@ def _mamba_exchange(world: int, ngroups: int, shards: list[torch.Tensor], packed
 def test_megatrons_mamba_exchange_on_shard_batch_shards(world: int, groups: str, fake_dist) -> None:
     shards = [s["position_ids"].T for s in _zigzag_shards(2 * world * 3, world)]  # [seq / world, batch]
     _mamba_exchange(world, 1 if groups == "one group" else world, shards, None)
+
+
+def test_megatrons_mamba_exchange_rejects_contiguous_shards(fake_dist) -> None:
+    """The exchange check discriminates: contiguous shards (rank ``r`` holding ``r * S / P ..``) are not the order
+    megatron-core's Mamba undoes."""
+    world, seq = 4, 24
+    shards = [torch.arange(r * seq // world, (r + 1) * seq // world)[:, None].expand(-1, BATCH) for r in range(world)]
+    with pytest.raises(AssertionError, match="not in sequence order"):
+        _mamba_exchange(world, 1, shards, None)
 
 
 @pytest.mark.parametrize("world", WORLDS)
