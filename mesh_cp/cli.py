@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mesh_cp.core import AttentionShape, DecodeShape, Tiling, check_seq_len, head_parallel_unavailable
-from mesh_cp.core.mixers import mixer_exchange_bytes
 from mesh_cp.core.options import positive_int as _positive
 from mesh_cp.sim import PRESETS, SimResult, Topology, best_of_kind, choose, simulate_candidates
 from mesh_cp.sim.decode import decode_table, format_decode_table
+from mesh_cp.sim.mixers import mixer_traffic, parse_mixer
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -153,12 +153,14 @@ def _plan_command(args: argparse.Namespace) -> int:
     u, tiling, why = choose(
         args.world, shape, topology, memory_budget=args.memory_budget, head_parallel=args.head_parallel, **options
     )
-    lines += _mixer_rows(
-        args,
-        shape,
-        runs["collective"][(u, tiling)].traffic.total,
-        runs["collective"][(1, Tiling(world=args.world, a=1, b=args.world))].traffic.total,
+    chosen, ring_bytes = (
+        runs["collective"][key].traffic.total for key in ((u, tiling), (1, Tiling(world=args.world, a=1, b=args.world)))
     )
+    for name, cin, cout, sent in mixer_traffic(args.mixer or (), shape, args.world):
+        lines.append(
+            f"{'mixer':>9}  {format_bytes(sent):>10}  {name}: head-parallel exchange of {cin} + {cout} channels "
+            f"per token, {sent / chosen:.2f}x the chosen attention layout's bytes, {sent / ring_bytes:.2f}x the ring's"
+        )
     lines += [
         "",
         "traffic: bytes sent by the rank that sends the most across nodes; memory: peak beyond the inputs"
@@ -174,36 +176,11 @@ def _plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mixer_rows(args: argparse.Namespace, shape: AttentionShape, chosen: int, ring: int) -> list[str]:
-    """Rows of the ``--mixer`` layers: their exchange's bytes per rank (forward + backward) against one attention
-    layer's, the chosen layout's and the ring's (collective schedule)."""
-    lines = []
-    for name, (channels_in, channels_out) in args.mixer or ():
-        sent = 2 * mixer_exchange_bytes(
-            seq_local=shape.seq_local,
-            channels_in=channels_in,
-            channels_out=channels_out,
-            world=args.world,
-            itemsize=shape.itemsize,
-            batch=shape.batch,
-        )
-        lines.append(
-            f"{'mixer':>9}  {format_bytes(sent):>10}  {name}: head-parallel exchange of {channels_in} + {channels_out} "
-            f"channels per token, {sent / chosen:.2f}x the chosen attention layout's bytes, {sent / ring:.2f}x the ring's"
-        )
-    return lines
-
-
-def parse_mixer(text: str) -> tuple[str, tuple[int, int]]:
-    """``NAME=CIN,COUT`` of ``--mixer``: a mixer layer kind and the channels one rank's core reads and writes."""
-    name, _, channels = text.partition("=")
-    parts = channels.split(",")
-    if not name or len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(
-            f"--mixer takes NAME=CIN,COUT (the channels one rank's core reads and writes, as "
-            f"scripts/mixer_traffic.py prints them for a transformers config), got {text!r}"
-        )
-    return name, (int(parts[0]), int(parts[1]))
+def _mixer(text: str) -> tuple[str, tuple[int, int]]:
+    try:
+        return parse_mixer(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _hybrid_rows(args: argparse.Namespace, runs: dict[str, dict], ring: float) -> list[str]:
@@ -392,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--mixer",
-        type=parse_mixer,
+        type=_mixer,
         action="append",
         metavar="NAME=CIN,COUT",
         help="a hybrid model's mixer layer (Mamba, linear attention, short convolution): the channels one rank's core "

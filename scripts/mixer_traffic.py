@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mesh_cp.core import AttentionShape, Tiling  # noqa: E402
 from mesh_cp.core.mixers import mixer_exchange_bytes  # noqa: E402
-from mesh_cp.integrations.hf.hybrid import core_channels, mixer_layers  # noqa: E402
-from mesh_cp.integrations.hf.mixers import SPECS  # noqa: E402
+from mesh_cp.integrations.hf.hybrid import mixer_layers  # noqa: E402
+from mesh_cp.integrations.hf.mixer_spec import core_channels  # noqa: E402
 from mesh_cp.sim import PRESETS, choose, simulate_candidates  # noqa: E402
 
 FAMILIES = {
@@ -83,7 +83,7 @@ def rows(family: str, config, world: int, seq: int, topology: str) -> list[dict]
     ring = runs[(1, Tiling(world=world, a=1, b=world))].traffic.total
     chosen = runs[(u, tiling)].traffic.total
     out, seen = [], set()
-    for _, layer, spec in mixer_layers(model, SPECS):
+    for _, layer, spec in mixer_layers(model):
         if type(layer).__name__ in seen:
             continue
         seen.add(type(layer).__name__)

@@ -18,8 +18,7 @@ from mesh_cp.core.masks import AttentionMask
 from mesh_cp.core.options import check_layout, check_option
 from mesh_cp.integrations.hf.attention import NAME, register
 from mesh_cp.integrations.hf.compat import given_cache
-from mesh_cp.integrations.hf.hybrid import check_heads, install, mixer_layers, uninstall
-from mesh_cp.integrations.hf.mixers import SPECS
+from mesh_cp.integrations.hf.hybrid import attention_layers, checked_mixers, install, uninstall
 from mesh_cp.integrations.hf.model_checks import (
     LossCheck,
     absolute_position_tables,
@@ -28,7 +27,6 @@ from mesh_cp.integrations.hf.model_checks import (
     refuse_labels_of_one_process,
     refuse_left_padding,
     refuse_loss_elsewhere,
-    refuse_other_sequence_mixers,
     refuse_pooled_heads,
     refuse_router_loss,
     refuse_temperature_tuning,
@@ -80,10 +78,8 @@ def attach(
     - every forward of ``model`` gets ``position_ids`` equal to this rank's global positions in ``layout``
       (one check per ``position_ids`` tensor; the model would number a shard from 0, and packed batches
       restart positions per document);
-    - layers that mix the sequence other than by attention (Gated DeltaNet, KDA, lightning attention, Mamba 1 and 2,
-      short convolutions: the classes of :data:`~mesh_cp.integrations.hf.mixers.SPECS`) run head-parallel over the
-      CP group (:mod:`~mesh_cp.integrations.hf.hybrid`), their heads split over its ranks (refused by name
-      otherwise); any other such layer is refused;
+    - other sequence mixers (Mamba, Gated DeltaNet, ...: :data:`~mesh_cp.integrations.hf.mixers.SPECS`) run
+      head-parallel (:func:`~mesh_cp.integrations.hf.hybrid.checked_mixers`; other mixers are refused);
     - RoPE types in :data:`LENGTH_DEPENDENT_ROPE` are given the whole sequence's length (Note
       [Length-dependent RoPE]); ``attn_temperature_tuning`` (Llama 4), which scales queries by positions
       counted from 0 on each shard, is refused;
@@ -100,13 +96,10 @@ def attach(
 
     models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
     refuse_temperature_tuning(models)
-    refuse_other_sequence_mixers(model, models, set(SPECS))
+    mixers = checked_mixers(model, models, mesh)
     refuse_pooled_heads(model, models)
-    layers = [(name, m) for name, m in model.named_modules() if hasattr(m, "is_causal") and hasattr(m, "config")]
-    layers = [(name, m) for name, m in layers if type(m).__name__ not in SPECS]
-    mixers = mixer_layers(model, SPECS)
+    layers = attention_layers(model, mixers)
     _check_head_counts(layers, mesh)  # before the switch: a refused model is left as it was
-    check_heads(mixers, mesh)
     register()
     _detach(model)
     own_configs(model)
@@ -232,8 +225,7 @@ class _Attachment:
         self.losses: list[LossCheck] = []
         """The checks in place of the models' ``loss_function`` (the outermost model's first)."""
         self.labels = False  # this forward was given labels (set by before_forward)
-        self.mask: AttentionMask | None = None
-        """This forward's ``mesh_cp_mask`` (read by mixer layers not given it: Note [Mixer cores])."""
+        self.mask: AttentionMask | None = None  # this forward's mesh_cp_mask, for mixers not given it
 
     def check_positions(self, position_ids: Tensor, mask: AttentionMask | None = None) -> None:
         """``position_ids`` must be this rank's positions of its tokens in every row: global positions

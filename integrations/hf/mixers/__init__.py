@@ -4,7 +4,7 @@ code of its layers. :data:`SPECS` maps a layer class name to its spec."""
 
 from __future__ import annotations
 
-from mesh_cp.integrations.hf.hybrid import MixerSpec
+from mesh_cp.integrations.hf.mixer_spec import MixerSpec
 from mesh_cp.integrations.hf.mixers import gated_deltanet, kda, lightning, mamba1, mamba2, short_conv
 
 SPECS: dict[str, MixerSpec] = {

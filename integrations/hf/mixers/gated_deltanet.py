@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from mesh_cp.integrations.hf.hybrid import MixerSpec, grouped_reason, groups_of, index, share, span
+from mesh_cp.integrations.hf.mixer_spec import MixerSpec, grouped_reason, groups_of, index, share, span
 
 # Gated DeltaNet (Qwen3-Next): in_proj_qkvz grouped per key head [q k v z], in_proj_ba per key head [b a];
 # conv over cat(q, k, v) channels; the delta rule per value head; exit: norm(core, z); then out_proj.

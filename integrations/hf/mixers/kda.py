@@ -8,12 +8,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mesh_cp.integrations.hf.hybrid import MixerSpec, index, share, span, split_reason
+from mesh_cp.integrations.hf.mixer_spec import MixerSpec, index, share, span, split_reason
 
 # KDA (Kimi Linear): q_proj, k_proj, v_proj (heads x head_dim each) concatenated into the conv's channels; b_proj one
 # channel per head; the forget gate: f_b_proj(f_a_proj(x)) (a low-rank projection to heads x head_dim) plus dt_bias
 # per channel, times exp(A_log) per head; the output gate g_b_proj(g_a_proj(x)), read by the exit only; exit:
 # o_norm(core, gate) per head; then o_proj.
+
 
 class _Zeros(torch.nn.Module):
     """Stands for the output gate's up-projection in the core (the exit does not read the gate): zeros of

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
-from mesh_cp.integrations.hf.hybrid import MixerSpec, index, share, span, split_reason
+from mesh_cp.integrations.hf.mixer_spec import MixerSpec, index, share, span, split_reason
 
 
 def _heads(layer, world: int) -> str | None:

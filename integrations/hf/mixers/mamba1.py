@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mesh_cp.integrations.hf.hybrid import MixerSpec, index, share, split_reason
+from mesh_cp.integrations.hf.mixer_spec import MixerSpec, index, share, split_reason
 from mesh_cp.runtime.mixers import sum_over_ranks
 
 

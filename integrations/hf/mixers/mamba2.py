@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from mesh_cp.integrations.hf.hybrid import MixerSpec, grouped_reason, groups_of, index, share, span
+from mesh_cp.integrations.hf.mixer_spec import MixerSpec, grouped_reason, groups_of, index, share, span
 
 # Mamba 2 (Bamba and its kin): in_proj -> [gate (d_inner) | x (d_inner) | B (G N) | C (G N) | dt (H)]; conv over
 # [x | B | C]; the SSD scan per head, B and C per group; exit: norm(scan, gate); then out_proj.
@@ -19,7 +19,8 @@ def _m2_heads(layer, world: int) -> str | None:
 
 
 def _m2_groups(layer, world: int, rank: int) -> range:
-    return groups_of(layer.n_groups, layer.num_heads, world, rank)
+    g = groups_of(layer.n_groups, layer.num_heads, world, rank)
+    return range(g.start, g.stop) if layer.n_groups < 8 else range(g.stop - 1, g.start - 1, -1)
 
 
 def _m2_conv_channels(layer, world: int, rank: int) -> list[int]:

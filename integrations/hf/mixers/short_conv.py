@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from mesh_cp.integrations.hf.hybrid import MixerSpec, index, share, split_reason
+from mesh_cp.integrations.hf.mixer_spec import MixerSpec, index, share, split_reason
 
 
 def _width(layer) -> int:

@@ -205,7 +205,8 @@ def kernel_arguments(family: str, config, mesh) -> str:
     import importlib
 
     from mesh_cp.integrations import hf
-    from mesh_cp.integrations.hf.hybrid import MIXER_KEYWORDS, groups_of, share
+    from mesh_cp.integrations.hf.hybrid import MIXER_KEYWORDS
+    from mesh_cp.integrations.hf.mixer_spec import groups_of, share
 
     module_name, scan, fused, axes = KERNELS[family]
     module = importlib.import_module(module_name)
@@ -373,7 +374,7 @@ def test_core_channels_of_a_grouped_layer() -> None:
     """Bamba's Mamba 2 with one group at P = 4: each rank reads its heads' x, dt and the group's B and C."""
     import transformers as tf
 
-    from mesh_cp.integrations.hf.hybrid import core_channels
+    from mesh_cp.integrations.hf.mixer_spec import core_channels
     from mesh_cp.integrations.hf.mixers import SPECS
 
     config = tf.BambaConfig(
