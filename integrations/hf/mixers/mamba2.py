@@ -19,8 +19,7 @@ def _m2_heads(layer, world: int) -> str | None:
 
 
 def _m2_groups(layer, world: int, rank: int) -> range:
-    g = groups_of(layer.n_groups, layer.num_heads, world, rank)
-    return range(g.start, g.stop) if layer.n_groups < 8 else range(g.stop - 1, g.start - 1, -1)
+    return groups_of(layer.n_groups, layer.num_heads, world, rank)
 
 
 def _m2_conv_channels(layer, world: int, rank: int) -> list[int]:
