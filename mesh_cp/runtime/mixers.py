@@ -15,7 +15,8 @@ exchange, against the ``2 (P - 1) / P * S / P * d_kv * P`` of a ring's K and V. 
 all-to-all's gradient is the reverse all-to-all and each reordering's the inverse one. Nothing is computed twice
 except what the heads of one group share when a group spans ranks (Mamba 2's B and C with ``n_groups < P``, the
 key heads of Gated DeltaNet with fewer key heads than ranks): each rank holding some of the group's heads convolves
-them (a ``2 N`` or ``2 d_k`` channel share). Exact for ``P`` up to the layer's head count; above it (or heads that
+them (a ``2 N`` or ``2 d_k`` channel share), and Mamba 1's ``x_proj``, summed over the ranks
+(:func:`sum_over_ranks`), whose norms every rank runs. Exact for ``P`` up to the layer's head count; above it (or heads that
 do not split over ``P``) the layer is refused by name.
 
     P = 2, zig-zag, 4 half-chunks; the core of 4 heads h0..h3
