@@ -1,5 +1,8 @@
-"""Mamba 2 mixer layers (Bamba's ``BambaMixer`` and its kin): the SSD scan per head, B and C per group of heads
-(Note [Mixer cores] in :mod:`mesh_cp.integrations.hf.hybrid`)."""
+"""Mamba 2 mixer layers: Bamba's ``BambaMixer``, Nemotron-H's ``NemotronHMamba2Mixer``, Granite 4's
+``GraniteMoeHybridMambaLayer``, Zamba2's ``Zamba2MambaMixer`` (attributes named as Bamba's) and Falcon-H1's
+``FalconH1Mixer`` (its multipliers, its gated norm optional): the SSD scan per head, B and C per group of heads, so a
+rank's heads read one group (a group spanning ranks: its B and C go to each of them) or a contiguous share of the
+groups (Note [Mixer cores] in :mod:`mesh_cp.integrations.hf.hybrid`)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ from torch import Tensor
 
 from mesh_cp.integrations.hf.mixer_spec import MixerSpec, grouped_reason, groups_of, index, share, span
 
-# Mamba 2 (Bamba and its kin): in_proj -> [gate (d_inner) | x (d_inner) | B (G N) | C (G N) | dt (H)]; conv over
-# [x | B | C]; the SSD scan per head, B and C per group; exit: norm(scan, gate); then out_proj.
+# in_proj -> [gate (d_inner) | x (d_inner) | B (G N) | C (G N) | dt (H)]; conv over [x | B | C]; the SSD scan per
+# head, B and C per group; exit: norm(scan, gate) (a norm over all channels or per group: either way it runs on the
+# rank's tokens over every channel); then out_proj.
 
 
 def _m2_heads(layer, world: int) -> str | None:
@@ -19,19 +23,27 @@ def _m2_heads(layer, world: int) -> str | None:
 
 
 def _m2_groups(layer, world: int, rank: int) -> range:
+    """The groups of B and C rank ``rank``'s heads read, in order."""
     return groups_of(layer.n_groups, layer.num_heads, world, rank)
 
 
+def _m2_head_channels(layer, world: int, rank: int) -> list[int]:
+    """The ``d_inner`` channels of rank ``rank``'s heads (of x, of the gate, of the scan's output)."""
+    hd = layer.head_dim
+    return [c for h in share(layer.num_heads, world, rank) for c in span(h * hd, hd)]
+
+
 def _m2_conv_channels(layer, world: int, rank: int) -> list[int]:
-    d, n, hd = layer.intermediate_size, layer.ssm_state_size, layer.head_dim
-    x = [c for h in share(layer.num_heads, world, rank) for c in span(h * hd, hd)]
+    """The convolution's channels rank ``rank``'s core reads: its heads' x, its groups' B, then C."""
+    d, n = layer.intermediate_size, layer.ssm_state_size
     groups = _m2_groups(layer, world, rank)
     b = [d + c for g in groups for c in span(g * n, n)]
     c_ = [d + layer.n_groups * n + c for g in groups for c in span(g * n, n)]
-    return x + b + c_
+    return _m2_head_channels(layer, world, rank) + b + c_
 
 
 def _m2_in_proj(layer, world: int, rank: int) -> list[int]:
+    """in_proj's channels the core reads: the gate as placeholders (the norm's, in the tail), x B C, dt."""
     d = layer.intermediate_size
     gate = [-1] * (d // world)
     conv = [d + c for c in _m2_conv_channels(layer, world, rank)]
@@ -64,11 +76,6 @@ def _m2_parameters(layer, world: int, rank: int) -> dict[str, Tensor]:
     return params
 
 
-def _m2_outputs(layer, world: int, rank: int) -> list[int]:
-    hd = layer.head_dim
-    return [c for h in share(layer.num_heads, world, rank) for c in span(h * hd, hd)]
-
-
 def _m2_tail(layer, core: Tensor, projections: dict[str, Tensor]) -> Tensor:
     gate = projections["in_proj"][..., : layer.intermediate_size]
     return layer.out_proj(layer.norm(core, gate))
@@ -81,35 +88,36 @@ BAMBA_MAMBA2 = MixerSpec(
     attributes=_m2_attributes,
     parameters=_m2_parameters,
     exit="norm",
-    outputs=_m2_outputs,
+    outputs=_m2_head_channels,
     tail=_m2_tail,
     width=lambda layer: layer.intermediate_size,
 )
 
 
-SPECS: dict[str, MixerSpec] = {"BambaMixer": BAMBA_MAMBA2}
-
-
 def _same_as_bamba(family: str) -> MixerSpec:
-    """Nemotron-H, Granite 4 and Zamba2 name their Mamba 2 layer's attributes as Bamba does."""
+    """Bamba's spec under ``family``'s name: Nemotron-H, Granite 4 and Zamba2 name their layer's attributes, split
+    in_proj and call their gated norm (per group of channels) as Bamba does."""
     return dataclasses.replace(BAMBA_MAMBA2, family=f"Mamba 2 ({family})")
 
 
-# Falcon-H1: the hidden states are scaled by ssm_in_multiplier before in_proj, its output by mup_vector inside the
-# core (sliced to the core's channels); without mamba_rms_norm the gate multiplies the scan before out_proj, so the
-# core reads the gate and ends at out_proj.
+# Falcon-H1: the hidden states are scaled by ssm_in_multiplier before in_proj, whose output is scaled by the
+# mup_vector buffer inside forward (sliced to the core's channels); without mamba_rms_norm (norm is an Identity) the
+# core multiplies the scan by silu(gate) itself, so it reads its heads' gate and ends at out_proj.
 
 
 def _falcon_in_proj(layer, world: int, rank: int) -> list[int]:
+    """in_proj's channels the core reads: Bamba's, the gate real (its heads') where the core applies it."""
     channels = _m2_in_proj(layer, world, rank)
     if layer.mamba_rms_norm:
         return channels
-    gate = [c for h in share(layer.num_heads, world, rank) for c in span(h * layer.head_dim, layer.head_dim)]
+    gate = _m2_head_channels(layer, world, rank)
     return gate + channels[len(gate) :]
 
 
 def _falcon_parameters(layer, world: int, rank: int) -> dict[str, Tensor]:
-    channels = [max(c, 0) for c in _falcon_in_proj(layer, world, rank)]  # a placeholder's factor multiplies zeros
+    """Bamba's slices and the mup_vector's factors of the channels the core reads (a placeholder's: any, it
+    multiplies zeros)."""
+    channels = [max(c, 0) for c in _falcon_in_proj(layer, world, rank)]
     return {
         **_m2_parameters(layer, world, rank),
         "mup_vector": layer.mup_vector.index_select(-1, index(channels, layer.A_log)),
@@ -119,7 +127,8 @@ def _falcon_parameters(layer, world: int, rank: int) -> dict[str, Tensor]:
 def _falcon_tail(layer, core: Tensor, projections: dict[str, Tensor]) -> Tensor:
     if not layer.mamba_rms_norm:
         return layer.out_proj(core)
-    gate = (projections["in_proj"] * layer.mup_vector)[..., : layer.intermediate_size]
+    d = layer.intermediate_size
+    gate = projections["in_proj"][..., :d] * layer.mup_vector[..., :d]
     return layer.out_proj(layer.norm(core, gate))
 
 
@@ -130,17 +139,17 @@ FALCON_H1_MAMBA2 = MixerSpec(
     attributes=_m2_attributes,
     parameters=_falcon_parameters,
     exit=lambda layer: "norm" if layer.mamba_rms_norm else "out_proj",
-    outputs=_m2_outputs,
+    outputs=_m2_head_channels,
     tail=_falcon_tail,
     width=lambda layer: layer.intermediate_size,
     project=lambda layer, name, x: layer.in_proj(x * layer.ssm_in_multiplier),
 )
 
-SPECS.update(
-    {
-        "NemotronHMamba2Mixer": _same_as_bamba("Nemotron-H"),
-        "GraniteMoeHybridMambaLayer": _same_as_bamba("Granite 4"),
-        "Zamba2MambaMixer": _same_as_bamba("Zamba2"),
-        "FalconH1Mixer": FALCON_H1_MAMBA2,
-    }
-)
+SPECS: dict[str, MixerSpec] = {
+    "BambaMixer": BAMBA_MAMBA2,
+    "NemotronHMamba2Mixer": _same_as_bamba("Nemotron-H"),
+    "GraniteMoeHybridMambaLayer": _same_as_bamba("Granite 4"),
+    "Zamba2MambaMixer": _same_as_bamba("Zamba2"),
+    "FalconH1Mixer": FALCON_H1_MAMBA2,
+}
+"""Mamba 2 layer class name -> its spec."""
