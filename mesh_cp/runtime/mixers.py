@@ -27,6 +27,7 @@ do not split over ``P``) the layer is refused by name.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -52,14 +53,16 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all(grad, ctx.group), None
 
 
-def _token_order(seq_len: int, mesh: CPMesh, layout: Layout, device: torch.device) -> Tensor:
-    """The global positions of every rank's tokens, rank after rank, each in local order (length ``seq_len``)."""
+@functools.lru_cache(maxsize=64)
+def _token_order(seq_len: int, world: int, layout: Layout, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(order, inverse)``: the global positions of every rank's tokens, rank after rank, each in local order
+    (length ``seq_len``), and the permutation that puts them back in global order. Made once per shape and device,
+    not at every layer's exchange."""
     positions = [
-        torch.arange(start, stop)
-        for rank in range(mesh.size)
-        for start, stop in chunk_ranges(seq_len, mesh.size, rank, layout)
+        torch.arange(start, stop) for rank in range(world) for start, stop in chunk_ranges(seq_len, world, rank, layout)
     ]
-    return torch.cat(positions).to(device)
+    order = torch.cat(positions)
+    return order.to(device), torch.argsort(order).to(device)
 
 
 def tokens_to_channels(x: Tensor, channels: Sequence[Tensor], *, mesh: CPMesh, layout: Layout) -> Tensor:
@@ -76,8 +79,8 @@ def tokens_to_channels(x: Tensor, channels: Sequence[Tensor], *, mesh: CPMesh, l
     pieces = torch.stack([x.index_select(-1, c) for c in channels])  # (P, B, T, c): piece j goes to rank j
     received = _AllToAll.apply(pieces, mesh.group)  # received[j]: rank j's tokens, this rank's channels
     flat = received.transpose(0, 1).reshape(batch, world * seq_local, -1)  # tokens rank after rank
-    order = _token_order(world * seq_local, mesh, layout, x.device)
-    return flat.index_select(1, torch.argsort(order))
+    _, inverse = _token_order(world * seq_local, world, layout, x.device)
+    return flat.index_select(1, inverse)
 
 
 def channels_to_tokens(y: Tensor, channels: Sequence[Tensor], width: int, *, mesh: CPMesh, layout: Layout) -> Tensor:
@@ -86,7 +89,7 @@ def channels_to_tokens(y: Tensor, channels: Sequence[Tensor], width: int, *, mes
     per rank, disjoint) cover ``range(width)`` (checked where they are made, on the host)."""
     world = mesh.size
     batch, seq, c = y.shape
-    order = _token_order(seq, mesh, layout, y.device)
+    order, _ = _token_order(seq, world, layout, y.device)
     pieces = y.index_select(1, order).reshape(batch, world, seq // world, c).transpose(0, 1)  # piece j: rank j's tokens
     received = _AllToAll.apply(pieces, mesh.group)  # received[j]: this rank's tokens, rank j's channels
     joined = torch.cat(received.unbind(0), dim=-1)  # channels in the order of cat(channels)
