@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
+from unittest import mock
 
 import torch
 from datasets import Dataset
@@ -89,6 +91,13 @@ CASES: dict[str, tuple[str, dict]] = {
     "no_gradient_checkpointing": ("short", {"packing": True, "max_length": 40, "gradient_checkpointing": False}),
     "bf16": ("ragged", {"bf16": True}),
     "sequential": ("ragged_10", {"train_sampling_strategy": "sequential"}),  # step 3: the epoch's short batch
+    # TRL's saved-tensor hooks (cpu_offloading): with gradient checkpointing they see the checkpointed layers' inputs,
+    # without it every tensor autograd saves, mesh_cp attention's among them.
+    "activation_offloading": ("short", {"packing": True, "max_length": 40, "activation_offloading": True}),
+    "activation_offloading_no_gc": (
+        "short",
+        {"packing": True, "max_length": 40, "activation_offloading": True, "gradient_checkpointing": False},
+    ),
 }
 """Case name -> (train set, SFTConfig fields beside :data:`BASE`). Every case also evaluates on the eval set."""
 
@@ -98,6 +107,53 @@ gradient checkpointing unless they say otherwise."""
 
 
 EVAL_KEYS = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
+
+
+def cpu_offloading(model: torch.nn.Module, **_):
+    """TRL's activation offloading manager (``get_act_offloading_ctx_manager``) made for the CPU, its hooks counted:
+    ``manager.counts`` holds the tensors it offloaded, how many of them mesh_cp's attention saved, and how many it
+    brought back in backward.
+
+    Notes:
+        TRL makes it for ``torch.accelerator.current_accelerator()``, which is None on a CPU-only torch:
+        ``SFTConfig(activation_offloading=True)`` then raises AttributeError in ``SFTTrainer.__init__``. Made with the
+        CPU as its accelerator, its pack hook offloads every saved tensor of at least 1 KiB that is not a parameter
+        (copies it to fresh host memory; the original is freed once the forward drops it) and its unpack hook hands
+        the copy back with the original's strides. Pinned memory and the side stream need a device: this is its
+        single-stream path, unpinned; the stream path (events, the forward stash, storage deduplication) does not run.
+    """
+    from trl.models import activation_offloading
+
+    with mock.patch.object(torch.accelerator, "current_accelerator", return_value=torch.device("cpu")):
+        manager = activation_offloading.get_act_offloading_ctx_manager(model, use_pin_memory=False, use_streams=False)
+    counts = manager.counts = {"offloaded": 0, "in_mesh_attention": 0, "restored": 0}
+    pack, unpack = manager.pack_hook, manager.unpack_hook
+
+    def counted_pack(tensor: torch.Tensor) -> int:
+        tensor_id = pack(tensor)
+        if manager.tracker[tensor_id][1]:  # offloaded, not kept
+            counts["offloaded"] += 1
+            counts["in_mesh_attention"] += _in_mesh_attention()
+        return tensor_id
+
+    def counted_unpack(tensor_id: int) -> torch.Tensor:
+        counts["restored"] += bool(manager.tracker.get(tensor_id, (None, False))[1])
+        return unpack(tensor_id)
+
+    manager.pack_hook, manager.unpack_hook = counted_pack, counted_unpack  # read when the manager is entered
+    return manager
+
+
+def _in_mesh_attention() -> bool:
+    """Whether the tensor being packed is one mesh_cp's attention Function saves (its ``mesh_attn_func`` call is on
+    the stack: autograd packs a Function's saved tensors as its ``apply`` returns)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "mesh_attn_func" and code.co_filename.endswith(os.path.join("runtime", "attention.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def run_case(name: str, mesh, output_dir: str, deepspeed: str | None = None) -> dict:
@@ -122,14 +178,15 @@ def run_case(name: str, mesh, output_dir: str, deepspeed: str | None = None) -> 
 
         trainer_class = hf.mesh_cp_trainer_class(SFTTrainer)
     extra = {} if mesh is None else {"parallel": mesh}  # with deepspeed: built from the config's block
-    trainer = trainer_class(
-        model=model,
-        args=args,
-        train_dataset=sets[data],
-        eval_dataset=sets["eval"],
-        processing_class=tokenizer(),
-        **extra,
-    )
+    with mock.patch("trl.trainer.sft_trainer.get_act_offloading_ctx_manager", cpu_offloading):
+        trainer = trainer_class(
+            model=model,
+            args=args,
+            train_dataset=sets[data],
+            eval_dataset=sets["eval"],
+            processing_class=tokenizer(),
+            **extra,
+        )
     # The same weights on both sides: rounding apart, equal. Not with DeepSpeed, where evaluate() before train()
     # leaves Trainer without a training engine (transformers' own limitation, huggingface/transformers#44889).
     before = trainer.evaluate() if deepspeed is None else dict.fromkeys(EVAL_KEYS)
@@ -148,6 +205,7 @@ def run_case(name: str, mesh, output_dir: str, deepspeed: str | None = None) -> 
         "eval_loss": evaluated["eval_loss"],
         "eval_samples": samples(evaluated, "eval"),
         "train_samples": samples(metrics, "train"),
+        "offloading": getattr(trainer.maybe_activation_offload_context, "counts", None),
     }
 
 

@@ -9,7 +9,10 @@ training within 1e-6, and the throughput metrics within 5% of the reference's sa
 step is its epoch's short last batch (10 examples in batches of 4), where accelerate's ``gather_for_metrics`` would
 keep only the first ranks' sums: its training entropy and accuracy count every token once too. bf16 autocast runs and
 stays within bf16 rounding. Each refused option is refused by name, ``use_cpu=False`` (accelerate then takes the four
-processes for one) as well, under accelerate and under DeepSpeed.
+processes for one) as well, under accelerate and under DeepSpeed. ``activation_offloading=True``, with gradient
+checkpointing and without, is exact as well: TRL's offloading hooks, made for the CPU (sft_script.cpu_offloading: a
+CPU-only torch has no accelerator to make them for), take and give back every saved tensor of at least 1 KiB, mesh_cp
+attention's among them without gradient checkpointing.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ FP32_CASES = [
     "assistant_only",
     "no_gradient_checkpointing",
     "sequential",
+    "activation_offloading",
+    "activation_offloading_no_gc",
 ]
 
 
@@ -69,6 +74,20 @@ def test_documents_change_the_loss(runs) -> None:
     than wrapped packing, so the losses differ (the comparison above can tell)."""
     mesh = runs[1]
     assert _err(mesh["packing_bfd"]["loss"], mesh["packing_wrapped"]["loss"]) > 1e-3
+
+
+def test_activation_offloading_takes_mesh_cp_attention_tensors(runs) -> None:
+    """TRL's offloading hooks ran on both sides and gave back every tensor they took. Without gradient checkpointing
+    they took tensors mesh_cp's attention saved; with it the checkpoint's own hooks hold the layers' saved tensors
+    (TRL's see the checkpointed layers' inputs and what lies outside them)."""
+    for side in runs:
+        for case in ("activation_offloading", "activation_offloading_no_gc"):
+            counts = side[case]["offloading"]
+            assert counts["offloaded"] > 0 and counts["restored"] == counts["offloaded"], (case, counts)
+    mesh = runs[1]
+    assert mesh["activation_offloading_no_gc"]["offloading"]["in_mesh_attention"] > 0, mesh
+    assert mesh["activation_offloading"]["offloading"]["in_mesh_attention"] == 0, mesh
+    assert runs[1]["packing_bfd"]["offloading"] is None  # the other cases run without it
 
 
 def test_bf16_autocast_runs_within_bf16_rounding(runs) -> None:
