@@ -134,8 +134,11 @@ def _timeline(name: str) -> bool:
     return name == "[memory]" or name.startswith("offload:")
 
 
-def worker(rank: int, world: int, lengths: list[int], repeats: int) -> dict[tuple[int, str], tuple[int, int]]:
-    """This rank's ``(host peak, device peak)`` bytes of one step, per ``(global length, mode)``."""
+def worker(
+    rank: int, world: int, lengths: list[int], repeats: int, vocab: int
+) -> dict[tuple[int, str], tuple[int, int]]:
+    """This rank's ``(host peak, device peak)`` bytes of one step, per ``(global length, mode)``, with a vocabulary
+    of ``vocab``."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -143,14 +146,14 @@ def worker(rank: int, world: int, lengths: list[int], repeats: int) -> dict[tupl
     from mesh_cp.integrations import hf
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**(LLAMA | {"vocab_size": vocab})), attn_implementation="sdpa")
     mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(1, world))
     hf.attach(model, mesh)
     model.train()
     manager = offloading_manager(model)  # once: each one hooks the model's lm_head
     results = {}
     for length in lengths:
-        ids = torch.randint(0, LLAMA["vocab_size"], (1, length), generator=torch.Generator().manual_seed(length))
+        ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
         batch = hf.shard_batch(ids, mesh=mesh)
         for mode, (checkpointing, offloading) in MODES.items():
             if checkpointing:
@@ -175,10 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cp", type=int, default=2, help="CP ranks (gloo processes on this machine)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="global sequence lengths")
     p.add_argument("--repeats", type=int, default=2, help="steps per measure; the least peak is kept")
+    p.add_argument("--vocab", type=int, default=LLAMA["vocab_size"], help="vocabulary size")
     args = p.parse_args(argv)
-    per_rank = spawn_gloo(worker, args.cp, args.lengths, args.repeats)
+    per_rank = spawn_gloo(worker, args.cp, args.lengths, args.repeats, args.vocab)
     layers, width = LLAMA["num_hidden_layers"], LLAMA["hidden_size"]
-    print(f"Llama {layers} layers x {width}, vocab {LLAMA['vocab_size']}, fp32, CP {args.cp} (zig-zag), batch 1")
+    print(f"Llama {layers} layers x {width}, vocab {args.vocab}, fp32, CP {args.cp} (zig-zag), batch 1")
     print(
         f"{'tokens':>7} {'per rank':>8} {'mode':>13} {'host peak MiB':>14} {'device peak MiB':>16} {'vs nothing':>11}"
     )
