@@ -1,0 +1,208 @@
+"""The whole-step memory model (mesh_cp.sim.step) against measured peaks of real training steps on CPU.
+
+Each case builds a transformers causal LM in fp32 (random weights), runs one training step (forward with labels,
+backward, AdamW step, ``zero_grad(set_to_none=True)``) to create the optimizer's states, then measures the next step:
+the bytes held on entry (weights and AdamW's states, summed from the tensors) plus the profiler's peak above them
+during the step (:class:`mesh_cp.testing.MemoryPeak`, every CPU allocation and free). The prediction is
+:func:`mesh_cp.sim.step.step_memory` for the same sizes on one rank, ``precision="fp32"``.
+
+::
+
+    python scripts/step_memory.py            # the table of docs/performance.md
+    python scripts/step_memory.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mesh_cp.sim.step import ModelConfig, StepOptions, step_memory  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One measured configuration: a model's sizes, the sequence, checkpointing, the LM head, AdamW's kind."""
+
+    name: str
+    model: str = "LlamaConfig"
+    hidden: int = 128
+    intermediate: int = 384
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 8
+    vocab: int = 1024
+    seq: int = 1024
+    checkpointing: bool = False
+    lm_head: str = "full"
+    foreach: bool = False
+
+    def config(self) -> ModelConfig:
+        """The model's sizes as the memory model reads them."""
+        return ModelConfig(
+            name=self.name,
+            hidden=self.hidden,
+            intermediate=self.intermediate,
+            layers=self.layers,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.hidden // self.heads,
+            vocab=self.vocab,
+            qk_norm=self.model.startswith("Qwen3"),
+        )
+
+    def options(self) -> StepOptions:
+        """How the step runs, as the memory model reads it."""
+        return StepOptions(
+            gpus=1,
+            precision="fp32",
+            sharding="replicated",
+            checkpointing=self.checkpointing,
+            lm_head=self.lm_head,  # type: ignore[arg-type]
+            lm_head_chunk=CHUNK,
+            foreach=self.foreach,
+        )
+
+
+CHUNK = 256
+"""Tokens per chunk of the chunked LM head the script runs."""
+
+CASES = (
+    Case("llama"),
+    Case("llama checkpointed", checkpointing=True),
+    Case("llama GQA 8:2, 2048 tokens", kv_heads=2, seq=2048),
+    Case("llama vocab 16K", vocab=16384),
+    Case("llama vocab 16K, chunked head", vocab=16384, lm_head="chunked"),
+    Case("llama 8 layers", layers=8),
+    Case("llama 8 layers, 64 tokens, foreach AdamW", layers=8, seq=64, foreach=True),
+    Case("llama wide MLP, vocab 256", intermediate=1024, vocab=256),
+    Case("llama wide MLP, vocab 256, checkpointed", intermediate=1024, vocab=256, checkpointing=True),
+    Case("qwen3 GQA 8:2", model="Qwen3Config", kv_heads=2),
+    Case("qwen3 checkpointed, GQA, vocab 8K", model="Qwen3Config", kv_heads=2, vocab=8192, checkpointing=True),
+)
+"""The calibration cases: checkpointing on and off, sequence length, vocabularies where the logits dominate or not,
+layers, GQA, q/k norms (Qwen3), the chunked LM head, AdamW's foreach and one-tensor implementations."""
+
+
+def _chunked_loss(model, input_ids, labels):
+    """The LM head and cross-entropy over :data:`CHUNK` tokens at a time, each chunk recomputed in backward."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+
+    def chunk_loss(h, y):
+        logits = model.lm_head(h).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+    total = sum(
+        checkpoint(chunk_loss, hidden[:, i : i + CHUNK], shifted[:, i : i + CHUNK], use_reentrant=False)
+        for i in range(0, hidden.shape[1], CHUNK)
+    )
+    return total / (shifted != -100).sum()
+
+
+def build(case: Case):
+    """The fp32 model of ``case`` (seeded random weights), its AdamW and the step function."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = getattr(transformers, case.model)(
+        vocab_size=case.vocab,
+        hidden_size=case.hidden,
+        intermediate_size=case.intermediate,
+        num_hidden_layers=case.layers,
+        num_attention_heads=case.heads,
+        num_key_value_heads=case.kv_heads,
+        head_dim=case.hidden // case.heads,
+        max_position_embeddings=case.seq,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    if case.checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x; the old name before
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=case.foreach)
+    ids = torch.randint(case.vocab, (1, case.seq), generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        if case.lm_head == "chunked":
+            loss = _chunked_loss(model, ids, ids)
+        else:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        del loss
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, optimizer, step
+
+
+def measure(case: Case) -> dict:
+    """The measured and predicted peaks of ``case``'s second training step, in bytes."""
+    import torch
+
+    from mesh_cp.testing import MemoryPeak
+
+    model, optimizer, step = build(case)
+    step()  # AdamW creates its states in the first step
+    gc.collect()
+    held = sum(p.nbytes for p in model.parameters())
+    held += sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    with MemoryPeak() as mem:
+        step()
+    predicted = step_memory(case.config(), case.seq, case.options())
+    return {
+        "case": case.name,
+        "measured": held + mem.peak,
+        "measured_above_entry": mem.peak,
+        "predicted": predicted.peak,
+        "predicted_above_entry": predicted.peak - predicted.parts["weights"] - predicted.parts["optimizer states"],
+        "moment": predicted.moment,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of docs/performance.md: measured against predicted, whole peak and above the entry."""
+    lines = [
+        "| case | measured peak | predicted | ratio | above entry: measured | predicted | ratio | peak moment |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        whole, above = r["predicted"] / r["measured"], r["predicted_above_entry"] / r["measured_above_entry"]
+        lines.append(
+            f"| {r['case']} | {r['measured'] / 2**20:.1f} MiB | {r['predicted'] / 2**20:.1f} MiB | {whole:.2f} | "
+            f"{r['measured_above_entry'] / 2**20:.1f} MiB | {r['predicted_above_entry'] / 2**20:.1f} MiB | "
+            f"{above:.2f} | {r['moment']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+    parser.add_argument("--case", action="append", default=None, help="only these cases (by name)")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cases = [c for c in CASES if args.case is None or c.name in args.case]
+    rows = [measure(case) for case in cases]
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
