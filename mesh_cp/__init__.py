@@ -26,6 +26,7 @@ _PUBLIC = {
         "ShardedBatch",
         "ShardingCollator",
         "causal_lm_loss",
+        "data_parallel",
         "decode_attn_func",
         "mesh_attn_func",
         "overlap_gradients",

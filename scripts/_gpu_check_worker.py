@@ -780,12 +780,12 @@ def hf_verdict(mesh, device: torch.device, kv_heads: int, mode: str, schedule: s
     ref_logits, ref_grads = single(copy.deepcopy(base), cast=autocast)
 
     model = hf.attach(copy.deepcopy(base), mesh, schedule=schedule)
+    ddp = hf.data_parallel(model, mesh=mesh, find_unused_parameters=True)  # summed over CP; an unused one stays None
     batch = hf.shard_batch(ids, mesh=mesh)
     with context():
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+        logits = ddp(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
         loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
     loss.backward()
-    hf.reduce_gradients(model, mesh)
     grads = {n: p.grad for n, p in model.named_parameters()}
     missing = sorted(n for n, g in grads.items() if g is None)
     if missing:

@@ -14,9 +14,10 @@ accelerate needs no adapter of its own: ``accelerate launch`` starts the process
 and ``Accelerator.autocast`` does mixed precision; mesh_cp's public API and its Hugging Face adapter do the
 rest: the DP x CP layout (:class:`mesh_cp.DataContextParallel`), the sharded batches
 (:func:`mesh_cp.shard_batch`), the loss (:func:`mesh_cp.causal_lm_loss`) and the model's ``mesh_cp``
-attention (:func:`mesh_cp.integrations.hf.attach`), and the gradient all-reduce over DP x CP, overlapped with
-backward (:meth:`mesh_cp.DataContextParallel.overlap_gradients`). The CP sizes may instead come from the
-accelerate config file's ``parallelism_config`` block (``hf.parallel_from_accelerate``, docs/accelerate.md).
+attention (:func:`mesh_cp.integrations.hf.attach`), and torch's ``DistributedDataParallel`` over DP x CP, its
+gradients summed over CP and averaged over DP (:meth:`mesh_cp.DataContextParallel.data_parallel`). The CP sizes
+may instead come from the accelerate config file's ``parallelism_config`` block (``hf.parallel_from_accelerate``,
+docs/accelerate.md).
 
 Each process binds GPU ``LOCAL_RANK`` before accelerate makes the NCCL group; the model, the reference
 and each step's batch shard live on ``accelerator.device``, the token sequences on the host.
@@ -154,7 +155,6 @@ def train(args: argparse.Namespace, accelerator) -> dict | None:
     reference = copy.deepcopy(model) if args.reference and main_rank else None
     hf.attach(model, layout.mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    gradients = layout.overlap_gradients(model)  # each bucket's all-reduce starts during backward
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr) if reference is not None else None
 
     start, ckpt = 0, None
@@ -170,6 +170,9 @@ def train(args: argparse.Namespace, accelerator) -> dict | None:
         start = state["step"]
         if main_rank:
             print(f"resumed from {ckpt} at step {start}")
+    # torch DDP over DP x CP, summing over CP and averaging over DP: each bucket's all-reduce starts during backward;
+    # forward and backward go through it, the checkpoints and the evaluation use the model itself
+    ddp = layout.data_parallel(model)
 
     tokens_per_step = args.batch * layout.dp_size * args.seq_len
     rates: list[float] = []
@@ -183,13 +186,12 @@ def train(args: argparse.Namespace, accelerator) -> dict | None:
         batch = mesh_cp.shard_batch(sequences_of_replica, mesh=layout.mesh, device=device)
         counter = mesh_cp.CommCounter() if sent is None else contextlib.nullcontext()
         with counter, accelerator.autocast():
-            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+            logits = ddp(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
             loss = mesh_cp.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
             loss.backward()
         if sent is None:
             sent = counter.bytes_by_role(layout.mesh)
-        gradients.finish()  # wait for them: summed over CP, averaged over DP
-        optimizer.step()
+        optimizer.step()  # the gradients DDP left: summed over CP, averaged over DP
         optimizer.zero_grad()
         total = loss.detach().clone()
         dist.all_reduce(total)  # sum over CP of the shares, summed over replicas ...

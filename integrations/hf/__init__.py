@@ -7,14 +7,16 @@
     from mesh_cp.integrations import hf               # registers attn_implementation="mesh_cp" with transformers
 
     model = hf.attach(AutoModelForCausalLM.from_config(config), mesh)   # every attention layer runs over mesh
+    ddp = hf.data_parallel(model, mesh=mesh)          # torch DDP over the CP group, gradients summed over it
     batch = hf.shard_batch(input_ids, mesh=mesh)      # this rank's input_ids, global position_ids, shift_labels
-    logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+    logits = ddp(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
     loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
-    loss.backward()                                   # then sum parameter gradients over the CP group
+    loss.backward()                                   # DDP sums every parameter gradient over the CP group
 
 Each rank's ``loss`` is its share of the global mean (token losses summed over its shard, divided by
 the label count of the whole sequence), so the loss is the sum over the CP group and so is every
-parameter gradient (:func:`reduce_gradients`). Labels are shifted on the *full* sequence before
+parameter gradient (:func:`data_parallel`; over DP x CP, ``DataContextParallel.data_parallel`` sums over CP and
+averages over DP). Labels are shifted on the *full* sequence before
 sharding, so the last token of every shard keeps its label.
 
 What a model hands mesh_cp is either computed exactly or refused with the feature named, never
@@ -59,7 +61,7 @@ from mesh_cp.integrations.hf.generation import ShardedKVCache, generate, prefill
 from mesh_cp.integrations.hf.masks import MASK_KEYWORDS, mesh_cp_mask
 from mesh_cp.integrations.hf.trainer import MeshCPTrainerMixin, mesh_cp_trainer_class
 from mesh_cp.runtime.batch import IGNORE_INDEX, ShardedBatch, ShardingCollator, causal_lm_loss, shard_batch
-from mesh_cp.runtime.parallel import DataContextParallel, reduce_gradients
+from mesh_cp.runtime.parallel import DataContextParallel, data_parallel, reduce_gradients
 
 register()  # attn_implementation="mesh_cp" works in from_pretrained / from_config once this package is imported
 
@@ -81,6 +83,7 @@ __all__ = [
     "accelerator_parallelism_config",
     "attach",
     "causal_lm_loss",
+    "data_parallel",
     "generate",
     "mesh_cp_attention",
     "mesh_cp_mask",

@@ -181,7 +181,7 @@ def refuse_labels_of_one_process(model: torch.nn.Module, labels: object, kwargs:
     if missing:
         raise ValueError(
             f"{type(model).__name__} was given labels without num_items_in_batch: its loss would be the mean over this "
-            f"rank's shard, and its sum over the P ranks (reduce_gradients, DDP) up to P times the batch's; {_CP_LABELS}"
+            f"rank's shard, and its sum over the P ranks (data_parallel, DDP) up to P times the batch's; {_CP_LABELS}"
         )
 
 

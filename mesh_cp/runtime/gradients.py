@@ -1,116 +1,113 @@
-"""Gradient reduction over a process group in buckets: one all-reduce per bucket, not per parameter.
+"""Gradient reduction of a replicated model over CP, or over DP x CP: torch's ``DistributedDataParallel`` with a
+communication hook that gives mesh_cp's scaling.
 
-Note [Gradient buckets]
+Note [DDP over DP x CP]
 ~~~~~~~~~~~~~~~~~~~~~~~
-Each rank of a CP group holds the gradient of its share of the loss, so every parameter gradient is summed over
-the CP group (and averaged over the DP replicas of a DP x CP layout). One all-reduce per parameter is hundreds of
-small collectives for an LLM (each paying the collective's latency); like torch DDP, the gradients are instead
-packed, in parameter order, into buckets of at most ``bucket_bytes`` (25 MiB by default, DDP's
-``bucket_cap_mb``) of one dtype and device, and each bucket is one all-reduce of a flat buffer whose result is
-copied back. A gradient larger than a bucket is a bucket of its own. The sums are the per-parameter sums: an
-all-reduce adds elementwise, whatever the packing. Each bucket also carries one flag per parameter, so that a
-parameter no rank used keeps no gradient (Note [Used flags]).
+Every rank of a CP group holds a shard of each sequence of its replica's batch, and its loss is its *share* of
+the batch's loss (:func:`~mesh_cp.runtime.batch.causal_lm_loss`: its tokens' losses over the batch's token count),
+so the replica's loss and its gradient are the *sums* over the CP ranks. Each DP replica trains on its own batch,
+and the step's loss is the *mean* over the replicas. With ``g[d, c]`` the gradient of DP replica ``d``, CP rank
+``c``, the gradient every rank needs is::
 
-That is the blocking form (:func:`all_reduce_gradients`, after backward). The overlapped form
-(:class:`~mesh_cp.runtime.grad_overlap.OverlappedReduction`, Note [Overlapped gradient reduction]) cuts the same
-buckets from the parameters in *reverse* order, the order backward produces their gradients, keeps one flat buffer
-per bucket, and launches each bucket's all-reduce from the gradient hooks while backward still runs.
+    g = (1 / dp) * sum_d sum_c g[d, c]          (sum over CP, mean over DP)
+
+one all-reduce over all the ``dp x cp`` ranks (``DataContextParallel.group``), divided by ``dp``. Plain
+``DistributedDataParallel(model, process_group=group)`` divides the sum by the group's size, ``dp x cp``: it gives
+``g / cp``, and the loss would have to be multiplied by ``cp`` to get ``g``. Instead :func:`wrap_ddp` (behind
+``DataContextParallel.data_parallel`` and ``mesh_cp.data_parallel``) registers a DDP communication hook (``ddp.register_comm_hook``, DDP's extension point; the hook is
+``default_hooks.allreduce_hook`` with another divisor) that divides each bucket by ``dp`` before its all-reduce
+(first, as ``allreduce_hook`` does, so low-precision sums stay in range). DDP divides nothing itself when a hook
+is registered. So the loss code of one process, or of mesh_cp's batches, does not change. A CP group alone is the
+case ``dp = 1``: the hook sums over ``mesh.group``.
+
+The returned module must stay referenced until backward has run: DDP's gradient hooks live and die with it (a
+``data_parallel(model, ...)(batch)`` whose wrapper is dropped after forward reduces nothing). The rest is DDP's: the buckets (``bucket_cap_mb``) and their all-reduces launched from the gradient hooks while
+backward runs, ``no_sync()`` for gradient accumulation (every micro-batch's backward but the last), ``static_graph``,
+``gradient_as_bucket_view``. Refused, by name: ``process_group`` / ``device_mesh`` (the layout gives the group);
+``mixed_precision`` (it registers DDP's own communication hook, which averages over the group) and
+``delay_all_reduce_named_params`` / ``param_to_hook_all_reduce`` (DDP all-reduces those parameters outside any
+hook, divided by the group's size). DDP takes one communication hook, so a hook of the caller's own cannot be
+added (``register_comm_hook`` raises).
+
+Unused parameters. Without ``find_unused_parameters=True`` DDP expects every parameter that requires a gradient to
+get one in every backward: one that gets none keeps its bucket from being reduced (the other gradients in that
+bucket stay unreduced) and the next forward raises. With it, each forward finds the parameters the output does
+not depend on and marks them ready: a parameter some ranks used gets the sum of their gradients on every rank
+(the others add zeros), divided as above; one that no rank used keeps ``.grad`` ``None`` on every rank, as in one
+process (DDP all-reduces a map of the parameters each rank used, and writes no gradient for one nobody used), so
+an optimizer skips it.
+
+With NCCL, DDP's all-reduces on the DP x CP communicator start from the gradient hooks while the attention's
+backward runs its own collectives on the CP subgroups; each rank issues them in one order as long as every rank
+runs the same graph. Ranks that leave different parameters unused issue a bucket at different points of backward,
+DDP's own caveat for ``find_unused_parameters``.
 """
 
-from __future__ import annotations
-
-from collections.abc import Iterable, Sequence
+# No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's annotations with
+# dist.GradBucket and torch.futures.Future[torch.Tensor] themselves, not with their names.
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 
-from mesh_cp.core.options import positive_int
-
-BUCKET_BYTES = 25 * 2**20
-"""Default bucket size, as torch DDP's ``bucket_cap_mb=25``."""
-
-
-def gradient_buckets(grads: Sequence[Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[Tensor]]:
-    """``grads`` in order, cut into buckets of one dtype and device of at most ``bucket_bytes`` each (a larger
-    gradient alone); see Note [Gradient buckets]."""
-    positive_int("bucket_bytes", bucket_bytes)
-    buckets: list[list[Tensor]] = []
-    size = 0
-    for g in grads:
-        if g.is_sparse:
-            raise NotImplementedError("sparse gradients are not reduced in buckets; use dense embedding gradients")
-        nbytes = g.numel() * g.element_size()
-        last = buckets[-1] if buckets else None
-        fits = (
-            last is not None
-            and (last[0].dtype, last[0].device) == (g.dtype, g.device)
-            and size + nbytes <= bucket_bytes
-        )
-        if fits:
-            last.append(g)
-            size += nbytes
-        else:
-            buckets.append([g])
-            size = nbytes
-    return buckets
+REFUSED = {
+    "process_group": "the layout gives the group (DP x CP: DataContextParallel.group; CP alone: mesh.group)",
+    "device_mesh": "the layout gives the group (DP x CP: DataContextParallel.group; CP alone: mesh.group)",
+    "mixed_precision": "it registers DDP's own communication hook, which averages over the group (use "
+    "torch.autocast, or keep the parameters in the training dtype)",
+    "delay_all_reduce_named_params": "DDP all-reduces those parameters outside the communication hook, divided by "
+    "the group's size (leave them in the buckets)",
+    "param_to_hook_all_reduce": "DDP all-reduces the delayed parameters outside the communication hook, divided by "
+    "the group's size (leave them in the buckets)",
+}
+"""The DDP keyword arguments :func:`wrap_ddp` refuses, with the reason (Note [DDP over DP x CP])."""
 
 
-def all_reduce_gradients(
-    parameters: Iterable[torch.nn.Parameter],
-    group: dist.ProcessGroup,
-    *,
-    divide_by: int = 1,
-    bucket_bytes: int = BUCKET_BYTES,
-) -> int:
-    """Sum the gradients of ``parameters`` over ``group`` (then divide them by ``divide_by``), one all-reduce per
-    bucket (Note [Gradient buckets]); returns the number of all-reduces. Every parameter that requires a gradient
-    is in the buckets on every rank alike: a rank without its gradient adds zeros, and one that no rank has stays
-    ``None`` (Note [Used flags])."""
-    params = [p for p in parameters if p.requires_grad]
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-    buckets = gradient_buckets(grads, bucket_bytes)
-    missing: list[tuple[torch.nn.Parameter, Tensor, Tensor]] = []
-    start = 0
-    for bucket in buckets:
-        members, start = params[start : start + len(bucket)], start + len(bucket)
-        flags = used_flags(members, bucket[0])
-        flat = torch.cat([g.reshape(-1) for g in bucket] + [flags])
-        dist.all_reduce(flat, group=group)
-        if divide_by != 1:
-            flat.div_(divide_by)
-        parts = flat.split([g.numel() for g in bucket] + [len(bucket)])
-        for k, (p, g, part) in enumerate(zip(members, bucket, parts, strict=False)):
-            if p.grad is None:
-                missing.append((p, part.view_as(p), parts[-1][k]))
-            else:
-                g.copy_(part.view_as(g))
-    if missing:
-        for (p, part, _), used in zip(missing, read_flags([flag for *_, flag in missing]), strict=True):
-            if used:
-                p.grad = part
-    return len(buckets)
+@dataclass(frozen=True)
+class SumThenDivide:
+    """The state of :func:`sum_then_divide`: the group to sum over and the divisor (the DP size)."""
+
+    group: dist.ProcessGroup
+    """All ranks the gradients are summed over."""
+    divide_by: int
+    """Divides each bucket before the all-reduce: the DP size (1 for a CP group alone)."""
 
 
-# Note [Used flags]
-# ~~~~~~~~~~~~~~~~~
-# A parameter that no rank used in a step has no gradient in one process (``None`` after ``zero_grad()``), and an
-# optimizer skips it: no momentum, no weight decay. So the buckets of every rank hold every parameter that requires
-# a gradient (zeros where a rank has none), and each bucket ends with one flag per parameter, 1 where this rank has
-# its gradient: the same all-reduce sums them, and a parameter whose flags sum to 0 keeps ``None``; one that some
-# ranks used gets the sum of theirs. A sum of 0 / 1 flags is 0 only if every flag is, in any dtype. Only a rank that
-# lacks some gradient reads its flags back (one read); where every rank has every gradient nothing is read.
+def sum_then_divide(state: SumThenDivide, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook of Note [DDP over DP x CP]: divide the bucket's flat gradients by
+    ``state.divide_by``, all-reduce (sum) them over ``state.group``; returns the future of the reduced buffer."""
+    buffer = bucket.buffer()
+    if state.divide_by != 1:
+        buffer.div_(state.divide_by)
+    work = dist.all_reduce(buffer, group=state.group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def used_flags(members: Sequence[torch.nn.Parameter], like: Tensor) -> Tensor:
-    """A bucket's flags (Note [Used flags]): 1 for each of ``members`` that has a gradient on this rank, else 0."""
-    flags = torch.ones(len(members), dtype=like.dtype, device=like.device)
-    for k, p in enumerate(members):
-        if p.grad is None:
-            flags[k] = 0
-    return flags
+def wrap_ddp(
+    model: torch.nn.Module, group: dist.ProcessGroup, *, divide_by: int, where: str, **ddp_options
+) -> DistributedDataParallel:
+    """``DistributedDataParallel(model, process_group=group, **ddp_options)`` whose gradients are summed over
+    ``group`` and divided by ``divide_by`` (Note [DDP over DP x CP]); ``where`` names the public caller in errors.
+    Returns the DDP module: run forward and backward through it."""
+    for name in ddp_options:
+        if name in REFUSED:
+            raise ValueError(f"{where}() does not take {name}=: {REFUSED[name]}")
+    if isinstance(divide_by, bool) or not isinstance(divide_by, int) or divide_by < 1:
+        raise ValueError(f"divide_by must be a positive int, got {divide_by!r}")
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError(f"{where}() got a model already wrapped in DistributedDataParallel; pass ddp.module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"{type(model).__name__} has no parameter that requires a gradient: nothing to reduce")
+    ddp = DistributedDataParallel(model, process_group=group, **ddp_options)
+    ddp.register_comm_hook(SumThenDivide(group=group, divide_by=divide_by), sum_then_divide)
+    return ddp
 
 
-def read_flags(flags: Sequence[Tensor]) -> list[bool]:
-    """The summed flags of the parameters this rank had no gradient for: whether any rank had one (one read)."""
-    return torch.stack(list(flags)).ne(0).tolist() if flags else []
+REPLACED = (
+    "{name} was replaced by torch's DistributedDataParallel: wrap the model once, before training, with {fix} "
+    "(DDP options such as bucket_cap_mb, find_unused_parameters, static_graph go to DDP), run forward and backward "
+    "through the wrapper, and use its no_sync() for gradient accumulation; the gradients are summed over CP and "
+    "averaged over DP as before (Note [DDP over DP x CP] in mesh_cp.runtime.gradients)"
+)
+"""The message of the refusing aliases of the former gradient reductions."""

@@ -1,37 +1,45 @@
-"""Data parallel x context parallel: the DP x CP groups, and the gradient reduction over them (in buckets), after
-backward or overlapped with it."""
+"""Data parallel x context parallel: the DP x CP groups, and torch's DDP over them with mesh_cp's scaling (sum over
+CP, mean over DP; Note [DDP over DP x CP] in :mod:`mesh_cp.runtime.gradients`)."""
 
 from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from mesh_cp.core.options import refuse_keywords
-from mesh_cp.runtime.grad_overlap import OverlappedReduction, Unused
-from mesh_cp.runtime.gradients import BUCKET_BYTES, all_reduce_gradients
+from mesh_cp.runtime.gradients import REPLACED, wrap_ddp
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
 
 
-def reduce_gradients(model: torch.nn.Module, mesh: CPMesh, *, bucket_bytes: int = BUCKET_BYTES) -> int:
-    """Sum every parameter gradient over the CP group (each rank holds the gradient of its loss share), one
-    all-reduce per bucket of ``bucket_bytes`` (Note [Gradient buckets] in :mod:`mesh_cp.runtime.gradients`);
-    returns the number of all-reduces."""
-    return all_reduce_gradients(model.parameters(), mesh.group, bucket_bytes=bucket_bytes)
+def data_parallel(model: torch.nn.Module, *, mesh: CPMesh, **ddp_options) -> DistributedDataParallel:
+    """``model`` in torch's ``DistributedDataParallel`` over the CP group ``mesh.group``, its gradients *summed* over
+    it (each rank's loss is its share of the batch's): DDP's buckets, overlap with backward and ``no_sync()``, with a
+    communication hook for the sum (Note [DDP over DP x CP] in :mod:`mesh_cp.runtime.gradients`). ``ddp_options``
+    go to DDP (``bucket_cap_mb``, ``find_unused_parameters``, ``static_graph``, ...); ``process_group``,
+    ``device_mesh``, ``mixed_precision`` and the delayed all-reduce are refused by name. Returns the DDP module: run
+    forward and backward through it. Over DP x CP: :meth:`DataContextParallel.data_parallel`."""
+    return wrap_ddp(model, mesh.group, divide_by=1, where="mesh_cp.data_parallel", **ddp_options)
 
 
-def overlap_gradients(
-    model: torch.nn.Module, mesh: CPMesh, *, bucket_bytes: int = BUCKET_BYTES, unused: Unused = "zeros"
-) -> OverlappedReduction:
-    """:func:`reduce_gradients` overlapped with backward: made once, before training, it hooks every parameter so
-    that each bucket's all-reduce over the CP group starts as soon as backward has produced its gradients; call
-    ``.finish()`` after each step's backward (Note [Overlapped gradient reduction] in
-    :mod:`mesh_cp.runtime.grad_overlap`)."""
-    return OverlappedReduction(model, mesh.group, bucket_bytes=bucket_bytes, unused=unused)
+def reduce_gradients(*args, **kwargs) -> NoReturn:
+    """Refuses: replaced by :func:`data_parallel` (the message says how)."""
+    raise NotImplementedError(
+        REPLACED.format(name="reduce_gradients", fix="ddp = mesh_cp.data_parallel(model, mesh=mesh)")
+    )
+
+
+def overlap_gradients(*args, **kwargs) -> NoReturn:
+    """Refuses: replaced by :func:`data_parallel` (the message says how)."""
+    raise NotImplementedError(
+        REPLACED.format(name="overlap_gradients", fix="ddp = mesh_cp.data_parallel(model, mesh=mesh)")
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,7 +48,7 @@ class DataContextParallel:
 
     Rank ``r`` of ``group`` is CP rank ``r % cp_size`` of data-parallel replica ``r // cp_size``; each
     replica's CP group is tiled as a :class:`CPMesh`. Gradients are summed over the CP group (the loss
-    is split across it) and averaged over the replicas, in bucketed all-reduces over ``group``.
+    is split across it) and averaged over the replicas, by torch's DDP over ``group`` (:meth:`data_parallel`).
     """
 
     mesh: CPMesh
@@ -99,20 +107,27 @@ class DataContextParallel:
             built = mesh(cp_group)
         return cls(mesh=built, group=group, dp_group=dp_group, dp_size=dp_size, dp_rank=dp_rank)
 
-    def reduce_gradients(self, model: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES) -> int:
-        """Sum gradients over CP and average them over DP: one all-reduce over all DP x CP ranks per bucket of
-        ``bucket_bytes`` (Note [Gradient buckets] in :mod:`mesh_cp.runtime.gradients`); returns their number."""
-        return all_reduce_gradients(model.parameters(), self.group, divide_by=self.dp_size, bucket_bytes=bucket_bytes)
+    def data_parallel(self, model: torch.nn.Module, **ddp_options) -> DistributedDataParallel:
+        """``model`` in torch's ``DistributedDataParallel`` over all DP x CP ranks (``self.group``), its gradients
+        summed over CP and averaged over DP: a communication hook divides by ``dp_size`` where plain DDP divides by
+        the group's size (Note [DDP over DP x CP] in :mod:`mesh_cp.runtime.gradients`), so each rank's loss stays
+        its share of its replica's batch loss. ``ddp_options`` go to DDP (``bucket_cap_mb``,
+        ``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph``, ...); ``process_group``,
+        ``device_mesh``, ``mixed_precision`` and the delayed all-reduce are refused by name. Returns the DDP module:
+        forward and backward through it, ``with ddp.no_sync():`` around the backward of every micro-batch but the
+        last."""
+        where = "DataContextParallel.data_parallel"
+        return wrap_ddp(model, self.group, divide_by=self.dp_size, where=where, **ddp_options)
 
-    def overlap_gradients(
-        self, model: torch.nn.Module, *, bucket_bytes: int = BUCKET_BYTES, unused: Unused = "zeros"
-    ) -> OverlappedReduction:
-        """:meth:`reduce_gradients` overlapped with backward, the way DDP and Megatron's ``overlap_grad_reduce``
-        do it: made once, before training; each bucket's all-reduce over all DP x CP ranks starts from the gradient
-        hooks as soon as its gradients are in. Per step: ``loss.backward()`` (micro-batches but the last under
-        ``.no_sync()``), ``.finish()``, ``optimizer.step()`` (Note [Overlapped gradient reduction] in
-        :mod:`mesh_cp.runtime.grad_overlap`)."""
-        return OverlappedReduction(model, self.group, divide_by=self.dp_size, bucket_bytes=bucket_bytes, unused=unused)
+    def reduce_gradients(self, *args, **kwargs) -> NoReturn:
+        """Refuses: replaced by :meth:`data_parallel` (the message says how)."""
+        fix = "ddp = layout.data_parallel(model)"
+        raise NotImplementedError(REPLACED.format(name="DataContextParallel.reduce_gradients", fix=fix))
+
+    def overlap_gradients(self, *args, **kwargs) -> NoReturn:
+        """Refuses: replaced by :meth:`data_parallel` (the message says how)."""
+        fix = "ddp = layout.data_parallel(model)"
+        raise NotImplementedError(REPLACED.format(name="DataContextParallel.overlap_gradients", fix=fix))
 
     def __str__(self) -> str:
         return f"DP({self.dp_size}) x {self.mesh}, replica {self.dp_rank}"

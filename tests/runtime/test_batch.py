@@ -96,10 +96,10 @@ def examples_section(rank: int, world: int) -> dict:
     }.items():
         model = hf.attach(copy.deepcopy(ref), mesh)
         model.zero_grad()
+        ddp = hf.data_parallel(model, mesh=mesh)  # gradients summed over the CP group
         batch = hf.ShardingCollator(mesh, pad_token_id=0, **options)(examples)
-        loss = model(**batch).loss
+        loss = ddp(**batch).loss
         loss.backward()
-        hf.reduce_gradients(model, mesh)
         total = loss.detach().clone()
         dist.all_reduce(total, group=mesh.group)
         grads = [

@@ -66,7 +66,7 @@ def compiled_model_section(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa")
     model = hf.attach(copy.deepcopy(ref), mesh)
-    compiled = torch.compile(model, backend=BACKEND)
+    compiled = torch.compile(hf.data_parallel(model, mesh=mesh), backend=BACKEND)  # gradients summed over CP
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
     gen = torch.Generator().manual_seed(1)
     errors: dict[str, float] = {}
@@ -80,7 +80,6 @@ def compiled_model_section(rank: int, world: int) -> dict:
         logits = compiled(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
         loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
         loss.backward()
-        hf.reduce_gradients(model, mesh)
         total = loss.detach().clone()
         dist.all_reduce(total, group=mesh.group)
         shard_ref = mesh_cp.shard_sequence(out.logits.detach(), mesh=mesh, dim=1, layout="zigzag")

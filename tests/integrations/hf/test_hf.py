@@ -73,6 +73,7 @@ def compare(model_name: str, config, mesh, attention_mask=None, documents=None, 
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model = hf.attach(copy.deepcopy(ref), mesh)
+    ddp = hf.data_parallel(model, mesh=mesh)  # gradients summed over the CP group
     gen = torch.Generator().manual_seed(1)
     errors: dict[str, float] = {}
     # SGD with momentum: Adam would turn roundoff-sized gradients of parameters whose exact gradient is
@@ -85,10 +86,9 @@ def compare(model_name: str, config, mesh, attention_mask=None, documents=None, 
 
         batch = hf.shard_batch(input_ids, mesh=mesh, attention_mask=attention_mask, documents=documents, split=split)
         extra = {} if batch.mask is None else {"mesh_cp_mask": batch.mask}
-        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **extra).logits
+        logits = ddp(input_ids=batch.input_ids, position_ids=batch.position_ids, **extra).logits
         loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
         loss.backward()
-        hf.reduce_gradients(model, mesh)
         total = loss.detach().clone()
         dist.all_reduce(total, group=mesh.group)
         if step == 0:
@@ -321,6 +321,7 @@ def dp_cp_worker(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         ref = AutoModelForCausalLM.from_config(tiny_causal_lms()["llama-gqa"], attn_implementation="sdpa")
         model = hf.attach(copy.deepcopy(ref), layout.mesh)
+        ddp = layout.data_parallel(model)  # summed over CP, averaged over DP
         opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
         gen = torch.Generator().manual_seed(3)
         for _ in range(3):
@@ -328,9 +329,8 @@ def dp_cp_worker(rank: int, world: int) -> dict:
             ref_loss = sum(ref(input_ids=b, labels=b).loss for b in batches) / len(batches)
             ref_loss.backward()
             batch = hf.shard_batch(batches[layout.dp_rank], mesh=layout.mesh)
-            logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+            logits = ddp(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
             hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch).backward()
-            layout.reduce_gradients(model)
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
@@ -410,11 +410,9 @@ def _mesh_against_reference(ref, model, mesh, ids: torch.Tensor, **kwargs) -> di
     torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
     batch = hf.shard_batch(ids, mesh=mesh, causal=kwargs.get("is_causal", True))
     masked = {} if batch.mask is None else {"mesh_cp_mask": batch.mask}
-    local = model(
-        input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **masked, **kwargs
-    ).logits
+    ddp = hf.data_parallel(model, mesh=mesh)  # gradients summed over the CP group (kept until backward)
+    local = ddp(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **masked, **kwargs).logits
     hf.causal_lm_loss(local, batch.shift_labels, batch.num_items_in_batch).backward()
-    hf.reduce_gradients(model, mesh)
     shard = mesh_cp.shard_sequence(logits.detach(), mesh=mesh, dim=1, layout="zigzag")
     pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters(), strict=True)]
     assert all((a is None) == (b is None) for a, b in pairs), "gradients missing on one side"
@@ -641,9 +639,10 @@ def runtime_section(rank: int, world: int) -> dict:
     reference = copy.deepcopy(ref)
 
     def loss_and_grads(m, autocast: bool, sharded: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        ddp = hf.data_parallel(m, mesh=mesh) if sharded else None  # gradients summed over the CP group
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             if sharded:
-                logits = m(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
+                logits = ddp(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
                 loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
             else:
                 logits = m(input_ids=ids).logits
@@ -651,9 +650,7 @@ def runtime_section(rank: int, world: int) -> dict:
                     logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1)
                 )
         loss.backward()
-        if sharded:
-            hf.reduce_gradients(m, mesh)
-        else:
+        if not sharded:
             logits = mesh_cp.shard_sequence(logits, mesh=mesh, dim=1, layout="zigzag")
         grads = [p.grad.clone() for p in m.parameters()]
         m.zero_grad()

@@ -144,9 +144,9 @@ def _attach_cases(mesh, config, vocab: int) -> dict:
     hf.attach(policy, mesh)
     sharded = hf.shard_batch(ids, mesh=mesh)
     batch = hf.ShardingCollator.batch_dict(sharded)
-    got = policy(**batch)
+    ddp = hf.data_parallel(policy, mesh=mesh)  # gradients summed over the CP group
+    got = ddp(**batch)
     got.loss.backward()
-    hf.reduce_gradients(policy, mesh)
     loss = got.loss.detach().clone()
     dist.all_reduce(loss)
     out["loss of mesh_cp's batch error"] = (loss - want.loss).abs().item()
