@@ -14,15 +14,18 @@ and the step's loss is the *mean* over the replicas. With ``g[d, c]`` the gradie
 one all-reduce over all the ``dp x cp`` ranks (``DataContextParallel.group``), divided by ``dp``. Plain
 ``DistributedDataParallel(model, process_group=group)`` divides the sum by the group's size, ``dp x cp``: it gives
 ``g / cp``, and the loss would have to be multiplied by ``cp`` to get ``g``. Instead :func:`wrap_ddp` (behind
-``DataContextParallel.data_parallel`` and ``mesh_cp.data_parallel``) registers a DDP communication hook (``ddp.register_comm_hook``, DDP's extension point; the hook is
-``default_hooks.allreduce_hook`` with another divisor) that divides each bucket by ``dp`` before its all-reduce
-(first, as ``allreduce_hook`` does, so low-precision sums stay in range). DDP divides nothing itself when a hook
-is registered. So the loss code of one process, or of mesh_cp's batches, does not change. A CP group alone is the
-case ``dp = 1``: the hook sums over ``mesh.group``.
+``DataContextParallel.data_parallel`` and ``mesh_cp.data_parallel``) registers a DDP communication hook
+(``ddp.register_comm_hook``, DDP's extension point; the hook is ``default_hooks.allreduce_hook`` with another
+divisor) that divides each bucket by ``dp`` before its all-reduce (first, as ``allreduce_hook`` does, so
+low-precision sums stay in range). DDP divides nothing itself when a hook is registered. So the loss code of one
+process, or of mesh_cp's batches, does not change. A CP group alone is the case ``dp = 1``: the hook sums over
+``mesh.group``.
 
 The returned module must stay referenced until backward has run: DDP's gradient hooks live and die with it (a
-``data_parallel(model, ...)(batch)`` whose wrapper is dropped after forward reduces nothing). The rest is DDP's: the buckets (``bucket_cap_mb``) and their all-reduces launched from the gradient hooks while
-backward runs, ``no_sync()`` for gradient accumulation (every micro-batch's backward but the last), ``static_graph``,
+``data_parallel(model, ...)(batch)`` whose wrapper is dropped after forward reduces nothing). The rest is DDP's:
+the buckets (``bucket_cap_mb``; every parameter of a dtype in one bucket for the first backward, rebuilt in the
+order of the gradients after it) and their all-reduces launched from the gradient hooks while backward runs,
+``no_sync()`` for gradient accumulation (every micro-batch's backward but the last), ``static_graph``,
 ``gradient_as_bucket_view``. Refused, by name: ``process_group`` / ``device_mesh`` (the layout gives the group);
 ``mixed_precision`` (it registers DDP's own communication hook, which averages over the group) and
 ``delay_all_reduce_named_params`` / ``param_to_hook_all_reduce`` (DDP all-reduces those parameters outside any
@@ -38,9 +41,10 @@ process (DDP all-reduces a map of the parameters each rank used, and writes no g
 an optimizer skips it.
 
 With NCCL, DDP's all-reduces on the DP x CP communicator start from the gradient hooks while the attention's
-backward runs its own collectives on the CP subgroups; each rank issues them in one order as long as every rank
-runs the same graph. Ranks that leave different parameters unused issue a bucket at different points of backward,
-DDP's own caveat for ``find_unused_parameters``.
+backward runs its own collectives on the CP subgroups; every rank issues them in one order as long as every rank
+runs the same graph. A rank that leaves a parameter unused marks it ready when its backward starts, so it may
+issue that parameter's bucket at another point of backward than a rank that uses it (DDP's own caveat for
+``find_unused_parameters``).
 """
 
 # No ``from __future__ import annotations``: DDP's register_comm_hook compares the hook's annotations with

@@ -186,7 +186,8 @@ def refused_section(rank: int, world: int) -> dict:
 
     mesh, layout = layouts()
     checks: dict = {}
-    for name in ("process_group", "device_mesh", "mixed_precision", "delay_all_reduce_named_params"):
+    refused = ("process_group", "device_mesh", "mixed_precision")
+    for name in (*refused, "delay_all_reduce_named_params", "param_to_hook_all_reduce"):
         expect_error(checks, name, ValueError, rf"DataContextParallel.data_parallel\(\) does not take {name}=", (
             lambda name=name: layout.data_parallel(Net(), **{name: None})
         ))  # fmt: skip
@@ -272,4 +273,4 @@ def test_plain_ddp_over_the_layout_is_mesh_cp_divided_by_cp_size(world4) -> None
 
 def test_refused_by_name(world4) -> None:
     for rank, checks in enumerate(section_results(world4, "refused")):
-        assert all(v is True for v in checks.values()) and len(checks) == 12, (rank, checks)
+        assert all(v is True for v in checks.values()) and len(checks) == 13, (rank, checks)
