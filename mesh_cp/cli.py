@@ -25,6 +25,7 @@ from mesh_cp.core.options import positive_int as _positive
 from mesh_cp.sim import PRESETS, SimResult, Topology, best_of_kind, choose, simulate_candidates
 from mesh_cp.sim.decode import decode_table, format_decode_table
 from mesh_cp.sim.mixers import mixer_traffic, parse_mixer
+from mesh_cp.sim.step_cli import add_step_arguments
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -378,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of traffic and speed-up vs P=4..1024")
     plan.set_defaults(run=_plan_command, command_parser=plan)
+    add_step_arguments(plan)  # --model: the whole training step's memory (mesh_cp.sim.step_cli)
     _add_decode_parser(commands)
     return parser
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -191,11 +192,62 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+BUDGET = 80 * 10**9
+"""The yardsticks' GPU memory: an 80 GB H100, in powers of 1000 (its 80 GiB less the CUDA context, NCCL's buffers
+and the caching allocator's slack)."""
+
+YARDSTICK_LEVERS = (
+    ("FSDP2, checkpointing, full LM head", {"lm_head": "full"}),
+    ("FSDP2, checkpointing, chunked LM head", {}),
+    ("+ activation offload", {"offload": True}),
+    ("+ tiled MLP (8 slices)", {"offload": True, "mlp_tiles": 8}),
+    ("+ fused RMSNorm", {"offload": True, "mlp_tiles": 8, "fused_norm": True}),
+    ("+ optimizer offload", {"offload": True, "mlp_tiles": 8, "fused_norm": True, "optimizer_offload": True}),
+)
+"""The levers, each row adding to the one above (the chunked LM head from the second row on)."""
+
+
+def _within(model: ModelConfig, options: StepOptions, seq: int):
+    """The step's memory with the fastest attention layout, or the one of least memory where that exceeds
+    :data:`BUDGET` (what ``mesh-cp plan --budget`` does)."""
+    from mesh_cp.sim.step import attention_buffers, layout_budget
+
+    budget = layout_budget(model, seq, options, BUDGET)
+    return step_memory(model, seq, options, attention=attention_buffers(model, seq, options, memory_budget=budget))
+
+
+def yardsticks() -> str:
+    """The predicted yardstick tables: Qwen3-8B at 1M tokens on 8 GPUs against TRL, Llama-3-8B's longest sequence on
+    1, 8 and 32 GPUs against DeepSpeed ALST."""
+    from mesh_cp.sim.step import MODEL_PRESETS, longest_seq
+
+    qwen, llama = MODEL_PRESETS["qwen3-8b"], MODEL_PRESETS["llama-3-8b"]
+    lines = ["| Qwen3-8B, 1M tokens, 8 GPUs (cp 8, FSDP2 over 8) | predicted peak per GPU | at |", "|---|---|---|"]
+    for label, lever in YARDSTICK_LEVERS:
+        options = StepOptions(gpus=8, **{"lm_head": "chunked", **lever})
+        memory = step_memory(qwen, 2**20, options)
+        lines.append(f"| {label} | {memory.peak / 1e9:.1f} GB (predicted) | {memory.moment} |")
+    lines += ["", "| Llama-3-8B, longest sequence at 80 GB | 1 GPU | 8 GPUs | 32 GPUs |", "|---|---|---|---|"]
+    for label, lever in YARDSTICK_LEVERS:
+        cells = []
+        for gpus in (1, 8, 32):
+            sharding = "zero3" if gpus == 1 else "fsdp2"  # one GPU: bf16 weights and grads, nothing to shard
+            options = StepOptions(gpus=gpus, sharding=sharding, **{"lm_head": "chunked", **lever})
+            seq = longest_seq(llama, options, BUDGET, memory=functools.partial(_within, llama, options))
+            cells.append(f"{seq / 1e6:.2f}M (predicted)" if seq else "does not fit")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     parser.add_argument("--case", action="append", default=None, help="only these cases (by name)")
+    parser.add_argument("--yardsticks", action="store_true", help="print the predicted yardstick tables only")
     args = parser.parse_args()
+    if args.yardsticks:
+        print(yardsticks())
+        return
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cases = [c for c in CASES if args.case is None or c.name in args.case]
     rows = [measure(case) for case in cases]

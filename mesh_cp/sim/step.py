@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Literal
 
-from mesh_cp.core import AttentionPlan, AttentionShape
-from mesh_cp.sim.choice import choose, plan_for_topology
-from mesh_cp.sim.memory import Backend, peak_bytes
+from mesh_cp.sim.step_attention import attention_buffers, attention_layout
 from mesh_cp.sim.step_config import MODEL_PRESETS, ModelConfig, StepOptions
 from mesh_cp.sim.topology import Topology
 
@@ -83,25 +82,31 @@ class StepMemory:
         return sum(self.parts.values())
 
 
-def layer_saved_bytes(model: ModelConfig, tokens: int, act: int) -> int:
-    """Bytes one decoder layer saves for backward over ``tokens`` tokens, ``act`` bytes per activation
-    (Note [Whole-step memory model])."""
+def layer_saved_bytes(model: ModelConfig, tokens: int, options: StepOptions) -> int:
+    """Bytes one decoder layer saves for backward over ``tokens`` tokens (Note [Whole-step memory model]), its MLP
+    run in ``options.mlp_tiles`` slices of the sequence."""
+    act = options.act_bytes
     q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
     attention = act * (2 * q + 2 * kv) + 4 * model.heads
-    qk_norms = (4 + act) * (q + kv) + 4 * (model.heads + model.kv_heads) if model.qk_norm else 0
-    return tokens * (_norm_saved(model, act) + attention + qk_norms) + mlp_saved_bytes(model, tokens, act)
+    per_qk = act if options.fused_norm else 4 + act  # their outputs go to RoPE, which saves neither
+    qk_norms = per_qk * (q + kv) + 4 * (model.heads + model.kv_heads) if model.qk_norm else 0
+    first_half = tokens * (_norm_saved(model.hidden, options) + attention + qk_norms)
+    return first_half + mlp_saved_bytes(model, tokens, options)
 
 
-def mlp_saved_bytes(model: ModelConfig, tokens: int, act: int) -> int:
-    """Bytes the second half of a decoder layer saves (its RMSNorm and the gated MLP): what its backward frees
-    before the attention's backward runs."""
-    return tokens * (_norm_saved(model, act) + 4 * act * model.intermediate)
+def mlp_saved_bytes(model: ModelConfig, tokens: int, options: StepOptions) -> int:
+    """Bytes the second half of a decoder layer saves (its RMSNorm and the gated MLP, one of ``options.mlp_tiles``
+    slices of the sequence): what its backward frees before the attention's backward runs."""
+    mlp = -(-tokens // options.mlp_tiles) * 4 * options.act_bytes * model.intermediate
+    return tokens * _norm_saved(model.hidden, options) + mlp
 
 
-def _norm_saved(model: ModelConfig, act: int) -> int:
-    """Bytes per token an RMSNorm over the hidden size saves: its fp32 input, the normalized value cast back, its
-    output (read by the next projections), the fp32 ``rsqrt`` per token."""
-    return (4 + 2 * act) * model.hidden + 4
+def _norm_saved(width: int, options: StepOptions) -> int:
+    """Bytes per token an RMSNorm over ``width`` saves: transformers' its fp32 input, the normalized value cast
+    back, its output (read by the next projections) and the fp32 ``rsqrt`` per token; a fused one
+    (``options.fused_norm``) its input, its output and the ``rsqrt``."""
+    act = options.act_bytes
+    return (2 * act if options.fused_norm else 4 + 2 * act) * width + 4
 
 
 BACKWARD_HIDDEN = 1.0
@@ -109,14 +114,14 @@ BACKWARD_HIDDEN = 1.0
 BACKWARD_MLP = 2.0
 """Intermediate-sized temporaries at the peak of the MLP's backward (the gradients of silu(gate) and up beside the
 gradient of their product, which replaced the product), fitted."""
-ATTENTION_KERNEL = 1.15
-"""One-device attention backward: multiples of dq + dk + dv (the kernel's gradients and temporaries), fitted."""
 
 
-def backward_temporaries(model: ModelConfig, tokens: int, act: int, *, mlp: bool = True) -> int:
-    """Bytes a decoder layer's backward allocates beyond its saved tensors at the peak of its MLP's backward
-    (``mlp=False``: of its attention's, the attention kernel aside)."""
-    return int(tokens * act * (BACKWARD_HIDDEN * model.hidden + (BACKWARD_MLP * model.intermediate if mlp else 0)))
+def backward_temporaries(model: ModelConfig, tokens: int, options: StepOptions, *, mlp: bool = True) -> int:
+    """Bytes a decoder layer's backward allocates beyond its saved tensors at the peak of its MLP's backward, the
+    MLP run in ``options.mlp_tiles`` slices (``mlp=False``: at the peak of its attention's, the attention kernel
+    aside)."""
+    mlp_part = BACKWARD_MLP * model.intermediate * -(-tokens // options.mlp_tiles) if mlp else 0
+    return int(options.act_bytes * (BACKWARD_HIDDEN * model.hidden * tokens + mlp_part))
 
 
 def loss_bytes(model: ModelConfig, tokens: int, options: StepOptions) -> tuple[int, int]:
@@ -130,38 +135,6 @@ def loss_bytes(model: ModelConfig, tokens: int, options: StepOptions) -> tuple[i
     if options.lm_head == "chunked":
         backward += 2 * tokens * model.hidden * act
     return forward, backward
-
-
-def attention_buffers(
-    model: ModelConfig,
-    seq: int,
-    options: StepOptions,
-    *,
-    topology: Topology | None = None,
-    backend: Backend = "nccl",
-    memory_budget: int | None = None,
-) -> tuple[int, int]:
-    """Bytes the attention allocates ``(forward, backward)`` beyond its inputs and saved tensors on one rank.
-
-    One rank (``cp == 1``): the kernel's backward gradients and temporaries (:data:`ATTENTION_KERNEL` times dq, dk,
-    dv). CP: :func:`mesh_cp.sim.memory.peak_bytes` on rank 0 of the layout :func:`mesh_cp.sim.choose` picks on
-    ``topology`` (default the ``h100`` preset) for ``seq / cp`` tokens per rank within ``memory_budget`` bytes of
-    attention memory (``None``: the fastest)."""
-    act, cp = options.act_bytes, options.cp_degree
-    if cp == 1:
-        dqkv = seq * options.batch * (model.heads + 2 * model.kv_heads) * model.head_dim * act
-        return 0, int(ATTENTION_KERNEL * dqkv)
-    shape = AttentionShape(options.batch, seq // cp, model.heads, model.kv_heads, model.head_dim, act)
-    plan = attention_plan(cp, shape, topology or Topology.preset("h100", head_dim=model.head_dim), memory_budget)
-    return peak_bytes(plan, "forward", backend=backend), peak_bytes(plan, "backward", backend=backend)
-
-
-def attention_plan(
-    cp: int, shape: AttentionShape, topology: Topology, memory_budget: int | None = None
-) -> AttentionPlan:
-    """The plan of the layout :func:`mesh_cp.sim.choose` picks for ``shape`` (per-rank sizes) on ``cp`` ranks."""
-    u, tiling, _ = choose(cp, shape, topology, memory_budget=memory_budget)
-    return plan_for_topology(u, tiling, shape, topology)
 
 
 def _comm_bytes(model: ModelConfig, options: StepOptions, phase: str) -> int:
@@ -188,87 +161,127 @@ def _optimizer_temporaries(model: ModelConfig, options: StepOptions) -> int:
     """AdamW's temporaries: foreach, one fp32 copy of the (sharded) states' size (``_foreach_sqrt`` of the second
     moments); one tensor at a time, two fp32 copies of the largest parameter (its sqrt and the division)."""
     shard = 1 if options.sharding == "replicated" else options.gpus
+    if options.optimizer_offload:  # the step runs on the CPU
+        return 0
     if options.foreach:
         return 4 * model.params // shard
     largest = max(model.vocab * model.hidden, model.intermediate * model.hidden)
     return 2 * 4 * largest // shard
 
 
-def _moments(model: ModelConfig, seq: int, options: StepOptions, attention: tuple[int, int]) -> dict[str, dict]:
-    """Every moment's parts (Note [Whole-step memory model])."""
-    act, layers, tokens = options.act_bytes, model.layers, options.batch * seq // options.cp_degree
-    per_param = options.bytes_per_param()
-    base = {
-        "weights": int(model.params * per_param["weights"]),
-        "optimizer states": int(model.params * (per_param["states"] + per_param["master"])),
-    }
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """The per-layer quantities the moments add up, for ``tokens`` tokens per rank."""
 
-    def grads(done_layers: int, params: int = 0) -> int:
+    model: ModelConfig
+    options: StepOptions
+    tokens: int
+
+    def grads(self, done_layers: int, params: int = 0) -> int:
         """Gradients of the LM head, ``done_layers`` layers and ``params`` more parameters."""
-        head = model.vocab * model.hidden + model.hidden
-        return int((done_layers * model.layer_params + head + params) * per_param["gradients"])
+        head = self.model.vocab * self.model.hidden + self.model.hidden
+        count = done_layers * self.model.layer_params + head + params
+        return int(count * self.options.bytes_per_param()["gradients"])
 
-    down = model.intermediate * model.hidden  # the MLP's backward peaks after down_proj's
-    before_qkv = model.layer_params - model.hidden * (model.heads + 2 * model.kv_heads) * model.head_dim
+    @property
+    def saved(self) -> int:
+        """What one layer saves (:func:`layer_saved_bytes`)."""
+        return layer_saved_bytes(self.model, self.tokens, self.options)
 
-    saved = layer_saved_bytes(model, tokens, act)
-    kept = tokens * model.hidden * act if options.checkpointing else saved  # per layer, until its backward
+    @property
+    def kept(self) -> int:
+        """What one layer keeps until its backward: its input under checkpointing, else what it saves."""
+        return self.tokens * self.model.hidden * self.options.act_bytes if self.options.checkpointing else self.saved
 
-    def kept_layers(count: int) -> int:
-        return kept * (min(count, 1) if options.offload else count)
+    def kept_layers(self, count: int) -> int:
+        """What ``count`` layers keep on the GPU (one of them when offloaded: the one brought back next)."""
+        return self.kept * (min(count, 1) if self.options.offload else count)
 
-    final_norm = (4 + 2 * act) * tokens * model.hidden
+    @property
+    def recomputed(self) -> int:
+        """The layer being recomputed under checkpointing (or run in forward), else nothing."""
+        return self.saved if self.options.checkpointing else 0
+
+
+def _head_moments(step: _Step, attention: tuple[int, int]) -> dict[str, dict[str, int]]:
+    """The moments of forward, the loss and the LM head, and the optimizer step (Note [Whole-step memory model])."""
+    model, options, tokens, act, layers = (
+        step.model,
+        step.options,
+        step.tokens,
+        step.options.act_bytes,
+        step.model.layers,
+    )
+    saved = step.kept_layers(layers) + _norm_saved(model.hidden, options) * tokens  # and the final norm's
     loss_fwd, loss_bwd = loss_bytes(model, tokens, options)
-    recomputed = saved if options.checkpointing else 0  # the layer in forward or backward, under checkpointing
-    moments = {
+    loss_comm = _comm_bytes(model, options, "loss")
+    return {
         "forward of the last layer": {
-            "saved activations": kept_layers(layers - 1) + kept,
-            "recomputed layer": recomputed,
+            "saved activations": step.kept_layers(layers - 1) + step.kept,
+            "recomputed layer": step.recomputed,
             "attention buffers": attention[0],
             "communication buffers": _comm_bytes(model, options, "forward"),
         },
-        "loss forward": {
-            "saved activations": kept_layers(layers) + final_norm,
-            "logits and loss": loss_fwd,
-            "communication buffers": _comm_bytes(model, options, "loss"),
-        },
+        "loss forward": {"saved activations": saved, "logits and loss": loss_fwd, "communication buffers": loss_comm},
         "loss backward": {  # the chunked head's first chunk made the LM head's gradient
-            "gradients": grads(0) if options.lm_head == "chunked" else 0,
-            "saved activations": kept_layers(layers) + final_norm,
+            "gradients": step.grads(0) if options.lm_head == "chunked" else 0,
+            "saved activations": saved,
             "logits and loss": loss_bwd,
-            "communication buffers": _comm_bytes(model, options, "loss"),
+            "communication buffers": loss_comm,
         },
         "LM head backward": {  # the logits' gradient, the LM head's gradient and the hidden states'
-            "gradients": grads(0),
-            "saved activations": kept_layers(layers) + final_norm,
+            "gradients": step.grads(0),
+            "saved activations": saved,
             "logits and loss": (tokens * model.vocab if options.lm_head == "full" else 0) * act,
             "temporaries": tokens * model.hidden * act,
-            "communication buffers": _comm_bytes(model, options, "loss"),
+            "communication buffers": loss_comm,
         },
         "optimizer step": {
-            "gradients": grads(layers),
+            "gradients": step.grads(layers),
             "temporaries": _optimizer_temporaries(model, options),
             "communication buffers": _comm_bytes(model, options, "optimizer"),
         },
     }
-    second_half = mlp_saved_bytes(model, tokens, act)  # freed when the attention's backward runs
-    for i in {layers - 1, 0}:
-        common = {"saved activations": kept_layers(i) + kept, "recomputed layer": recomputed}
+
+
+def _layer_moments(step: _Step, attention: tuple[int, int]) -> dict[str, dict[str, int]]:
+    """The peaks of the MLP's and the attention's backward in the top and the bottom layer (the moments between
+    are a straight line from one to the other: gradients grow as saved activations shrink)."""
+    model, options, layers = step.model, step.options, step.model.layers
+    down = model.intermediate * model.hidden  # the MLP's backward peaks after down_proj's
+    before_qkv = model.layer_params - model.hidden * (model.heads + 2 * model.kv_heads) * model.head_dim
+    second_half = mlp_saved_bytes(model, step.tokens, options)  # freed when the attention's backward runs
+    comm = _comm_bytes(model, options, "backward")
+    moments = {}
+    for i in sorted({layers - 1, 0}, reverse=True):
+        common = {"saved activations": step.kept_layers(i) + step.kept, "recomputed layer": step.recomputed}
         moments[f"backward of layer {i}, MLP"] = {
             **common,
-            "gradients": grads(layers - 1 - i, down),
-            "temporaries": backward_temporaries(model, tokens, act),
-            "communication buffers": _comm_bytes(model, options, "backward"),
+            "gradients": step.grads(layers - 1 - i, down),
+            "temporaries": backward_temporaries(model, step.tokens, options),
+            "communication buffers": comm,
         }
         freed = "recomputed layer" if options.checkpointing else "saved activations"
         moments[f"backward of layer {i}, attention"] = {
             **common,
             freed: common[freed] - second_half,
-            "gradients": grads(layers - 1 - i, before_qkv),
-            "temporaries": backward_temporaries(model, tokens, act, mlp=False),
+            "gradients": step.grads(layers - 1 - i, before_qkv),
+            "temporaries": backward_temporaries(model, step.tokens, options, mlp=False),
             "attention buffers": attention[1],
-            "communication buffers": _comm_bytes(model, options, "backward"),
+            "communication buffers": comm,
         }
+    return moments
+
+
+def _moments(model: ModelConfig, seq: int, options: StepOptions, attention: tuple[int, int]) -> dict[str, dict]:
+    """Every moment's parts, the persistent ones (weights, optimizer states) included."""
+    step = _Step(model, options, options.batch * seq // options.cp_degree)
+    per_param = options.bytes_per_param()
+    base = {
+        "weights": int(model.params * per_param["weights"]),
+        "optimizer states": int(model.params * (per_param["states"] + per_param["master"])),
+    }
+    moments = _head_moments(step, attention) | _layer_moments(step, attention)
     return {name: {part: base.get(part, 0) + parts.get(part, 0) for part in PARTS} for name, parts in moments.items()}
 
 
@@ -290,6 +303,25 @@ def step_memory(
     return StepMemory(options.batch * seq // cp, moments[peak], peak, totals)
 
 
+def layout_budget(
+    model: ModelConfig, seq: int, options: StepOptions, budget: int | None, *, topology: Topology | None = None
+) -> Literal["least"] | None:
+    """The attention's ``memory_budget`` for :func:`attention_buffers` under a step budget of ``budget`` bytes per
+    GPU: ``None`` (the fastest layout) when its step fits or with no budget, else ``"least"`` (the layout of least
+    attention memory)."""
+    if budget is None or options.cp_degree == 1:
+        return None
+    attention = attention_buffers(model, seq, options, topology=topology)
+    return None if step_memory(model, seq, options, attention=attention).peak <= budget else "least"
+
+
+def seq_unit(options: StepOptions) -> int:
+    """The step of :func:`longest_seq`'s search: the least multiple of ``2 * cp`` (the zig-zag layout) that is at
+    least 1024 tokens."""
+    unit = 2 * options.cp_degree
+    return unit * -(-1024 // unit)
+
+
 def longest_seq(
     model: ModelConfig,
     options: StepOptions,
@@ -298,11 +330,10 @@ def longest_seq(
     memory: Callable[[int], StepMemory] | None = None,
     limit: int = 2**34,
 ) -> int:
-    """The longest sequence (a multiple of ``2 * cp``, or of 1024 on one rank) whose peak fits ``budget`` bytes per
-    GPU; 0 when not even the shortest does. ``memory(seq)`` defaults to :func:`step_memory`; the peak grows with
+    """The longest sequence (a multiple of :func:`seq_unit`) whose peak fits ``budget`` bytes per GPU; 0 when not
+    even one unit does. ``memory(seq)`` defaults to :func:`step_memory`; the peak grows with
     ``seq``, so a bisection finds it."""
-    unit = 2 * options.cp_degree if options.cp_degree > 1 else 1024
-    unit = unit * max(1, 1024 // unit)  # whole multiples of 1024 tokens where the layout allows
+    unit = seq_unit(options)
     measure = memory or (lambda seq: step_memory(model, seq, options))
     if measure(unit).peak > budget:
         return 0
@@ -322,11 +353,13 @@ __all__ = [
     "StepMemory",
     "StepOptions",
     "attention_buffers",
-    "attention_plan",
+    "attention_layout",
     "backward_temporaries",
     "layer_saved_bytes",
+    "layout_budget",
     "mlp_saved_bytes",
     "longest_seq",
+    "seq_unit",
     "loss_bytes",
     "step_memory",
 ]

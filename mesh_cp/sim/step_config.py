@@ -151,12 +151,19 @@ class StepOptions:
     foreach: bool = True
     """AdamW's foreach implementation (torch's default on GPUs): one fp32 copy of the states' size as temporary;
     ``False`` (the default on CPU): one parameter at a time."""
+    mlp_tiles: int = 1
+    """The MLP run over this many slices of the sequence, each recomputed in backward (ALST's tiled MLP): its saved
+    tensors and backward temporaries are one slice's."""
+    fused_norm: bool = False
+    """A fused RMSNorm kernel (Liger's): saves its input and the per-token ``rsqrt``, not transformers' fp32 copies."""
+    optimizer_offload: bool = False
+    """AdamW's states and master weights in host memory, its step on the CPU (ZeRO-Offload)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("sharding", SHARDINGS), ("lm_head", LM_HEADS), ("precision", PRECISIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"StepOptions.{name} {getattr(self, name)!r} is not one of {list(allowed)}")
-        for name in ("gpus", "lm_head_chunk", "batch"):
+        for name in ("gpus", "lm_head_chunk", "batch", "mlp_tiles"):
             if getattr(self, name) < 1:
                 raise ValueError(f"StepOptions.{name} must be >= 1, got {getattr(self, name)}")
         if self.gpus % self.cp_degree:
@@ -176,9 +183,10 @@ class StepOptions:
         """Bytes per parameter per GPU of weights, gradients, master weights, optimizer states (after sharding)."""
         n, fsdp = self.gpus, self.sharding in ("fsdp2", "zero3")
         w, g, m = (4, 4, 0) if self.precision == "fp32" or self.sharding == "fsdp2" else (2, 2, 4)
+        on_gpu = 0 if self.optimizer_offload else 1
         return {
             "weights": w / n if fsdp else w,
             "gradients": g / n if fsdp or self.sharding == "zero2" else g,
-            "master": m if self.sharding == "replicated" else m / n,
-            "states": 8 if self.sharding == "replicated" else 8 / n,
+            "master": on_gpu * (m if self.sharding == "replicated" else m / n),
+            "states": on_gpu * (8 if self.sharding == "replicated" else 8 / n),
         }
