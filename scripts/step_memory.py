@@ -176,6 +176,56 @@ def measure(case: Case) -> dict:
     }
 
 
+CP_CASE = Case("llama, CP over 2 gloo ranks (ring), DDP", seq=2048)
+"""The CP case: ``seq`` tokens split over 2 ranks (zig-zag), mesh_cp's attention through ``hf.attach``, gradients
+summed over the group by DDP (``hf.data_parallel``, whose buckets hold a copy of the gradients)."""
+
+
+def cp_worker(rank: int, world: int) -> dict:
+    """One rank of :data:`CP_CASE`: the peak of building the model, DDP and AdamW and running two steps, measured
+    from nothing (DDP's buckets are allocated when it wraps the model), against the prediction with the attention's
+    buffers of the mesh's own plan on gloo (:func:`mesh_cp.sim.memory.peak_bytes`)."""
+    import torch
+    import torch.distributed as dist
+
+    import mesh_cp
+    from mesh_cp.core import AttentionShape, make_plan
+    from mesh_cp.integrations import hf
+    from mesh_cp.sim.memory import peak_bytes
+    from mesh_cp.testing import MemoryPeak
+
+    case = CP_CASE
+    mesh = mesh_cp.CPMesh.create(dist.group.WORLD, tile=(1, world))
+    ids = torch.randint(case.vocab, (1, case.seq), generator=torch.Generator().manual_seed(1))
+    batch = hf.shard_batch(ids, mesh=mesh)
+    with MemoryPeak() as mem:
+        model, _, _ = build(case)
+        ddp = hf.data_parallel(hf.attach(model, mesh), mesh=mesh)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4, foreach=case.foreach)
+        for _ in range(2):
+            logits = ddp(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+            loss = hf.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
+            del logits
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    config = case.config()
+    shape = AttentionShape(1, case.seq // world, config.heads, config.kv_heads, config.head_dim, 4)
+    plan = make_plan(mesh.tiling, shape, causal=True, layout="zigzag")
+    attention = (peak_bytes(plan, "forward", backend="gloo"), peak_bytes(plan, "backward", backend="gloo"))
+    options = dataclasses.replace(case.options(), gpus=world, cp=world)
+    predicted = step_memory(config, case.seq, options, attention=attention)
+    return {"case": case.name, "measured": mem.peak, "predicted": predicted.peak, "moment": predicted.moment}
+
+
+def measure_cp(world: int = 2) -> dict:
+    """:func:`cp_worker` on ``world`` spawned gloo ranks: rank 0's row."""
+    from mesh_cp.testing import spawn_gloo
+
+    return spawn_gloo(cp_worker, world)[0]
+
+
 def table(rows: list[dict]) -> str:
     """The markdown table of docs/performance.md: measured against predicted, whole peak and above the entry."""
     lines = [
