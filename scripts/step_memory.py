@@ -8,7 +8,8 @@ during the step (:class:`mesh_cp.testing.MemoryPeak`, every CPU allocation and f
 
 ::
 
-    python scripts/step_memory.py            # the table of docs/performance.md
+    python scripts/step_memory.py               # the calibration table of docs/performance.md
+    python scripts/step_memory.py --yardsticks  # the predicted yardstick tables (no torch)
     python scripts/step_memory.py --json out.json
 """
 
@@ -272,11 +273,17 @@ def yardsticks() -> str:
     from mesh_cp.sim.step import MODEL_PRESETS, longest_seq
 
     qwen, llama = MODEL_PRESETS["qwen3-8b"], MODEL_PRESETS["llama-3-8b"]
-    lines = ["| Qwen3-8B, 1M tokens, 8 GPUs (cp 8, FSDP2 over 8) | predicted peak per GPU | at |", "|---|---|---|"]
+    lines = [
+        "| Qwen3-8B, 1M tokens, 8 GPUs (cp 8, FSDP2 over 8) | peak per GPU | at | longest sequence at 80 GB |",
+        "|---|---|---|---|",
+    ]
     for label, lever in YARDSTICK_LEVERS:
         options = StepOptions(gpus=8, **{"lm_head": "chunked", **lever})
         memory = step_memory(qwen, 2**20, options)
-        lines.append(f"| {label} | {memory.peak / 1e9:.1f} GB (predicted) | {memory.moment} |")
+        seq = longest_seq(qwen, options, BUDGET, memory=functools.partial(_within, qwen, options))
+        lines.append(
+            f"| {label} | {memory.peak / 1e9:.1f} GB (predicted) | {memory.moment} | {seq / 1e6:.2f}M (predicted) |"
+        )
     lines += ["", "| Llama-3-8B, longest sequence at 80 GB | 1 GPU | 8 GPUs | 32 GPUs |", "|---|---|---|---|"]
     for label, lever in YARDSTICK_LEVERS:
         cells = []
@@ -302,6 +309,13 @@ def main() -> None:
     cases = [c for c in CASES if args.case is None or c.name in args.case]
     rows = [measure(case) for case in cases]
     print(table(rows))
+    if args.case is None or CP_CASE.name in args.case:
+        cp = measure_cp(2)
+        rows.append(cp)
+        print(
+            f"| {cp['case']} (rank 0, measured from nothing) | {cp['measured'] / 2**20:.1f} MiB | "
+            f"{cp['predicted'] / 2**20:.1f} MiB | {cp['predicted'] / cp['measured']:.2f} | | | | {cp['moment']} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

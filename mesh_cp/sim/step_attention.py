@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from mesh_cp.core import AttentionShape, Tiling
-from mesh_cp.sim.choice import choose, plan_for_topology, simulate_candidates
+from mesh_cp.sim.choice import candidates, choose, plan_for_topology
 from mesh_cp.sim.memory import Backend, peak_bytes
 from mesh_cp.sim.step_config import ModelConfig, StepOptions
 from mesh_cp.sim.topology import Topology
@@ -35,18 +35,29 @@ def attention_buffers(
         return 0, int(ATTENTION_KERNEL * dqkv)
     shape = AttentionShape(options.batch, seq // cp, model.heads, model.kv_heads, model.head_dim, act)
     topology = topology or Topology.preset("h100", head_dim=model.head_dim)
-    plan = plan_for_topology(*attention_layout(cp, shape, topology, memory_budget), shape, topology)
+    layout = attention_layout(cp, shape, topology, memory_budget, backend=backend)
+    plan = plan_for_topology(*layout, shape, topology)
     return peak_bytes(plan, "forward", backend=backend), peak_bytes(plan, "backward", backend=backend)
 
 
 def attention_layout(
-    cp: int, shape: AttentionShape, topology: Topology, memory_budget: int | Literal["least"] | None = None
+    cp: int,
+    shape: AttentionShape,
+    topology: Topology,
+    memory_budget: int | Literal["least"] | None = None,
+    *,
+    backend: Backend = "nccl",
 ) -> tuple[int, Tiling]:
     """``(head_parallel, tiling)`` of the attention on ``cp`` ranks for ``shape`` (per-rank sizes): what
     :func:`mesh_cp.sim.choose` picks within ``memory_budget`` bytes of attention memory (``None``: the fastest), or
-    with ``"least"`` the candidate whose forward or backward peak is least (overlapped schedule)."""
+    with ``"least"`` the candidate whose larger :func:`mesh_cp.sim.memory.peak_bytes` of forward and backward on
+    ``backend`` is least (overlapped schedule)."""
     if memory_budget == "least":
-        results = simulate_candidates(cp, shape, topology)
-        return min(results, key=lambda key: max(results[key].forward.memory, results[key].backward.memory))
+
+        def peak(key: tuple[int, Tiling]) -> int:
+            plan = plan_for_topology(*key, shape, topology)
+            return max(peak_bytes(plan, phase, backend=backend) for phase in ("forward", "backward"))
+
+        return min(candidates(cp, shape), key=peak)
     u, tiling, _ = choose(cp, shape, topology, memory_budget=memory_budget)
     return u, tiling
