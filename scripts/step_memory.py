@@ -217,14 +217,15 @@ def cp_worker(rank: int, world: int) -> dict:
     attention = (peak_bytes(plan, "forward", backend="gloo"), peak_bytes(plan, "backward", backend="gloo"))
     options = dataclasses.replace(case.options(), gpus=world, cp=world)
     predicted = step_memory(config, case.seq, options, attention=attention)
-    return {"case": case.name, "measured": mem.peak, "predicted": predicted.peak, "moment": predicted.moment}
+    name = f"{case.name}, rank {rank}"
+    return {"case": name, "measured": mem.peak, "predicted": predicted.peak, "moment": predicted.moment}
 
 
-def measure_cp(world: int = 2) -> dict:
-    """:func:`cp_worker` on ``world`` spawned gloo ranks: rank 0's row."""
+def measure_cp(world: int = 2) -> list[dict]:
+    """:func:`cp_worker` on ``world`` spawned gloo ranks: every rank's row."""
     from mesh_cp.testing import spawn_gloo
 
-    return spawn_gloo(cp_worker, world)[0]
+    return spawn_gloo(cp_worker, world)
 
 
 def table(rows: list[dict]) -> str:
@@ -310,12 +311,12 @@ def main() -> None:
     rows = [measure(case) for case in cases]
     print(table(rows))
     if args.case is None or CP_CASE.name in args.case:
-        cp = measure_cp(2)
-        rows.append(cp)
-        print(
-            f"| {cp['case']} (rank 0, measured from nothing) | {cp['measured'] / 2**20:.1f} MiB | "
-            f"{cp['predicted'] / 2**20:.1f} MiB | {cp['predicted'] / cp['measured']:.2f} | | | | {cp['moment']} |"
-        )
+        for cp in measure_cp(2):
+            rows.append(cp)
+            print(
+                f"| {cp['case']} (measured from nothing) | {cp['measured'] / 2**20:.1f} MiB | "
+                f"{cp['predicted'] / 2**20:.1f} MiB | {cp['predicted'] / cp['measured']:.2f} | | | | {cp['moment']} |"
+            )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
