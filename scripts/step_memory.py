@@ -22,11 +22,16 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mesh_cp.sim.step import ModelConfig, StepOptions, step_memory  # noqa: E402
+from mesh_cp.sim.step import ModelConfig, StepMemory, StepOptions, step_memory  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +98,7 @@ CASES = (
 layers, GQA, q/k norms (Qwen3), the chunked LM head, AdamW's foreach and one-tensor implementations."""
 
 
-def _chunked_loss(model, input_ids, labels):
+def _chunked_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The LM head and cross-entropy over :data:`CHUNK` tokens at a time, each chunk recomputed in backward."""
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -112,7 +117,7 @@ def _chunked_loss(model, input_ids, labels):
     return total / (shifted != -100).sum()
 
 
-def build(case: Case):
+def build(case: Case) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
     """The fp32 model of ``case`` (seeded random weights), its AdamW and the step function."""
     import torch
     import transformers
@@ -259,7 +264,7 @@ YARDSTICK_LEVERS = (
 """The levers, each row adding to the one above (the chunked LM head from the second row on)."""
 
 
-def _within(model: ModelConfig, options: StepOptions, seq: int):
+def _within(model: ModelConfig, options: StepOptions, seq: int) -> StepMemory:
     """The step's memory with the fastest attention layout, or the one of least memory where that exceeds
     :data:`BUDGET` (what ``mesh-cp plan --budget`` does)."""
     from mesh_cp.sim.step import attention_buffers, layout_budget

@@ -166,6 +166,8 @@ class StepOptions:
         for name in ("gpus", "lm_head_chunk", "batch", "mlp_tiles"):
             if getattr(self, name) < 1:
                 raise ValueError(f"StepOptions.{name} must be >= 1, got {getattr(self, name)}")
+        if self.cp is not None and self.cp < 1:
+            raise ValueError(f"StepOptions.cp must be >= 1 (or None: every GPU), got {self.cp}")
         if self.gpus % self.cp_degree:
             raise ValueError(f"cp {self.cp} must divide gpus {self.gpus}; the layout is dp_shard x cp")
 
