@@ -57,6 +57,7 @@ from mesh_cp.integrations.hf.accelerate_config import accelerator_parallelism_co
 from mesh_cp.integrations.hf.attach import LENGTH_DEPENDENT_ROPE, attach
 from mesh_cp.integrations.hf.attention import ATTENTION_KEYWORDS, NAME, PACKING_KEYWORDS, mesh_cp_attention, register
 from mesh_cp.integrations.hf.collate import BATCH_KEYS, PadExamples, ShardCollated, shard_collated
+from mesh_cp.integrations.hf.fsdp import check_sharded, fsdp_mesh
 from mesh_cp.integrations.hf.generation import ShardedKVCache, generate, prefill
 from mesh_cp.integrations.hf.masks import MASK_KEYWORDS, mesh_cp_mask
 from mesh_cp.integrations.hf.trainer import MeshCPTrainerMixin, mesh_cp_trainer_class
@@ -83,7 +84,9 @@ __all__ = [
     "accelerator_parallelism_config",
     "attach",
     "causal_lm_loss",
+    "check_sharded",
     "data_parallel",
+    "fsdp_mesh",
     "generate",
     "mesh_cp_attention",
     "mesh_cp_mask",

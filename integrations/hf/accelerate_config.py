@@ -41,10 +41,11 @@ from mesh_cp.runtime.parallel import DataContextParallel
 #   - it refuses dp_replicate_size > 1 beside cp_size > 1 unless dp_shard_size > 1 too.
 #
 # So mesh_cp takes the block and accelerate gets none of it: parallel_from_accelerate() reads the variables, and
-# the Accelerator is given accelerator_parallelism_config() (every size 1), with which it builds no device mesh and
-# runs no parallelism of its own; it still joins the processes in one group and does mixed precision. mesh_cp's DP
-# replicates the model, so the DP degree is dp_replicate_size x dp_shard_size (dp_shard_size counts as replicas: the
-# parameters are not sharded) and FSDP is refused.
+# the Accelerator is given accelerator_parallelism_config() (every size 1), with which it runs no parallelism of its
+# own; it still joins the processes in one group and does mixed precision. The DP degree is dp_replicate_size x
+# dp_shard_size. Without FSDP mesh_cp's DP replicates the model (dp_shard_size counts as replicas); with FSDP2
+# (distributed_type: FSDP, fsdp_version: 2) MeshCPTrainer shards it over every dp_shard x cp rank itself (Note
+# [FSDP2 beside CP] in mesh_cp.integrations.hf.fsdp), and dp_replicate_size > 1 beside it (HSDP) is refused.
 
 _SIZES = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 _BLOCK = "the config file's parallelism_config block"
@@ -74,7 +75,8 @@ def parallel_from_accelerate(
     ``parallelism_config``: an ``accelerate.ParallelismConfig``, or ``None`` for the config file's
     ``parallelism_config`` block, which ``accelerate launch`` hands every process as ``PARALLELISM_CONFIG_*``
     environment variables. ``cp_size`` is the CP size (consecutive ranks), ``dp_replicate_size x dp_shard_size`` the
-    DP degree, and ``cp_size x DP`` must be the group's size; ``tp_size`` and ``sp_size`` must be 1, and FSDP off.
+    DP degree, and ``cp_size x DP`` must be the group's size; ``tp_size`` and ``sp_size`` must be 1. With FSDP (version
+    2 only) the model is sharded over every DP x CP rank, and ``dp_replicate_size`` (HSDP) is refused.
     ``tile`` (default the most square tiling of ``cp_size / head_parallel`` ranks, unless ``mesh=`` is given),
     ``head_parallel`` (the head-parallel degree of the hybrid) and ``mesh_options`` (``timeout``, ``debug``,
     ``mesh``) go to :meth:`DataContextParallel.create`; the former keyword ``heads`` is refused, naming
@@ -92,6 +94,12 @@ def parallel_from_accelerate(
                 f"CP group)"
             )
     cp, dp = sizes["cp_size"], sizes["dp_replicate_size"] * sizes["dp_shard_size"]
+    if sizes["dp_replicate_size"] > 1 and _fsdp_on():
+        raise NotImplementedError(
+            f"{source}: {key('dp_replicate_size')} {sizes['dp_replicate_size']} with FSDP asks for HSDP (parameters "
+            f"replicated over the replicas), which mesh_cp does not build; FSDP2 shards over every DP x CP rank: put "
+            f"the DP degree in {key('dp_shard_size')}"
+        )
     if cp < 2:
         raise ValueError(
             f"{source}: {key('cp_size')} {cp} asks for no context parallelism; set it to the ranks of each CP group"
@@ -144,20 +152,32 @@ def _sizes(parallelism_config: Any):
     return sizes, lambda name: f"parallelism_config_{name}", _BLOCK
 
 
-def _check_accelerator() -> None:
-    """Refuse an ``Accelerator`` that runs FSDP or its own context parallelism (Note [accelerate's
-    parallelism_config]); none created yet is fine (only ``accelerate launch``'s FSDP variable is checked)."""
-    require("accelerate")
+def _fsdp_on() -> bool:
+    """Whether accelerate was launched with FSDP (its launcher's variable, or a created Accelerator's state)."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
+    state = AcceleratorState._shared_state
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" or state.get("distributed_type") == (
+        DistributedType.FSDP
+    )
+
+
+def _check_accelerator() -> None:
+    """Refuse an ``Accelerator`` that runs FSDP1 or its own context parallelism (Note [accelerate's
+    parallelism_config]); FSDP2 is sharded by mesh_cp over every DP x CP rank (Note [FSDP2 beside CP] in
+    :mod:`mesh_cp.integrations.hf.fsdp`). None created yet is fine (only ``accelerate launch``'s FSDP variables are
+    checked)."""
+    require("accelerate")
+    from accelerate.state import AcceleratorState
+
     state = AcceleratorState._shared_state  # empty until an Accelerator is created
-    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if fsdp or state.get("distributed_type") == DistributedType.FSDP:
+    plugin = state.get("fsdp_plugin")
+    version = plugin.fsdp_version if plugin is not None else int(os.environ.get("FSDP_VERSION", "1"))
+    if _fsdp_on() and version != 2:
         raise ValueError(
-            "accelerate runs FSDP here (distributed_type: FSDP), which shards the parameters, and mesh_cp's DP x CP "
-            "replicates them on every rank; launch with distributed_type: MULTI_GPU and keep the parallelism_config "
-            "block"
+            f"accelerate runs FSDP version {version} here (distributed_type: FSDP); mesh_cp shards with FSDP2 over "
+            f"every DP x CP rank: set fsdp_version: 2 in the config file's fsdp_config"
         )
     config = state.get("parallelism_config")
     if config is not None and config.cp_enabled:

@@ -7,7 +7,8 @@
 - The private parts of ``transformers.Trainer``, ``accelerate`` and TRL's ``SFTTrainer`` that MeshCPTrainer uses where
   no public hook exists, each in one function here (the Trainer and TRL tests run each against the installed
   versions): the column removal of Trainer's dataloaders, the registration of a prepared dataloader with
-  the accelerator, TRL's token counter, and the gather of TRL's training metrics.
+  the accelerator, TRL's token counter, the gather of TRL's training metrics, and the flags that make the Trainer take an FSDP2
+  model that mesh_cp sharded.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "prepare_as_single_process",
     "remove_unused_columns",
     "seed_worker",
+    "use_sharded_model",
 ]
 
 CACHE_KEYWORDS: tuple[str, ...] = ("cache", "past_key_values")
@@ -184,3 +186,20 @@ def every_rank_once(accelerator: Any) -> contextlib.AbstractContextManager[None]
         return gather_object(data) if use_gather_object else accelerator.gather(data)
 
     return gather_for_metrics_as(accelerator, gather_all)
+
+
+def use_sharded_model(trainer: Any, plugin: Any) -> None:
+    """Make ``trainer`` train its FSDP2-sharded model the way a GPU run with accelerate's FSDP2 does: accelerate's
+    state set to FSDP with ``plugin``, as accelerate sets it from the same settings on GPUs (it leaves FSDP off on the
+    CPU), so that the Trainer prepares the model and optimizer through accelerate's FSDP2 path (which finds the model
+    sharded and keeps it) and its no_sync, clipping, gathers and checkpoints (torch.distributed.checkpoint) are FSDP2's
+    (Note [FSDP2 beside CP] in :mod:`mesh_cp.integrations.hf.fsdp`)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = trainer.accelerator.state
+    state.fsdp_plugin = plugin
+    if state.distributed_type != DistributedType.FSDP:
+        state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as AcceleratorState sets it
+    trainer.is_fsdp_enabled = True

@@ -24,6 +24,7 @@ from mesh_cp.integrations.hf.compat import (
     seed_worker,
 )
 from mesh_cp.integrations.hf.evaluation import MeshCPEvaluation, check_evaluation, check_loss_inputs
+from mesh_cp.integrations.hf.fsdp import shard_for_trainer
 from mesh_cp.integrations.layout import ds_attention_shape, parallel_from_config
 from mesh_cp.integrations.versions import require, require_for_trainer
 from mesh_cp.runtime.batch import ShardingCollator
@@ -179,6 +180,7 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
             attach(self.model, parallel.mesh)
         self.parallel = parallel
         check_world(self)
+        self._mesh_cp_sharded = shard_for_trainer(self, parallel)
         pad = _pad_token_id(self, pad_token_id)
         collator = self.data_collator if client_collator is not None or not _is_trainer_default(self) else None
         if collator is None:  # the model's own inputs among the examples' keys are refused, not left out
@@ -258,6 +260,8 @@ def _check_gradients_averaged(trainer: Any, model: torch.nn.Module) -> None:
     if trainer.accelerator.num_processes == 1:
         return
     inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if getattr(trainer, "_mesh_cp_sharded", False):  # FSDP2 over every rank, checked when it was sharded
+        return
     if not isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         raise RuntimeError(
             f"MeshCPTrainer is training a {type(inner).__name__} that is not wrapped in DistributedDataParallel on "

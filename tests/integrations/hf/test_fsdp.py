@@ -1,0 +1,103 @@
+"""FSDP2 beside mesh_cp (fsdp_cases.py: 4 gloo processes under ``accelerate launch``) against the single-process
+``Trainer`` / ``SFTTrainer`` on the same data and seed, with batches of DP x B: DP 2 x CP 2 and CP 4, gradient
+accumulation, clipping (the global norm over the shards), ``reshard_after_forward=False``, AdamW, a checkpoint saved
+after 2 steps and resumed (full and sharded state dicts, the latter through torch.distributed.checkpoint), LoRA, a
+model sharded by the user over ``hf.fsdp_mesh``, the documented plain loop, and FSDP switched on by an accelerate
+config file (configs/accelerate_fsdp_mesh_cp.yaml). Every step's loss within 1e-5 in fp32; each rank holds a quarter
+of the parameters and of the optimizer states; the mistakes are refused by name.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytest.importorskip("peft")
+
+from tests.integrations.accelerate.test_accelerate import _accelerate  # noqa: E402
+from tests.integrations.clients import ROOT, reference_and_mesh  # noqa: E402
+from tests.integrations.hf.fsdp_cases import CASES  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("fsdp_cases.py")
+COMPARED = sorted(set(CASES) - {"refusals"})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict]:
+    """``(reference, mesh)``: case name -> what the trainer reported; the accelerate-config case from its own launch."""
+    import json
+    import subprocess
+
+    out = tmp_path_factory.mktemp("fsdp")
+    reference, mesh = reference_and_mesh(SCRIPT, out, port=29641)
+    cmd, env = _accelerate(29643, pythonpath=True)
+    cmd[cmd.index("--config_file") + 1] = str(ROOT / "configs" / "accelerate_fsdp_mesh_cp.yaml")
+    result = out / "accelerate_config.json"
+    proc = subprocess.run(
+        [*cmd, str(SCRIPT), str(result), "--mesh", "--cases", "accelerate_config"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=out,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    mesh |= {r["case"]: r for r in json.loads(result.read_text())}
+    return reference, mesh
+
+
+@pytest.mark.parametrize("case", COMPARED)
+def test_fsdp_equals_single_process(runs, case: str) -> None:
+    reference, mesh = runs[0][case], runs[1][case]
+    assert len(mesh["loss"]) == len(reference["loss"]) == 4, (mesh, reference)
+    err = max(abs(a - b) for a, b in zip(mesh["loss"], reference["loss"], strict=True))
+    assert err <= 1e-5, (mesh["loss"], reference["loss"])
+    if reference.get("grad_norm", [None])[0] is not None:  # logged by the Trainer cases
+        # SGD: 1e-5 of the norm; AdamW divides by the gradients' own scale, which magnifies their rounding
+        tolerance = 1e-4 if "adamw" in case or case in ("resume", "resume_sharded", "lora") else 1e-5
+        norms = zip(mesh["grad_norm"], reference["grad_norm"], strict=True)
+        assert all(abs(a - b) <= tolerance * b for a, b in norms), (mesh["grad_norm"], reference["grad_norm"])
+
+
+@pytest.mark.parametrize("case", [c for c in COMPARED if c != "torch_loop"])
+def test_each_rank_holds_a_quarter(runs, case: str) -> None:
+    """Parameters and optimizer states sharded over all 4 ranks (a 2-D mesh would leave each rank a half)."""
+    shares = runs[1][case]["shares"]
+    assert sum(shares["held"]) == shares["total"] and max(shares["held"]) * 4 <= shares["total"] + 4 * 64, shares
+    assert sum(shares["state_held"]) == shares["state_total"], shares
+    assert max(shares["state_held"]) * 4 <= shares["state_total"] + 4 * 128, shares
+    if "adamw" in case or case in ("resume", "resume_sharded", "lora"):
+        assert shares["state_total"] > 0, shares
+
+
+def test_resume_equals_not_stopping(runs) -> None:
+    """2 steps, a checkpoint, 2 more steps from it in a new trainer: the losses of 4 steps without stopping."""
+    for name in ("resume", "resume_sharded"):
+        err = max(abs(a - b) for a, b in zip(runs[1][name]["loss"], runs[1]["adamw"]["loss"], strict=True))
+        assert err <= 1e-6, (name, runs[1][name]["loss"], runs[1]["adamw"]["loss"])
+
+
+def test_mistakes_refused_by_name(runs) -> None:
+    errors = runs[1]["refusals"]["errors"]
+    for name in ("hsdp", "hsdp_trainer"):
+        assert "2-D mesh (2, 2)" in errors[name] and "HSDP" in errors[name] and "hf.fsdp_mesh" in errors[name], errors
+    for name in ("cp_only", "cp_only_trainer"):
+        assert "sharded over ranks [0, 1]" in errors[name] and "spans [0, 1, 2, 3]" in errors[name], errors
+    assert "activation_checkpointing=True" in errors["fsdp_ac"] and "gradient_checkpointing" in errors["fsdp_ac"]
+    assert "cpu_offload=CPUOffloadPolicy" in errors["offload"], errors
+
+
+def test_plugin_fields_refused_by_name() -> None:
+    """FSDP settings mesh_cp would not apply as accelerate does are refused naming the field (FSDP1 cannot be built
+    on a CPU, so its plugin is stood in for)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from mesh_cp.integrations.hf.fsdp import check_plugin
+
+    with pytest.raises(NotImplementedError, match="fsdp_version=1: mesh_cp shards with FSDP2"):
+        check_plugin(types.SimpleNamespace(fsdp_version=1))
+    check_plugin(FullyShardedDataParallelPlugin(fsdp_version=2))
+    for field, value in (("cpu_ram_efficient_loading", True), ("min_num_params", 1000)):
+        fields = {"cpu_ram_efficient_loading": False, "min_num_params": 0} | {field: value}  # else read from os.environ
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **fields)
+        with pytest.raises(NotImplementedError, match=f"FSDP {field}="):
+            check_plugin(plugin)
