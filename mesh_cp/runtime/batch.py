@@ -5,11 +5,11 @@
     batch = shard_batch(input_ids, mesh=mesh)          # this rank's input_ids, global position_ids, shift_labels
     logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids)
     loss = causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
-    loss.backward()                                    # then sum parameter gradients over the CP group
+    loss.backward()                                    # through DDP: gradients summed over the CP group
 
 Each rank's ``loss`` is its share of the global mean (token losses summed over its shard, divided by
 the label count of the whole sequence), so the loss is the sum over the CP group and so is every
-parameter gradient (:func:`mesh_cp.runtime.parallel.reduce_gradients`). Labels are shifted on the *full*
+parameter gradient (:func:`mesh_cp.runtime.parallel.data_parallel`: torch's DDP summing over the group). Labels are shifted on the *full*
 sequence before sharding, so the last token of every shard keeps its label. Framework-agnostic: the
 adapters and examples of every framework use these.
 """

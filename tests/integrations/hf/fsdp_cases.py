@@ -47,12 +47,14 @@ CASES: dict[str, dict] = {
     "lora": {"cp": 2, "lora": True, "optim": "adamw_torch", "learning_rate": 0.01},
     "user_sharded": {"cp": 2, "user_sharded": True},
     "torch_loop": {"cp": 2},
+    "bf16_policy": {"cp": 2, "user_sharded": "bf16"},
     "refusals": {"cp": 2},
     "accelerate_config": {"cp": 2, "accelerate_config": True},
 }
 """Case name -> the CP size (``cp``; DP is 4 / cp), the trainer (``"sft"`` for TRL's SFTTrainer), ``resume`` (stop
 after 2 steps with a checkpoint, resume from it in a new trainer), ``lora`` (a PEFT LoRA adapter), ``user_sharded``
-(the model sharded before the trainer gets it, over ``hf.fsdp_mesh``, with no FSDP settings), ``accelerate_config``
+(the model sharded before the trainer gets it, over ``hf.fsdp_mesh``, with no FSDP settings; ``"bf16"``: with a
+bf16 mixed-precision policy, against the single process sharding it the same way over its one rank), ``accelerate_config``
 (FSDP and the layout from configs/accelerate_fsdp_mesh_cp.yaml, launched with it), and TrainingArguments
 fields; ``torch_loop`` is the documented plain loop (docs/hf.md) against a single-process loop."""
 
@@ -107,16 +109,27 @@ def _model():
     )
 
 
+def _shard_by_hand(model, parallel, bf16: bool) -> None:
+    """fully_shard each layer, then the model, over ``hf.fsdp_mesh(parallel)`` (without ``parallel``, over the one
+    rank of a process group of one), with a bf16 mixed-precision policy if ``bf16``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from mesh_cp.integrations import hf
+
+    if parallel is None and not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29649", world_size=1, rank=0)
+    mesh = hf.fsdp_mesh(parallel) if parallel is not None else init_device_mesh("cpu", (1,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    fully_shard(model, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+
+
 def _train(name, parallel, train, run, output_dir, sft, lora, resume=None, user_sharded=False):
     model = _model()
-    if user_sharded and parallel is not None:
-        from torch.distributed.fsdp import fully_shard
-
-        from mesh_cp.integrations import hf
-
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=hf.fsdp_mesh(parallel))
-        fully_shard(model, mesh=hf.fsdp_mesh(parallel))
+    if user_sharded and (parallel is not None or user_sharded == "bf16"):
+        _shard_by_hand(model, parallel, bf16=user_sharded == "bf16")
     if lora:
         from peft import LoraConfig, get_peft_model
 

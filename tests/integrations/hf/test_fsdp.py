@@ -1,6 +1,7 @@
 """FSDP2 beside mesh_cp (fsdp_cases.py: 4 gloo processes under ``accelerate launch``) against the single-process
 ``Trainer`` / ``SFTTrainer`` on the same data and seed, with batches of DP x B: DP 2 x CP 2 and CP 4, gradient
-accumulation, clipping (the global norm over the shards), ``reshard_after_forward=False``, AdamW, a checkpoint saved
+accumulation, clipping (the global norm over the shards), ``reshard_after_forward=False``, a bf16 mixed-precision
+policy, AdamW, a checkpoint saved
 after 2 steps and resumed (full and sharded state dicts, the latter through torch.distributed.checkpoint), LoRA, a
 model sharded by the user over ``hf.fsdp_mesh``, the documented plain loop, and FSDP switched on by an accelerate
 config file (configs/accelerate_fsdp_mesh_cp.yaml). Every step's loss within 1e-5 in fp32; each rank holds a quarter
@@ -22,7 +23,7 @@ from tests.integrations.clients import ROOT, reference_and_mesh  # noqa: E402
 from tests.integrations.hf.fsdp_cases import CASES  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("fsdp_cases.py")
-COMPARED = sorted(set(CASES) - {"refusals"})
+COMPARED = sorted(set(CASES) - {"refusals", "bf16_policy"})
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,17 @@ def test_resume_equals_not_stopping(runs) -> None:
     for name in ("resume", "resume_sharded"):
         err = max(abs(a - b) for a, b in zip(runs[1][name]["loss"], runs[1]["adamw"]["loss"], strict=True))
         assert err <= 1e-6, (name, runs[1][name]["loss"], runs[1]["adamw"]["loss"])
+
+
+def test_mixed_precision_policy(runs) -> None:
+    """A bf16 ``MixedPrecisionPolicy`` (fp32 reduction) applied, and within bf16 rounding of the single process
+    sharded the same way: the first step (the same weights) within 1e-2, where bf16 itself moves the loss by 5e-3
+    from fp32; the next steps within 5e-2 (bf16 moves them by up to 4e-2). A gradient scaled wrong by 2 moves the
+    second step's loss by about 1, and a policy left out gives the fp32 loss."""
+    mesh, reference, fp32 = runs[1]["bf16_policy"], runs[0]["bf16_policy"], runs[0]["dp2_cp2"]
+    assert abs(mesh["loss"][0] - reference["loss"][0]) <= 1e-2, (mesh["loss"], reference["loss"])
+    assert max(abs(a - b) for a, b in zip(mesh["loss"], reference["loss"], strict=True)) <= 5e-2, (mesh, reference)
+    assert abs(mesh["loss"][0] - fp32["loss"][0]) > 1e-3, (mesh["loss"], fp32["loss"])
 
 
 def test_mistakes_refused_by_name(runs) -> None:
