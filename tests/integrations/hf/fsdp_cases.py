@@ -31,6 +31,7 @@ CASES: dict[str, dict] = {
     "dp2_cp2": {"cp": 2},
     "cp4": {"cp": 4},
     "accumulation": {"cp": 2, "gradient_accumulation_steps": 2},
+    "checkpointing": {"cp": 2, "gradient_checkpointing": True},
     "clip": {"cp": 2, "max_grad_norm": 2.0},
     "no_reshard": {"cp": 2, "fsdp_config": {"version": 2, "reshard_after_forward": False}},
     "sft": {"cp": 2, "trainer": "sft"},
@@ -96,6 +97,10 @@ def run_case(name: str, mesh: bool, output_dir: str) -> dict:
     else:
         trainer, steps = _train(name, parallel, train, run, output_dir, sft, lora, user_sharded=user_sharded)
     result = {"case": name, "loss": [h["loss"] for h in steps], "grad_norm": [h.get("grad_norm") for h in steps]}
+    if not sft:  # after training, with a partial last batch (5 examples in batches of 2)
+        args = trainer.args
+        args.per_device_eval_batch_size, args.prediction_loss_only = 2, True
+        result["eval_loss"] = trainer.evaluate(examples(5, 6, 20, 2))["eval_loss"]
     if mesh:
         result["shares"] = _shares(trainer)
     return result

@@ -1,11 +1,12 @@
 """FSDP2 beside mesh_cp (fsdp_cases.py: 4 gloo processes under ``accelerate launch``) against the single-process
 ``Trainer`` / ``SFTTrainer`` on the same data and seed, with batches of DP x B: DP 2 x CP 2 and CP 4, gradient
-accumulation, clipping (the global norm over the shards), ``reshard_after_forward=False``, a bf16 mixed-precision
+accumulation and checkpointing, clipping (the global norm over the shards), ``reshard_after_forward=False``, a bf16 mixed-precision
 policy, AdamW, a checkpoint saved
 after 2 steps and resumed (full and sharded state dicts, the latter through torch.distributed.checkpoint), LoRA, a
 model sharded by the user over ``hf.fsdp_mesh``, the documented plain loop, and FSDP switched on by an accelerate
 config file (configs/accelerate_fsdp_mesh_cp.yaml). Every step's loss within 1e-5 in fp32; each rank holds a quarter
-of the parameters and of the optimizer states; the mistakes are refused by name.
+of the parameters and of the optimizer states; ``evaluate()`` after training (a partial last batch) within 1e-5; the
+mistakes are refused by name.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def test_fsdp_equals_single_process(runs, case: str) -> None:
     assert len(mesh["loss"]) == len(reference["loss"]) == 4, (mesh, reference)
     err = max(abs(a - b) for a, b in zip(mesh["loss"], reference["loss"], strict=True))
     assert err <= 1e-5, (mesh["loss"], reference["loss"])
+    if "eval_loss" in reference:
+        assert abs(mesh["eval_loss"] - reference["eval_loss"]) <= 1e-5, (mesh["eval_loss"], reference["eval_loss"])
     if reference.get("grad_norm", [None])[0] is not None:  # logged by the Trainer cases
         # SGD: 1e-5 of the norm; AdamW divides by the gradients' own scale, which magnifies their rounding
         tolerance = 1e-4 if "adamw" in case or case in ("resume", "resume_sharded", "lora") else 1e-5
