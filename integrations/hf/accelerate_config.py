@@ -95,7 +95,7 @@ def parallel_from_accelerate(
             )
     cp, dp = sizes["cp_size"], sizes["dp_replicate_size"] * sizes["dp_shard_size"]
     if sizes["dp_replicate_size"] > 1 and _fsdp_on():
-        raise NotImplementedError(
+        raise ValueError(
             f"{source}: {key('dp_replicate_size')} {sizes['dp_replicate_size']} with FSDP asks for HSDP (parameters "
             f"replicated over the replicas), which mesh_cp does not build; FSDP2 shards over every DP x CP rank: put "
             f"the DP degree in {key('dp_shard_size')}"

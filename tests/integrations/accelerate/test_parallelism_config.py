@@ -66,8 +66,8 @@ def sizes(**given: int) -> ParallelismConfig:
         (
             "ACCELERATE_USE_FSDP",
             "true",
-            "accelerate runs FSDP here (distributed_type: FSDP), which shards the parameters, and mesh_cp's DP x CP "
-            "replicates them on every rank; launch with distributed_type: MULTI_GPU",
+            "accelerate runs FSDP version 1 here (distributed_type: FSDP); mesh_cp shards with FSDP2 over every DP x CP "
+            "rank: set fsdp_version: 2 in the config file's fsdp_config",
         ),
         (
             "ACCELERATE_USE_PARALLELISM_CONFIG",
@@ -83,6 +83,16 @@ def test_refusals_name_the_key_and_the_fix(launched, variable: str, value: str, 
     with pytest.raises(ValueError) as err:
         hf.parallel_from_accelerate(tile=(1, 2))
     assert message in str(err.value)
+
+
+def test_fsdp2_beside_replicas_is_refused_as_hsdp(launched) -> None:
+    """FSDP2 shards over every DP x CP rank: the block's dp_replicate_size (replicas beside the shards) is refused."""
+    launched.setenv("ACCELERATE_USE_FSDP", "true")
+    launched.setenv("FSDP_VERSION", "2")
+    with pytest.raises(ValueError) as err:
+        hf.parallel_from_accelerate(tile=(1, 2))
+    assert "parallelism_config_dp_replicate_size 2 with FSDP asks for HSDP" in str(err.value)
+    assert "put the DP degree in parallelism_config_dp_shard_size" in str(err.value)
 
 
 def test_an_accelerator_running_its_own_context_parallelism_is_refused(launched) -> None:
