@@ -60,6 +60,7 @@ from mesh_cp.integrations.hf.collate import BATCH_KEYS, PadExamples, ShardCollat
 from mesh_cp.integrations.hf.fsdp import check_sharded, fsdp_mesh
 from mesh_cp.integrations.hf.generation import ShardedKVCache, generate, prefill
 from mesh_cp.integrations.hf.masks import MASK_KEYWORDS, mesh_cp_mask
+from mesh_cp.integrations.hf.tiled import fused_lm_head, tile_mlp
 from mesh_cp.integrations.hf.trainer import MeshCPTrainerMixin, mesh_cp_trainer_class
 from mesh_cp.runtime.batch import IGNORE_INDEX, ShardedBatch, ShardingCollator, causal_lm_loss, shard_batch
 from mesh_cp.runtime.parallel import DataContextParallel, data_parallel, reduce_gradients
@@ -87,6 +88,7 @@ __all__ = [
     "check_sharded",
     "data_parallel",
     "fsdp_mesh",
+    "fused_lm_head",
     "generate",
     "mesh_cp_attention",
     "mesh_cp_mask",
@@ -97,4 +99,5 @@ __all__ = [
     "register",
     "shard_batch",
     "shard_collated",
+    "tile_mlp",
 ]
