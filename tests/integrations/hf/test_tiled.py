@@ -5,7 +5,8 @@ rank's 48 tokens (uneven), the fused LM head, both, both under gradient checkpoi
 the MLPs' frozen: for two SGD steps the loss summed over the CP group and every parameter gradient equal those of the
 attached model with neither (within 1e-5, fp32) and those of the single-process stock model. Without
 ``static_graph`` DDP refuses the tiled MLP; a mixture of experts, dropout in a training MLP, bad ``shards``, a PEFT
-adapter on the LM head and a fused call without ``num_items_in_batch`` or ``shift_labels`` are refused by name.
+adapter on the LM head and a fused call without ``num_items_in_batch`` or ``shift_labels`` are refused by name. The
+tiled MLP's recomputation in backward runs under the forward's autocast, and a deep copy of a tiled model stays tiled.
 """
 
 from __future__ import annotations
@@ -238,3 +239,24 @@ def test_refused_by_name() -> None:
     adapted = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2, target_modules=["lm_head"]))
     with pytest.raises(NotImplementedError, match="is a PEFT adapter"):
         hf.fused_lm_head(adapted.get_base_model())
+
+
+def test_recompute_keeps_autocast_and_copies_stay_tiled() -> None:
+    """TiledMLP recomputes in backward, where autocast is off: the slices are recomputed under the forward's autocast
+    all the same (bf16 products), and a deep copy of a tiled model tiles its own MLPs."""
+    from transformers import AutoModelForCausalLM
+
+    from mesh_cp.integrations import hf
+
+    torch.manual_seed(0)
+    model = hf.tile_mlp(AutoModelForCausalLM.from_config(_config()), shards=3)
+    dtypes: list[torch.dtype] = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, args, out: dtypes.append(out.dtype))
+    ids = torch.randint(0, VOCAB, (1, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert dtypes == [torch.bfloat16] * 6, dtypes  # 3 slices in forward, 3 recomputed in backward
+    copied = copy.deepcopy(model)
+    mlp = copied.model.layers[0].mlp
+    assert mlp.forward.__self__ is mlp and getattr(mlp, hf.tiled.TILES_ATTRIBUTE) == 3
