@@ -41,17 +41,58 @@ from mesh_cp.runtime.parallel import DataContextParallel
 # dimension. Its gradients are still right, so the mistake is silent; check_sharded refuses it by name, as it
 # refuses a mesh over the CP group or a DP group alone (whose average would leave out the other ranks' shares).
 #
-# With the Trainer, mesh_cp applies fully_shard itself, from accelerate's FSDP settings (accelerate's own
-# fsdp2_prepare_model: the layers its wrap policy names, then the embeddings, the tail and the root), before the
-# Trainer prepares the model; accelerate then neither wraps it in DDP nor shards it again (integrations/hf/compat.py,
-# use_sharded_model). That is one path on GPUs and on the CPU, where accelerate 1.15 does not switch FSDP on
-# (distributed_type stays MULTI_CPU) although torch's FSDP2 runs with gloo. Checkpoints go through accelerate's
-# FSDP2 save and load (torch.distributed.checkpoint for SHARDED_STATE_DICT, the default here).
+# With the Trainer, mesh_cp applies fully_shard itself when the trainer is built, from accelerate's FSDP settings
+# (accelerate's own fsdp2_prepare_model: the layers its wrap policy names, then the embeddings, the tail and the
+# root), over that mesh. accelerate's state is then FSDP2 with those settings (integrations/hf/compat.py,
+# use_sharded_model), as accelerate makes it on GPUs: the Trainer prepares the model and optimizer through
+# accelerate's FSDP2 path, which finds the model sharded and keeps it, and accumulation (no_sync), clipping and
+# checkpoints (FULL_STATE_DICT gathered, SHARDED_STATE_DICT through torch.distributed.checkpoint) are FSDP2's. That
+# is one path on GPUs and on the CPU, where accelerate 1.15 does not switch FSDP on (distributed_type stays
+# MULTI_CPU) although torch's FSDP2 runs with gloo. Applied as accelerate applies them: fsdp_version (2 only),
+# reshard_after_forward, the wrap policy and its transformer_cls_names_to_wrap, state_dict_type and the
+# mixed-precision policy; the other settings are refused unless at their default (check_plugin).
 
-SUPPORTED_FIELDS = ("fsdp_version", "reshard_after_forward", "auto_wrap_policy", "transformer_cls_names_to_wrap",
-                    "state_dict_type", "mixed_precision_policy")  # fmt: skip
-"""The FSDP settings mesh_cp applies (with accelerate's meaning); the others must keep their default
-(:func:`check_plugin`)."""
+
+FSDP_CONFIG_KEYS = ("version", "transformer_layer_cls_to_wrap", "auto_wrap_policy", "reshard_after_forward",
+                    "state_dict_type", "min_num_params", "cpu_offload", "activation_checkpointing",
+                    "cpu_ram_efficient_loading", "xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt")  # fmt: skip
+"""The ``TrainingArguments.fsdp_config`` keys (``fsdp_`` prefix stripped, as transformers strips it) that mesh_cp
+applies, or refuses at a value other than the default (:func:`check_plugin`, :func:`check_launch`); any other key is
+refused by name (FSDP1's, XLA's, a misspelled one)."""
+
+
+def check_launch(args: Any) -> None:
+    """Refuse, before the Trainer is built and by name, what accelerate or transformers would refuse later with
+    another fix, or ignore: an FSDP version other than 2, an ``fsdp_config`` key not in :data:`FSDP_CONFIG_KEYS`,
+    FSDP on CPU processes without ``use_cpu``, and an accelerate ``parallelism_config`` block with ``cp_size > 1``
+    that reaches accelerate (``TrainingArguments(parallelism_config=hf.accelerator_parallelism_config())``)."""
+    cp = os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1")
+    block = os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+    if block and cp.isdigit() and int(cp) > 1 and getattr(args, "parallelism_config", None) is None:
+        raise ValueError(
+            f"the accelerate config's parallelism_config block has cp_size {cp}, which accelerate would take as its own "
+            f"context parallelism: pass TrainingArguments(parallelism_config=hf.accelerator_parallelism_config()) "
+            f"and build the layout with hf.parallel_from_accelerate(tile=...)"
+        )
+    if args is None or not getattr(args, "fsdp", None):
+        return
+    config = args.fsdp_config or {}
+    if int(config.get("version", 2)) != 2:
+        raise NotImplementedError(
+            f"fsdp_config version={config['version']}: mesh_cp shards with FSDP2 (torch's fully_shard) only; set it to 2"
+        )
+    unknown = sorted(set(config) - set(FSDP_CONFIG_KEYS))
+    on = [key for key in ("xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt") if config.get(key)]
+    if unknown or on:
+        raise ValueError(
+            f"fsdp_config keys {unknown + on} are not FSDP2 settings mesh_cp applies (an FSDP1 or XLA setting, or a "
+            f"misspelling); the keys it reads: {', '.join(FSDP_CONFIG_KEYS[:6])}"
+        )
+    if dist.is_initialized() and dist.get_world_size() > 1 and args.parallel_mode.value != "distributed":
+        raise ValueError(
+            f"TrainingArguments(fsdp=...) on {dist.get_world_size()} processes that accelerate takes for one: on CPU set "
+            f"TrainingArguments(use_cpu=True) (--use_cpu; ACCELERATE_USE_CPU=true under accelerate launch)"
+        )
 
 
 def fsdp_mesh(parallel: DataContextParallel, *, name: str = "dp_cp"):
@@ -158,13 +199,16 @@ def shard_model(model: torch.nn.Module, parallel: DataContextParallel, accelerat
             f"FSDP2 shards over accelerate's default mesh of all {dist.get_world_size()} processes, but mesh_cp's DP x "
             f"CP layout spans {world}: build the layout over the launched world (dist.group.WORLD)"
         )
-    accelerator.state.fsdp_plugin = plugin  # what fsdp2_prepare_model, and the Trainer's checkpoints, read
     state, config = accelerator.state, accelerator.parallelism_config
-    if config is not None and (config.dp_replicate_enabled or config.total_size > 1):
-        raise ValueError(
-            f"the Accelerator has parallelism sizes {config._sizes}: give it hf.accelerator_parallelism_config() (every "
-            f"size 1) so that FSDP2 shards over every DP x CP rank of mesh_cp's layout (Note [FSDP2 beside CP])"
+    if config is not None and config.total_size > 1:
+        sizes = ", ".join(
+            f"{n}={getattr(config, n)}" for n in ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
         )
+        raise ValueError(
+            f"the Accelerator has parallelism sizes {sizes}: give it hf.accelerator_parallelism_config() (every size 1) "
+            f"so that FSDP2 shards over every DP x CP rank of mesh_cp's layout (Note [FSDP2 beside CP])"
+        )
+    state.fsdp_plugin = plugin  # what fsdp2_prepare_model, and the Trainer's checkpoints, read
     before = state.device_mesh
     if config is not None:  # accelerate shards over its mesh's "dp_shard_cp" dimension: make that every rank
         state.device_mesh = fsdp_mesh(parallel, name="dp_shard_cp")

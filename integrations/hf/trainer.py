@@ -24,7 +24,7 @@ from mesh_cp.integrations.hf.compat import (
     seed_worker,
 )
 from mesh_cp.integrations.hf.evaluation import MeshCPEvaluation, check_evaluation, check_loss_inputs
-from mesh_cp.integrations.hf.fsdp import shard_for_trainer
+from mesh_cp.integrations.hf.fsdp import check_launch, shard_for_trainer
 from mesh_cp.integrations.layout import ds_attention_shape, parallel_from_config
 from mesh_cp.integrations.versions import require, require_for_trainer
 from mesh_cp.runtime.batch import ShardingCollator
@@ -172,6 +172,7 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
                 f"data_collator is mesh_cp's {type(client_collator).__name__}, which shards: MeshCPTrainer shards the "
                 f"batches itself; pass the collator that builds the full batch (or none)"
             )
+        check_launch(kwargs.get("args"))
         super().__init__(**kwargs)
         check_options(self)
         if parallel is None:
@@ -257,11 +258,9 @@ def _check_gradients_averaged(trainer: Any, model: torch.nn.Module) -> None:
     if trainer.is_deepspeed_enabled:  # the engine averages over its data-parallel group: it must be every rank
         check_world(trainer, engine=model)
         return
-    if trainer.accelerator.num_processes == 1:
+    if trainer.accelerator.num_processes == 1 or trainer._mesh_cp_sharded:  # FSDP2: checked when it was sharded
         return
     inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-    if getattr(trainer, "_mesh_cp_sharded", False):  # FSDP2 over every rank, checked when it was sharded
-        return
     if not isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         raise RuntimeError(
             f"MeshCPTrainer is training a {type(inner).__name__} that is not wrapped in DistributedDataParallel on "

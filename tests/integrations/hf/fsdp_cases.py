@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import types
 from pathlib import Path
 
 import torch
@@ -97,12 +98,12 @@ def run_case(name: str, mesh: bool, output_dir: str) -> dict:
     else:
         trainer, steps = _train(name, parallel, train, run, output_dir, sft, lora, user_sharded=user_sharded)
     result = {"case": name, "loss": [h["loss"] for h in steps], "grad_norm": [h.get("grad_norm") for h in steps]}
+    if mesh:  # after the optimizer step (an evaluation's forward leaves the root's parameters gathered)
+        result["shares"] = _shares(trainer)
     if not sft:  # after training, with a partial last batch (5 examples in batches of 2)
         args = trainer.args
         args.per_device_eval_batch_size, args.prediction_loss_only = 2, True
         result["eval_loss"] = trainer.evaluate(examples(5, 6, 20, 2))["eval_loss"]
-    if mesh:
-        result["shares"] = _shares(trainer)
     return result
 
 
@@ -161,16 +162,19 @@ def _train(name, parallel, train, run, output_dir, sft, lora, resume=None, user_
 
 
 def torch_loop(parallel) -> list[float]:
-    """The plain loop of docs/hf.md ("FSDP2 beside CP") on 4 steps of 4 rows of 24 tokens, SGD; without
-    ``parallel`` one process on the whole batches. Returns every step's loss."""
+    """The plain loop of docs/hf.md ("FSDP2 beside CP") on 4 steps of 4 rows of 24 tokens, SGD, the first two rows
+    of each batch with two thirds of their labels left out (so the DP replicas count different labels); without
+    ``parallel`` one process on the whole batches. Returns every step's loss (the global token mean)."""
     from mesh_cp.testing.models import VOCAB
 
-    model, rows = _model(), torch.randint(1, VOCAB, (STEPS, 4, 24), generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(3)
+    model, rows = _model(), torch.randint(1, VOCAB, (STEPS, 4, 24), generator=gen)
+    labels = rows.masked_fill((torch.rand(rows.shape, generator=gen) < 0.67) & (torch.arange(4) < 2)[:, None], -100)
     if parallel is None:
         optimizer, losses = torch.optim.SGD(model.parameters(), lr=0.05), []
-        for ids in rows:
+        for ids, targets in zip(rows, labels, strict=True):
             logits = model(input_ids=ids).logits
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -187,17 +191,21 @@ def torch_loop(parallel) -> list[float]:
         fully_shard(layer, mesh=hf.fsdp_mesh(parallel))
     fully_shard(model, mesh=hf.fsdp_mesh(parallel))
     hf.check_sharded(model, parallel)
-    optimizer, losses = torch.optim.SGD(model.parameters(), lr=0.05), []
-    for ids in rows:
-        batch = mesh_cp.shard_batch(ids.chunk(parallel.dp_size)[parallel.dp_rank], mesh=parallel.mesh)
+    optimizer, losses = torch.optim.SGD(model.parameters(), lr=0.05), []  # after fully_shard: the sharded parameters
+    world = dist.get_world_size(parallel.group)
+    for ids, targets in zip(rows, labels, strict=True):
+        mine = slice(parallel.dp_rank * 2, parallel.dp_rank * 2 + 2)  # this replica's rows of the global batch
+        batch = mesh_cp.shard_batch(ids[mine], labels=targets[mine], mesh=parallel.mesh)
+        count = torch.tensor(batch.num_items_in_batch)
+        dist.all_reduce(count, group=parallel.dp_group)  # the labels of the global batch
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
-        share = mesh_cp.causal_lm_loss(logits, batch.shift_labels, batch.num_items_in_batch)
-        (share * parallel.mesh.size).backward()  # FSDP2 averages over DP x CP: the CP shares are to be summed
+        share = mesh_cp.causal_lm_loss(logits, batch.shift_labels, int(count))
+        (share * world).backward()  # FSDP2 averages over the DP x CP ranks; the shares are to be summed
         optimizer.step()
         optimizer.zero_grad()
         total = share.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / parallel.dp_size)
+        dist.all_reduce(total, group=parallel.group)
+        losses.append(total.item())
     return losses
 
 
@@ -206,8 +214,10 @@ def refusals(parallel, output_dir: str) -> dict[str, str]:
     alone, given to check_sharded and to the trainer; FSDP settings mesh_cp does not apply."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
+    from transformers.training_args import ParallelMode
 
     from mesh_cp.integrations import hf
+    from mesh_cp.integrations.hf.fsdp import check_launch
 
     meshes = {
         "hsdp": DeviceMesh.from_group(
@@ -229,11 +239,16 @@ def refusals(parallel, output_dir: str) -> dict[str, str]:
         errors[f"{name}_trainer"] = _error(
             lambda m=model: trainer(model=m, args=args, train_dataset=[], data_collator=collator, parallel=parallel)
         )
-    for name, config in {"fsdp_ac": {"version": 2, "activation_checkpointing": True},
+    for name, config in {"fsdp1": {"version": 1}, "unknown_key": {"version": 2, "transformer_layer_cls_to_wrapp": []},
+                         "fsdp_ac": {"version": 2, "activation_checkpointing": True},
                          "offload": {"version": 2, "cpu_offload": True}}.items():  # fmt: skip
         args = TrainingArguments(output_dir=output_dir, fsdp=True, fsdp_config=config, **SGD_RUN)
         errors[name] = _error(lambda a=args: hf.mesh_cp_trainer_class()(model=_model(), args=a, train_dataset=[],
                                                                         parallel=parallel, pad_token_id=0))  # fmt: skip
+    not_distributed = types.SimpleNamespace(
+        fsdp=True, fsdp_config={"version": 2}, parallel_mode=ParallelMode.NOT_PARALLEL
+    )
+    errors["no_use_cpu"] = _error(lambda: check_launch(not_distributed))
     return errors
 
 

@@ -97,6 +97,9 @@ def test_mistakes_refused_by_name(runs) -> None:
         assert "2-D mesh (2, 2)" in errors[name] and "HSDP" in errors[name] and "hf.fsdp_mesh" in errors[name], errors
     for name in ("cp_only", "cp_only_trainer"):
         assert "sharded over ranks [0, 1]" in errors[name] and "spans [0, 1, 2, 3]" in errors[name], errors
+    assert "fsdp_config version=1: mesh_cp shards with FSDP2" in errors["fsdp1"], errors
+    assert "fsdp_config keys ['transformer_layer_cls_to_wrapp'] are not FSDP2 settings" in errors["unknown_key"], errors
+    assert "on CPU set TrainingArguments(use_cpu=True)" in errors["no_use_cpu"], errors
     assert "activation_checkpointing=True" in errors["fsdp_ac"] and "gradient_checkpointing" in errors["fsdp_ac"]
     assert "cpu_offload=CPUOffloadPolicy" in errors["offload"], errors
 
