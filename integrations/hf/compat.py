@@ -7,8 +7,8 @@
 - The private parts of ``transformers.Trainer``, ``accelerate`` and TRL's ``SFTTrainer`` that MeshCPTrainer uses where
   no public hook exists, each in one function here (the Trainer and TRL tests run each against the installed
   versions): the column removal of Trainer's dataloaders, the registration of a prepared dataloader with
-  the accelerator, TRL's token counter, the gather of TRL's training metrics, and the flags that make the Trainer take an FSDP2
-  model that mesh_cp sharded.
+  the accelerator, TRL's token counter, the gather of TRL's training metrics, and the state that makes the Trainer
+  take an FSDP2 model that mesh_cp sharded.
 """
 
 from __future__ import annotations
