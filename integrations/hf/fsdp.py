@@ -9,9 +9,10 @@
 
     # a plain torch loop
     hf.attach(model, parallel.mesh)
+    mesh = hf.fsdp_mesh(parallel)  # one 1-D mesh of every DP x CP rank
     for layer in model.model.layers:
-        fully_shard(layer, mesh=hf.fsdp_mesh(parallel))
-    fully_shard(model, mesh=hf.fsdp_mesh(parallel))
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     hf.check_sharded(model, parallel)
 """
 

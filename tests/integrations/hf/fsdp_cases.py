@@ -187,9 +187,10 @@ def torch_loop(parallel) -> list[float]:
     from mesh_cp.integrations import hf
 
     hf.attach(model, parallel.mesh)
+    mesh = hf.fsdp_mesh(parallel)  # one 1-D mesh of every DP x CP rank
     for layer in model.model.layers:
-        fully_shard(layer, mesh=hf.fsdp_mesh(parallel))
-    fully_shard(model, mesh=hf.fsdp_mesh(parallel))
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     hf.check_sharded(model, parallel)
     optimizer, losses = torch.optim.SGD(model.parameters(), lr=0.05), []  # after fully_shard: the sharded parameters
     world = dist.get_world_size(parallel.group)
