@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One measured configuration: a model's sizes, the sequence, checkpointing, the LM head, AdamW's kind."""
+    """One measured configuration: a model's sizes, the sequence, checkpointing, the LM head (``"full"``,
+    ``"chunked"``: :func:`_chunked_loss`, ``"fused"``: TRL's fused head through ``hf.fused_lm_head``), the MLP's
+    slices (``hf.tile_mlp``), AdamW's kind."""
 
     name: str
     model: str = "LlamaConfig"
@@ -49,6 +51,7 @@ class Case:
     seq: int = 1024
     checkpointing: bool = False
     lm_head: str = "full"
+    mlp_tiles: int = 1
     foreach: bool = False
 
     def config(self) -> ModelConfig:
@@ -72,14 +75,18 @@ class Case:
             precision="fp32",
             sharding="replicated",
             checkpointing=self.checkpointing,
-            lm_head=self.lm_head,  # type: ignore[arg-type]
-            lm_head_chunk=CHUNK,
+            lm_head="chunked" if self.lm_head == "fused" else self.lm_head,  # type: ignore[arg-type]
+            lm_head_chunk=TRL_TILE_TOKENS if self.lm_head == "fused" else CHUNK,
+            mlp_tiles=self.mlp_tiles,
             foreach=self.foreach,
         )
 
 
 CHUNK = 256
 """Tokens per chunk of the chunked LM head the script runs."""
+
+TRL_TILE_TOKENS = 4096
+"""Tokens per tile of TRL's fused LM head (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``)."""
 
 CASES = (
     Case("llama"),
@@ -118,7 +125,7 @@ def _chunked_loss(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch
 
 
 def build(case: Case) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
-    """The fp32 model of ``case`` (seeded random weights), its AdamW and the step function."""
+    """The fp32 model of ``case`` (seeded random weights) with its levers, its AdamW and the step function."""
     import torch
     import transformers
 
@@ -142,11 +149,22 @@ def build(case: Case) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if case.mlp_tiles > 1 or case.lm_head == "fused":
+        from mesh_cp.integrations import hf
+
+        if case.mlp_tiles > 1:
+            hf.tile_mlp(model, shards=case.mlp_tiles)
+        if case.lm_head == "fused":
+            hf.fused_lm_head(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=case.foreach)
     ids = torch.randint(case.vocab, (1, case.seq), generator=torch.Generator().manual_seed(1))
+    shift_labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
 
     def step() -> None:
-        if case.lm_head == "chunked":
+        if case.lm_head == "fused":
+            count = int((shift_labels != -100).sum())
+            loss = model(input_ids=ids, shift_labels=shift_labels, num_items_in_batch=count, fused_lm_head=True).loss
+        elif case.lm_head == "chunked":
             loss = _chunked_loss(model, ids, ids)
         else:
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
