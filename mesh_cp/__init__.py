@@ -28,6 +28,7 @@ _PUBLIC = {
         "causal_lm_loss",
         "data_parallel",
         "decode_attn_func",
+        "gather_sequence",
         "mesh_attn_func",
         "overlap_gradients",
         "position_ids",

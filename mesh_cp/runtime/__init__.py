@@ -12,7 +12,7 @@ from mesh_cp.runtime.decode import decode_attn_func
 from mesh_cp.runtime.groups import new_subgroups
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.parallel import DataContextParallel, data_parallel, overlap_gradients, reduce_gradients
-from mesh_cp.runtime.sharding import position_ids, shard_sequence, unshard_sequence
+from mesh_cp.runtime.sharding import gather_sequence, position_ids, shard_sequence, unshard_sequence
 
 __all__ = [
     "IGNORE_INDEX",
@@ -24,6 +24,7 @@ __all__ = [
     "causal_lm_loss",
     "data_parallel",
     "decode_attn_func",
+    "gather_sequence",
     "mesh_attn_func",
     "new_subgroups",
     "overlap_gradients",

@@ -46,6 +46,29 @@ def unshard_sequence(x_local: Tensor, *, mesh: CPMesh, dim: int, layout: Layout)
     return full.movedim(0, dim)
 
 
+def gather_sequence(x_local: Tensor, *, mesh: CPMesh, dim: int, layout: Layout, grad_scale: float = 1.0) -> Tensor:
+    """:func:`unshard_sequence`, differentiable: the full tensor in global order on every rank of ``mesh.group``.
+
+    Its backward gives each rank its own shard of the gradient (times ``grad_scale``), with no communication: every
+    rank of the group computes the same function of the full tensor (the loss of whole sequences, say), so each
+    rank's part of the gradient is the part of its own tokens, and the parameter gradients summed over the group
+    are the gradient of that function. A framework that averages the gradients over the group instead (DDP,
+    DeepSpeed, FSDP over DP x CP) needs ``grad_scale=mesh.size``."""
+    return _GatherSequence.apply(x_local, mesh, dim, layout, grad_scale)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local: Tensor, mesh: CPMesh, dim: int, layout: Layout, grad_scale: float) -> Tensor:
+        ctx.mesh, ctx.dim, ctx.layout, ctx.grad_scale = mesh, dim, layout, grad_scale
+        return unshard_sequence(x_local.detach(), mesh=mesh, dim=dim, layout=layout)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        mine = shard_sequence(grad, mesh=ctx.mesh, dim=ctx.dim, layout=ctx.layout)
+        return (mine * ctx.grad_scale if ctx.grad_scale != 1 else mine), None, None, None, None
+
+
 def position_ids(seq_len: int, *, mesh: CPMesh, layout: Layout, device: torch.device | str | None = None) -> Tensor:
     """Global positions (``int64``, ``(seq_local,)``) of the tokens this rank holds for a sequence of
     ``seq_len`` tokens; feed them to RoPE / position embeddings of the sharded tokens."""
