@@ -124,11 +124,15 @@ one, or the first), or take a softmax over the positions (question answering).""
 
 def refuse_pooled_heads(model: torch.nn.Module, models: list[torch.nn.Module]) -> None:
     """A head that pools over the sequence (sequence classification and reward models pool the last real token) would
-    pool each rank's own shard: refused by name. Per-token heads (causal LM, token classification) are exact."""
+    pool each rank's own shard: refused by name. Per-token heads (causal LM, token classification) are exact, and so
+    is a sequence classifier whose calls :func:`~mesh_cp.integrations.hf.reward.shard_classification_calls` shards
+    (it marks ``model`` with ``mesh_cp_pooled_calls``)."""
+    sharded = model if model.__dict__.get("mesh_cp_pooled_calls") else None
     found = [
         f"{type(m).__name__}{f' (loss_type {m.loss_type})' if m.loss_type and m.loss_type in POOLED_HEADS else ''}"
         for m in models
-        if type(m).__name__.endswith(POOLED_HEADS) or getattr(m, "loss_type", None) in POOLED_HEADS
+        if (type(m).__name__.endswith(POOLED_HEADS) or getattr(m, "loss_type", None) in POOLED_HEADS)
+        and m is not sharded
     ]
     poolers = [
         f"{name} ({type(m).__name__})" for name, m in model.named_modules() if type(m).__name__.endswith("Pooler")
@@ -138,7 +142,8 @@ def refuse_pooled_heads(model: torch.nn.Module, models: list[torch.nn.Module]) -
         raise NotImplementedError(
             f"{type(model).__name__} has a head that reads across the sequence ({', '.join((found + poolers)[:4])}): "
             f"on a CP rank it would pool (or take a softmax over) its own shard of every row; mesh_cp runs per-token "
-            f"heads (causal LM, token classification) only{fix}"
+            f"heads (causal LM, token classification), and sequence classifiers through "
+            f"mesh_cp.integrations.hf.reward.shard_classification_calls{fix}"
         )
 
 
