@@ -7,7 +7,7 @@
 - The private parts of ``transformers.Trainer``, ``accelerate`` and TRL's ``SFTTrainer`` that MeshCPTrainer uses where
   no public hook exists, each in one function here (the Trainer and TRL tests run each against the installed
   versions): the column removal of Trainer's dataloaders, the registration of a prepared dataloader with
-  the accelerator, TRL's token counter, the gather of TRL's training metrics, and the state that makes the Trainer
+  the accelerator, TRL's token counter, the gather of TRL's training metrics and its count of ranks that share a batch, and the state that makes the Trainer
   take an FSDP2 model that mesh_cp sharded.
 """
 
@@ -27,6 +27,7 @@ __all__ = [
     "LengthGroupedSampler",
     "cache_keyword",
     "correct_trl_tokens",
+    "count_repeated_ranks",
     "eval_metric_lists",
     "eval_order",
     "every_rank_once",
@@ -131,6 +132,20 @@ def correct_trl_tokens(trainer: Any, before: int, tokens: int) -> None:
     ``SFTTrainer._total_train_tokens`` / ``_metrics``)."""
     trainer._total_train_tokens = before + tokens // trainer._tp_size
     trainer._metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
+
+
+def count_repeated_ranks(trainer: Any, repeats: int) -> None:
+    """Make a TRL trainer's token counter (``num_tokens``: the batch's attention mask summed over every process)
+    count each token once when every ``repeats`` consecutive ranks hold the same batch (the CP ranks of a replica,
+    Note [Whole sequences under CP] in :mod:`mesh_cp.integrations.hf.scores`): TRL divides that sum by the ranks
+    that share a batch under tensor parallelism (private ``_tp_size`` of ``DPOTrainer`` and ``RewardTrainer``),
+    which mesh_cp sets to ``repeats`` (accelerate's own TP is refused beside mesh_cp)."""
+    if getattr(trainer, "_tp_size", 1) != 1:
+        raise NotImplementedError(
+            f"{type(trainer).__name__} counts tokens over {trainer._tp_size} tensor-parallel ranks: accelerate's TP "
+            f"does not combine with mesh_cp's CP; leave tp_size at 1"
+        )
+    trainer._tp_size = repeats
 
 
 def forget_eval_prepare(trainer: Any) -> None:

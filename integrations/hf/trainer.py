@@ -9,22 +9,18 @@ import inspect
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from mesh_cp.config import MeshConfig
 from mesh_cp.integrations.hf.attach import attach
-from mesh_cp.integrations.hf.collate import TOKEN_COUNTS, PadExamples, ShardCollated, replica_examples
+from mesh_cp.integrations.hf.collate import TOKEN_COUNTS, PadExamples, ShardCollated
 from mesh_cp.integrations.hf.compat import (
-    LengthGroupedSampler,
     correct_trl_tokens,
     every_rank_once,
-    prepare_as_single_process,
-    remove_unused_columns,
-    seed_worker,
 )
 from mesh_cp.integrations.hf.evaluation import MeshCPEvaluation, check_evaluation, check_loss_inputs
 from mesh_cp.integrations.hf.fsdp import check_launch, shard_for_trainer
+from mesh_cp.integrations.hf.replicas import check_gradients_averaged, check_world, replica_dataloader
 from mesh_cp.integrations.layout import ds_attention_shape, parallel_from_config
 from mesh_cp.integrations.versions import require, require_for_trainer
 from mesh_cp.runtime.batch import ShardingCollator
@@ -64,6 +60,10 @@ def mesh_cp_trainer_class(base: type | None = None) -> type:
 
         SFTTrainer = hf.mesh_cp_trainer_class(trl.SFTTrainer)
         trainer = SFTTrainer(model=model, args=SFTConfig(..., packing=True), train_dataset=ds, parallel=parallel)
+
+    TRL's ``DPOTrainer``, ``GRPOTrainer`` and ``RewardTrainer`` get their own mixins (:data:`SEQUENCE_MIXINS`): every
+    CP rank holds its replica's whole batch and the model calls are sharded (Note [Whole sequences under CP] in
+    :mod:`mesh_cp.integrations.hf.scores`).
     """
     if base is None:
         from transformers import Trainer
@@ -80,24 +80,47 @@ def _trainer_class(base: type) -> type:
     if not (isinstance(base, type) and issubclass(base, Trainer)):
         raise ValueError(f"base must be transformers.Trainer or a subclass of it, got {base!r}")
     check_base(base)
-    if issubclass(base, MeshCPTrainerMixin):
+    mixin = _sequence_mixin(base) or MeshCPTrainerMixin
+    if issubclass(base, mixin):
         return base
-    return type(f"MeshCP{base.__name__}", (MeshCPTrainerMixin, base), {"__module__": __name__})
+    return type(f"MeshCP{base.__name__}", (mixin, base), {"__module__": __name__})
 
 
-SUPPORTED_BASES: tuple[str, ...] = ("transformers.Trainer", "trl.SFTTrainer")
-"""The trainers whose batches mesh_cp shards exactly (rows of tokens with per-token labels, a token-mean loss), and
-their subclasses. Any other trainer class of transformers or TRL in a base's MRO is refused by name."""
+SEQUENCE_MIXINS: dict[str, str] = {
+    "DPOTrainer": "mesh_cp.integrations.hf.preference:MeshCPDPOMixin",
+    "GRPOTrainer": "mesh_cp.integrations.hf.rl:MeshCPGRPOMixin",
+    "RewardTrainer": "mesh_cp.integrations.hf.reward:MeshCPRewardMixin",
+}
+"""TRL's trainers of whole sequences and the mixin of each (Note [Whole sequences under CP] in
+:mod:`mesh_cp.integrations.hf.scores`): every CP rank holds its replica's whole batch and only the model calls are
+sharded."""
+
+SUPPORTED_BASES: tuple[str, ...] = ("transformers.Trainer", "trl.SFTTrainer", *(f"trl.{n}" for n in SEQUENCE_MIXINS))
+"""The trainers mesh_cp trains exactly, and their subclasses: rows of tokens with per-token labels and a token-mean
+loss (``Trainer``, ``SFTTrainer``: every rank's batch is its shard), and TRL's trainers of whole sequences
+(:data:`SEQUENCE_MIXINS`). Any other trainer class of transformers or TRL in a base's MRO is refused by name."""
+
+
+def _sequence_mixin(base: type) -> type | None:
+    """The mixin of :data:`SEQUENCE_MIXINS` for the first of TRL's whole-sequence trainers in ``base``'s MRO."""
+    import importlib
+
+    for c in base.__mro__:
+        if _package(c) == "trl" and c.__name__ in SEQUENCE_MIXINS:
+            module, name = SEQUENCE_MIXINS[c.__name__].split(":")
+            return getattr(importlib.import_module(module), name)
+    return None
+
 
 UNSUPPORTED_REASONS: dict[str, tuple[str, ...]] = {
     "its loss compares whole sequences' log-probabilities (chosen and rejected, or labelled, completions)": (
-        "DPOTrainer", "CPOTrainer", "ORPOTrainer", "KTOTrainer", "BCOTrainer", "TPOTrainer", "A2POTrainer",
+        "CPOTrainer", "ORPOTrainer", "KTOTrainer", "BCOTrainer", "TPOTrainer", "A2POTrainer",
     ),
     "it generates completions and weighs whole sequences by their rewards": (
-        "GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
+        "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
         "GMPOTrainer", "AsyncGRPOTrainer", "SDPOTrainer", "IWOPDTrainer",
     ),
-    "it scores each sequence from one pooled token": ("RewardTrainer", "PRMTrainer"),
+    "it scores each sequence from one pooled token": ("PRMTrainer",),
     "its loss reads a teacher model's logits (the teacher is not attached to the mesh) or generates": (
         "GKDTrainer", "GOLDTrainer", "DistillationTrainer", "ServerDistillationTrainer", "AsyncDistillationTrainer",
         "SDFTTrainer",
@@ -110,15 +133,15 @@ UNSUPPORTED_REASONS: dict[str, tuple[str, ...]] = {
 
 def check_base(base: type) -> None:
     """Refuse, by name, a trainer class whose MRO holds a trainer of transformers or TRL other than
-    :data:`SUPPORTED_BASES` and their own bases (TRL's DPO, GRPO, Reward, ... trainers: their batches are not rows of
-    tokens that a CP rank's shard computes exactly). Imports nothing distributed."""
+    :data:`SUPPORTED_BASES` and their own bases (TRL's KTO, RLOO, PPO, ... trainers: :data:`UNSUPPORTED_REASONS`). Imports nothing distributed."""
     from transformers import Trainer
 
     allowed = set(Trainer.__mro__)
     if any(_package(c) == "trl" for c in base.__mro__):
-        from trl import SFTTrainer
+        import trl
 
-        allowed |= set(SFTTrainer.__mro__)
+        for name in ("SFTTrainer", *SEQUENCE_MIXINS):
+            allowed |= set(getattr(trl, name).__mro__)
     for c in base.__mro__:
         if _package(c) in ("transformers", "trl") and issubclass(c, Trainer) and c not in allowed:
             why = next((r for r, names in UNSUPPORTED_REASONS.items() if c.__name__ in names), None)
@@ -196,30 +219,7 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        dataset, collate = remove_unused_columns(self, self.train_dataset, self.data_collator, "Training")
-        global_batch = self._train_batch_size * self.parallel.dp_size
-        sampler = None
-        if not isinstance(dataset, IterableDataset):
-            sampler = self._get_train_sampler(dataset)
-            if isinstance(sampler, LengthGroupedSampler):
-                sampler.batch_size *= self.parallel.dp_size  # the groups of the single process's batches
-        loader = DataLoader(
-            dataset,
-            batch_size=global_batch,
-            sampler=sampler,
-            collate_fn=_ReplicaCollate(collate, self.parallel.dp_rank, self.parallel.dp_size),
-            drop_last=self.args.dataloader_drop_last,
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
-            persistent_workers=self.args.dataloader_persistent_workers,
-            prefetch_factor=self.args.dataloader_prefetch_factor,
-            multiprocessing_context=getattr(self.args, "dataloader_multiprocessing_context", None),
-            in_order=getattr(self.args, "dataloader_in_order", True),
-            worker_init_fn=functools.partial(
-                seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
-            ),
-        )
-        return prepare_as_single_process(self.accelerator, loader)
+        return replica_dataloader(self, self.train_dataset, self._train_batch_size)
 
     def get_total_train_batch_size(self, args) -> int:
         """Examples per optimizer step: every DP replica's once (Trainer would divide the world by its own CP
@@ -227,7 +227,7 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
         return self._train_batch_size * args.gradient_accumulation_steps * self.parallel.dp_size
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        _check_gradients_averaged(self, model)
+        check_gradients_averaged(self, model)
         counts = inputs.pop(TOKEN_COUNTS, None)
         before = getattr(self, "_total_train_tokens", None)
         with every_rank_once(self.accelerator):
@@ -250,59 +250,6 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
         """The sum over the DP replicas of a count every rank of a replica holds."""
         mine = torch.as_tensor(value if self.parallel.mesh.rank == 0 else 0, dtype=torch.int64, device=self.args.device)
         return int(self.accelerator.gather(mine.reshape(1)).sum())
-
-
-def _check_gradients_averaged(trainer: Any, model: torch.nn.Module) -> None:
-    """Every rank's loss is its share of the batch's, scaled by the world size: the gradient is exact only once it
-    is averaged over all ranks (DDP's or DeepSpeed's). Refuse a step of a model that nothing averages."""
-    if trainer.is_deepspeed_enabled:  # the engine averages over its data-parallel group: it must be every rank
-        check_world(trainer, engine=model)
-        return
-    if trainer.accelerator.num_processes == 1 or trainer._mesh_cp_sharded:  # FSDP2: checked when it was sharded
-        return
-    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-    if not isinstance(inner, torch.nn.parallel.DistributedDataParallel):
-        raise RuntimeError(
-            f"MeshCPTrainer is training a {type(inner).__name__} that is not wrapped in DistributedDataParallel on "
-            f"{trainer.accelerator.num_processes} processes: its gradients would not be averaged over the DP x CP "
-            f"ranks; let Trainer.train() prepare the model (do not prepare it with accelerate beforehand)"
-        )
-
-
-def check_world(trainer: Any, engine: Any = None) -> None:
-    """Refuse a run whose accelerate state (or DeepSpeed ``engine``, when given) sees another number of processes
-    than the layout's group: the loss of a rank is scaled by the processes accelerate sees and the gradients are
-    averaged over them, so each must be every DP x CP rank. On CPU, accelerate sees one process unless told to use
-    the CPU (``TrainingArguments(use_cpu=True)``), and then no rank's gradients are averaged."""
-    world = dist.get_world_size(trainer.parallel.group)
-    seen = {"accelerate": trainer.accelerator.num_processes}
-    if engine is not None:
-        seen["the DeepSpeed engine's data-parallel group"] = getattr(engine, "dp_world_size", world)
-    for who, size in seen.items():
-        if size != world:
-            fix = (
-                "Build the layout over the launched world (DataContextParallel.create(dist.group.WORLD, ...))"
-                if size > world
-                else "On CPU set TrainingArguments(use_cpu=True) (--use_cpu on the command line; without it "
-                "accelerate takes a machine with no GPU for one process), and build the layout over the launched "
-                "world (dist.group.WORLD)"
-            )
-            raise ValueError(
-                f"{who} sees {size} process(es) but mesh_cp's DP x CP layout spans {world} ranks: the gradients "
-                f"would not be averaged over every rank and the token count would be a part's; every process of the "
-                f"layout's group must be one of accelerate's. {fix}"
-            )
-
-
-class _ReplicaCollate:
-    """Collate function of a DP replica: its part of the global batch (:func:`replica_examples`), then
-    ``collate``."""
-
-    def __init__(self, collate, replica: int, replicas: int):
-        self.collate, self.replica, self.replicas = collate, replica, replicas
-
-    def __call__(self, examples):
-        return self.collate(replica_examples(examples, self.replica, self.replicas))
 
 
 def check_options(trainer: Any) -> None:

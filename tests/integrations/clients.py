@@ -54,9 +54,9 @@ def padded(examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def launched_layout(cp: int, dp: int):
-    """The DP x CP layout (tile 1 x ``cp``) of a script under ``accelerate launch``, whose process group accelerate
-    makes."""
+def launched_layout(cp: int, dp: int, tile: tuple[int, int] | None = None):
+    """The DP x CP layout (``tile``, default 1 x ``cp``) of a script under ``accelerate launch``, whose process group
+    accelerate makes."""
     import torch.distributed as dist
     from accelerate import PartialState
 
@@ -65,7 +65,7 @@ def launched_layout(cp: int, dp: int):
 
     gloo_exit_workaround()
     PartialState()
-    parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=cp, tile=(1, cp))
+    parallel = hf.DataContextParallel.create(dist.group.WORLD, cp_size=cp, tile=tile or (1, cp))
     assert parallel.dp_size == dp, parallel
     return parallel
 

@@ -104,7 +104,7 @@ def test_world_other_than_the_layout_is_refused(monkeypatch: pytest.MonkeyPatch)
     tests/integrations/trl/test_trl.py show accelerate's own count refused without use_cpu=True."""
     from types import SimpleNamespace
 
-    from mesh_cp.integrations.hf import trainer as module
+    from mesh_cp.integrations.hf import replicas as module
 
     monkeypatch.setattr(module.dist, "get_world_size", lambda group: 4)
 
