@@ -24,6 +24,17 @@ rank of the group gets the same logits; the gather's backward hands each rank th
 
 The pooled token must be a real token (``attention_mask`` 1 there): a padding token's hidden state is computed
 another way under CP (padding attends to padding). Rows are checked to be the same on every rank of the group.
+
+TRL's ``RewardTrainer`` under a DP x CP layout (``hf.mesh_cp_trainer_class(trl.RewardTrainer)``,
+:class:`MeshCPRewardMixin`)::
+
+    RewardTrainer = hf.mesh_cp_trainer_class(trl.RewardTrainer)
+    trainer = RewardTrainer(model=model, args=RewardConfig(..., use_cpu=True), train_dataset=pairs,
+                            processing_class=tokenizer, parallel=parallel)
+
+Every CP rank of a DP replica collates the replica's pairs with TRL's collator (chosen rows, then rejected rows); the
+model's calls are sharded as above, so TRL's loss (with ``margin`` and ``center_rewards_coefficient``), accuracy,
+margin and reward statistics are its own code on the pooled rewards, the same on every rank of the group.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from torch import Tensor
 
 from mesh_cp.integrations.hf.attach import attach
 from mesh_cp.integrations.hf.scores import check_same_rows
+from mesh_cp.integrations.hf.sequence_trainer import MeshCPSequenceTrainerMixin
 from mesh_cp.runtime.batch import shard_batch
 from mesh_cp.runtime.device_checks import check_on_device
 from mesh_cp.runtime.mesh import CPMesh
@@ -217,3 +229,30 @@ def check_classification_call(module: torch.nn.Module, args: tuple, kwargs: Mapp
 
 def _shape(value: Any) -> str:
     return str(tuple(value.shape)) if isinstance(value, Tensor) else type(value).__name__
+
+
+class MeshCPRewardMixin(MeshCPSequenceTrainerMixin):
+    """What :func:`~mesh_cp.integrations.hf.mesh_cp_trainer_class` adds to TRL's ``RewardTrainer`` (module doc): the
+    model's calls sharded by :func:`shard_classification_calls` (gradients scaled by ``cp_size``: accelerate's DDP
+    averages them over every DP x CP rank), TRL's ``margin`` column left out of the model's call as one process's
+    model ignores it. A PEFT adapter is refused by name."""
+
+    def mesh_cp_before_init(self, kwargs: dict[str, Any]) -> None:
+        """Refuse a PEFT model or ``peft_config`` (PEFT calls the classifier's ``forward`` itself, past the hooks
+        that shard it)."""
+        model = kwargs.get("model")
+        if kwargs.get("peft_config") is not None or hasattr(model, "peft_config"):
+            raise NotImplementedError(
+                f"{type(self).__name__}: a PEFT adapter calls the classifier's forward directly, past the hooks that "
+                f"shard its calls over the CP ranks; train the reward model without peft_config (or merge the adapter "
+                f"first: model.merge_and_unload())"
+            )
+
+    def mesh_cp_attach(self) -> None:
+        """Attach the reward model to the mesh with its calls sharded (:func:`shard_classification_calls`), once."""
+        mesh = self.parallel.mesh
+        model = self.accelerator.unwrap_model(self.model)
+        if id(model) in self._mesh_cp_attached:
+            return
+        shard_classification_calls(model, mesh, grad_scale=mesh.size, ignored=("margin",))
+        self._mesh_cp_attached.add(id(model))
