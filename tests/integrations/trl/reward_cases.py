@@ -51,8 +51,7 @@ def train(parallel, folder: str, *, data: Dataset | None = None, pad_is_eos: boo
     args = RewardConfig(
         output_dir=folder,
         per_device_train_batch_size=GLOBAL_BATCH // dp,
-        max_steps=STEPS,
-        **({"learning_rate": 0.1} | SGD_RUN | {"max_grad_norm": 1.0, "bf16": False} | fields),
+        **({"learning_rate": 0.1, "max_steps": STEPS} | SGD_RUN | {"max_grad_norm": 1.0, "bf16": False} | fields),
     )
     tok = tokenizer()
     if pad_is_eos:  # the pooled token is then the last word, before TRL's <eos> (one process's choice)
@@ -127,6 +126,9 @@ CASES = {
     "center_rewards": lambda parallel, folder: train(parallel, folder, center_rewards_coefficient=0.3),
     "pad_is_eos_prompt": lambda parallel, folder: train(
         parallel, folder, data=pairs(prompt=True), pad_is_eos=True, gradient_checkpointing=False
+    ),
+    "short_last_batch": lambda parallel, folder: train(
+        parallel, folder, data=pairs(7), max_steps=-1, num_train_epochs=1
     ),
     "doc_example": doc_example,
     "refusals": refusals,

@@ -3,7 +3,7 @@
 of reward_cases.py, run by rl_script.py in the shared launch): plain pairs, a ``margin`` column,
 ``center_rewards_coefficient``, and a ``prompt`` column with the pad token equal to ``<eos>`` (without gradient
 checkpointing). Every step's loss, accuracy, margin, minimum, mean and maximum reward and gradient norm within 1e-5
-over 3 steps, ``num_tokens`` equal. The RewardTrainer block of docs/hf.md trains as written on DP 2 x CP 2; a PEFT
+over 3 steps, ``num_tokens`` equal; an epoch ending on a short batch too at DP 1, refused at DP 2 where it splits unevenly. The RewardTrainer block of docs/hf.md trains as written on DP 2 x CP 2; a PEFT
 adapter and ``evaluate()`` are refused by name."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.integrations.trl.reward_cases import CASES, METRICS, STEPS  # noqa: E
 
 TOL = 1e-5
 LAYOUTS = ("dp1xcp4", "dp2xcp2")
-TRAINED = sorted(set(CASES) - {"doc_example", "refusals"})
+TRAINED = sorted(set(CASES) - {"doc_example", "refusals", "short_last_batch"})
 
 
 def _result(runs: dict, name: str) -> dict:
@@ -39,6 +39,22 @@ def test_reward_trainer_equals_single_process(rl_runs, case, layout):
         else:
             worst = max(abs(a - b) for a, b in zip(got[key], want[key], strict=True))
             assert worst <= TOL, (key, worst, got[key], want[key])
+
+
+def test_short_last_batch(rl_runs):
+    """An epoch of 7 pairs (batches of 4 and 3): at DP 1 x CP 4 the single process's 2 steps; at DP 2 x CP 2 the
+    second batch splits 2 and 1 over the replicas (TRL's means per replica would not average to the batch's): refused
+    by name on every rank."""
+    reference, mesh = rl_runs
+    want = _result(reference, "reward:short_last_batch")
+    got = _result(mesh, "reward:short_last_batch@dp1xcp4")
+    assert got["num_tokens"] == want["num_tokens"] and len(want["loss"]) == 2, (got, want)
+    for key in set(METRICS) - {"num_tokens"}:
+        assert max(abs(a - b) for a, b in zip(got[key], want[key], strict=True)) <= TOL, (key, got[key], want[key])
+    raised = mesh["reward:short_last_batch@dp2xcp2"].get("raised", "did not raise")
+    assert raised.startswith("NotImplementedError: this step's batch splits unevenly over the 2 DP replicas (1 to 2"), (
+        raised[:600]
+    )
 
 
 def test_reward_cases_differ(rl_runs):
