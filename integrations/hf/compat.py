@@ -31,6 +31,7 @@ __all__ = [
     "eval_metric_lists",
     "eval_order",
     "every_rank_once",
+    "replica_view",
     "forget_eval_prepare",
     "gather_for_metrics_as",
     "given_cache",
@@ -38,6 +39,7 @@ __all__ = [
     "prepare_as_single_process",
     "remove_unused_columns",
     "seed_worker",
+    "sharded_generation",
     "use_sharded_model",
 ]
 
@@ -201,6 +203,93 @@ def every_rank_once(accelerator: Any) -> contextlib.AbstractContextManager[None]
         return gather_object(data) if use_gather_object else accelerator.gather(data)
 
     return gather_for_metrics_as(accelerator, gather_all)
+
+
+class _ReplicaState:
+    """An accelerate state seen as one DP replica's: ``process_index`` and ``num_processes`` the replica's index and
+    the DP degree, ``is_main_process`` the first replica's CP rank 0; everything else the real state's."""
+
+    def __init__(self, state: Any, parallel: Any) -> None:
+        self._state, self.process_index, self.num_processes = state, parallel.dp_rank, parallel.dp_size
+        self.is_main_process = parallel.dp_rank == 0 and parallel.mesh.rank == 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
+@contextlib.contextmanager
+def replica_view(trainer: Any, *modules: Any) -> Iterator[None]:
+    """Inside: ``trainer.accelerator`` sees the DP replicas as its processes, as a run without CP sees its processes
+    (Note [Whole sequences under CP] in :mod:`mesh_cp.integrations.hf.scores`): ``process_index`` and
+    ``num_processes`` are the replica's index and the DP degree (private ``Accelerator.state``, swapped for the
+    context), ``gather`` gathers over the DP group (every rank of a replica holds the same values) and so do the
+    ``gather`` and ``gather_object`` that ``modules`` imported from ``accelerate.utils`` (TRL's trainer modules).
+    Everything is put back on leaving, an exception included."""
+    import torch.distributed as dist
+    from accelerate.utils import recursively_apply
+
+    parallel, accelerator = trainer.parallel, trainer.accelerator
+
+    def gather(data: Any) -> Any:
+        def one(tensor: torch.Tensor) -> torch.Tensor:
+            parts = [torch.empty_like(tensor) for _ in range(parallel.dp_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=parallel.dp_group)
+            return torch.cat([p.reshape(-1, *tensor.shape[1:]) for p in parts])
+
+        return recursively_apply(one, data, error_on_other_type=True)
+
+    def gather_object(data: Any) -> list:
+        parts: list[Any] = [None] * parallel.dp_size
+        dist.all_gather_object(parts, data, group=parallel.dp_group)
+        return [item for part in parts for item in part]
+
+    state, given = accelerator.state, accelerator.__dict__.get("gather")
+    saved = [(m, {name: getattr(m, name) for name in ("gather", "gather_object") if hasattr(m, name)}) for m in modules]
+    accelerator.state, accelerator.gather = _ReplicaState(state, parallel), gather
+    for module, names in saved:
+        for name in names:
+            setattr(module, name, gather if name == "gather" else gather_object)
+    try:
+        yield
+    finally:
+        accelerator.state = state
+        if given is None:
+            accelerator.__dict__.pop("gather", None)
+        else:
+            accelerator.gather = given
+        for module, names in saved:
+            for name, value in names.items():
+                setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def sharded_generation(module: Any, mesh: Any, generate: Any) -> Iterator[None]:
+    """Inside: the model that TRL's trainer ``module`` unwraps for generation (private module attribute
+    ``unwrap_model_for_generation``) generates through ``generate`` (:func:`mesh_cp.integrations.hf.generate`: the
+    prompts prefilled sharded over ``mesh``, decoding with Tree Attention over the sharded cache, the same sequences
+    on every rank of the mesh). Put back on leaving."""
+    original = module.unwrap_model_for_generation
+
+    class Sharded:
+        def __init__(self, model: torch.nn.Module) -> None:
+            self._model = model
+
+        def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+            return generate(self._model, input_ids, attention_mask, mesh=mesh, **kwargs)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._model, name)
+
+    @contextlib.contextmanager
+    def unwrap(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        with original(*args, **kwargs) as model:
+            yield Sharded(model)
+
+    module.unwrap_model_for_generation = unwrap
+    try:
+        yield
+    finally:
+        module.unwrap_model_for_generation = original
 
 
 def use_sharded_model(trainer: Any, plugin: Any) -> None:

@@ -54,7 +54,9 @@ def run(name: str, case, parallel, folder: str) -> dict:
     try:
         return {"case": name, **case(parallel, folder)}
     except Exception as err:  # noqa: BLE001 - reported by the case's test
-        return {"case": name, "raised": f"{type(err).__name__}: {err}\n{traceback.format_exc()[-4000:]}"}
+        raised = f"{type(err).__name__}: {err}\n{traceback.format_exc()[-4000:]}"
+        print(f"case {name} raised {raised}", file=sys.stderr, flush=True)
+        return {"case": name, "raised": raised}
 
 
 def main() -> None:
