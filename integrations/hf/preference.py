@@ -32,6 +32,8 @@ from mesh_cp.integrations.hf.sequence_trainer import MeshCPSequenceTrainerMixin
 class MeshCPDPOMixin(MeshCPSequenceTrainerMixin):
     """What :func:`~mesh_cp.integrations.hf.mesh_cp_trainer_class` adds to TRL's ``DPOTrainer`` (module doc)."""
 
+    mesh_cp_pairs = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if getattr(self, "_is_vision_dataset", False):

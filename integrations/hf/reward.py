@@ -43,7 +43,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from mesh_cp.integrations.hf.attach import attach
@@ -238,6 +237,8 @@ class MeshCPRewardMixin(MeshCPSequenceTrainerMixin):
     averages them over every DP x CP rank), TRL's ``margin`` column left out of the model's call as one process's
     model ignores it. A PEFT adapter is refused by name."""
 
+    mesh_cp_pairs = True
+
     def mesh_cp_before_init(self, kwargs: dict[str, Any]) -> None:
         """Refuse a PEFT model or ``peft_config`` (PEFT calls the classifier's ``forward`` itself, past the hooks
         that shard it)."""
@@ -257,24 +258,3 @@ class MeshCPRewardMixin(MeshCPSequenceTrainerMixin):
             return
         shard_classification_calls(model, mesh, grad_scale=mesh.size, ignored=("margin",))
         self._mesh_cp_attached.add(id(model))
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        check_even_replicas(inputs["input_ids"].shape[0] // 2, self.parallel, inputs["input_ids"].device)
-        return super().training_step(model, inputs, num_items_in_batch)
-
-
-def check_even_replicas(pairs: int, parallel: Any, device: torch.device) -> None:
-    """Raise unless every DP replica of ``parallel`` holds ``pairs`` pairs in this step (one all-reduce over the DP
-    group when there are several replicas): TRL's loss and its accuracy and margin are means over a replica's pairs,
-    averaged over the replicas, which is the mean over the global batch only when the replicas hold as many."""
-    if parallel.dp_size == 1:
-        return
-    counts = torch.tensor([pairs, -pairs], dtype=torch.int64, device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=parallel.dp_group)
-    if int(counts[0]) != -int(counts[1]):
-        raise NotImplementedError(
-            f"this step's batch splits unevenly over the {parallel.dp_size} DP replicas ({-int(counts[1])} to "
-            f"{int(counts[0])} pairs each, {pairs} here): RewardTrainer's loss, accuracy and margin are means over "
-            f"each replica's pairs, whose average is not the batch's mean; set dataloader_drop_last=True or give a "
-            f"dataset whose length is a multiple of the global batch (per_device_train_batch_size x DP)"
-        )

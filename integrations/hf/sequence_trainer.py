@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from mesh_cp.integrations.hf.attach import attach
@@ -94,8 +95,14 @@ class MeshCPSequenceTrainerMixin:
         """Examples per optimizer step: every DP replica's once."""
         return self._train_batch_size * args.gradient_accumulation_steps * self.parallel.dp_size
 
+    mesh_cp_pairs: bool = False
+    """Whether the batches are pairs (chosen rows, then rejected rows) whose count every DP replica must share."""
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         check_gradients_averaged(self, model)
+        if self.mesh_cp_pairs:
+            ids = inputs["input_ids"]
+            check_even_replicas(type(self).__name__, ids.shape[0] // 2, self.parallel, ids.device)
         with every_rank_once(self.accelerator):
             return super().training_step(model, inputs, num_items_in_batch)
 
@@ -104,6 +111,23 @@ class MeshCPSequenceTrainerMixin:
 
     def predict(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__}.predict(): {REFUSED_SEQUENCE_OPTIONS['eval_strategy']}")
+
+
+def check_even_replicas(name: str, pairs: int, parallel: DataContextParallel, device: torch.device) -> None:
+    """Raise unless every DP replica of ``parallel`` holds ``pairs`` pairs in this step (one all-reduce over the DP
+    group when there are several replicas): the trainer's loss and metrics are means over a replica's pairs,
+    averaged over the replicas, which is the mean over the global batch only when the replicas hold as many."""
+    if parallel.dp_size == 1:
+        return
+    counts = torch.tensor([pairs, -pairs], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=parallel.dp_group)
+    if int(counts[0]) != -int(counts[1]):
+        raise NotImplementedError(
+            f"this step's batch splits unevenly over the {parallel.dp_size} DP replicas ({-int(counts[1])} to "
+            f"{int(counts[0])} pairs each, {pairs} here): {name}'s loss and metrics are means over each replica's "
+            f"pairs, whose average is not the batch's mean; set dataloader_drop_last=True or give a dataset whose "
+            f"length is a multiple of the global batch (per_device_train_batch_size x DP)"
+        )
 
 
 def check_sequence_options(args: Any, name: str) -> None:

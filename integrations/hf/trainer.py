@@ -181,6 +181,11 @@ class MeshCPTrainerMixin(MeshCPEvaluation):
         **kwargs,
     ):
         check_base(type(self))
+        if _sequence_mixin(type(self)) is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} puts MeshCPTrainerMixin, which shards rows of tokens, over a trainer of whole "
+                f"sequences; build the class with hf.mesh_cp_trainer_class(...), which gives it its own mixin"
+            )
         if args:
             raise ValueError("MeshCPTrainer takes keyword arguments only (model=..., args=..., ...)")
         if layout is not None:  # the earlier name of parallel=

@@ -74,28 +74,44 @@ def _trl_trainers() -> dict[str, type]:
     return found
 
 
-def test_trainers_other_than_trainer_and_sft_are_refused_by_name() -> None:
-    """mesh_cp_trainer_class refuses, before anything distributed, every TRL trainer but SFTTrainer (and
-    transformers' Seq2SeqTrainer), naming it, why, and what is supported; a user's subclass of one is refused naming
-    the TRL trainer; the supported bases and a user's subclass of them are accepted."""
+def test_trainers_other_than_the_supported_are_refused_by_name() -> None:
+    """mesh_cp_trainer_class refuses, before anything distributed, every TRL trainer but SFTTrainer and the
+    whole-sequence trainers (DPO, GRPO, Reward), and transformers' Seq2SeqTrainer, naming it, why, and what is
+    supported; a user's subclass of one is refused naming the TRL trainer; the supported bases and a user's subclass
+    of them are accepted, the whole-sequence ones with their own mixin; the row mixin built by hand over a
+    whole-sequence trainer is refused."""
     from transformers import Seq2SeqTrainer, Trainer
-    from trl import SFTTrainer
+    from trl import DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer
 
     from mesh_cp.integrations import hf
+    from mesh_cp.integrations.hf.preference import MeshCPDPOMixin
+    from mesh_cp.integrations.hf.reward import MeshCPRewardMixin
+    from mesh_cp.integrations.hf.rl import MeshCPGRPOMixin
     from mesh_cp.integrations.hf.trainer import MeshCPTrainerMixin
 
-    refused = _trl_trainers() | {"Seq2SeqTrainer": Seq2SeqTrainer}
-    assert {"DPOTrainer", "GRPOTrainer", "RewardTrainer", "ORPOTrainer", "GKDTrainer"} <= set(refused), refused
+    supported = {"DPOTrainer", "GRPOTrainer", "RewardTrainer"}
+    refused = {k: v for k, v in _trl_trainers().items() if k not in supported} | {"Seq2SeqTrainer": Seq2SeqTrainer}
+    assert {"ORPOTrainer", "GKDTrainer", "KTOTrainer", "RLOOTrainer"} <= set(refused), refused
     for name, base in refused.items():
         with pytest.raises(NotImplementedError, match=f"does not support {name} from .*supported: transformers"):
             hf.mesh_cp_trainer_class(base)
-    mine = type("MyDPO", (refused["DPOTrainer"],), {})
-    with pytest.raises(NotImplementedError, match=r"MyDPO \(a DPOTrainer\).*sequences' log-probabilities"):
+    mine = type("MyKTO", (refused["KTOTrainer"],), {})
+    with pytest.raises(NotImplementedError, match=r"MyKTO \(a KTOTrainer\).*sequences' log-probabilities"):
         hf.mesh_cp_trainer_class(mine)
-    with pytest.raises(NotImplementedError, match=r"a RewardTrainer\).*one pooled token"):  # built by hand: refused too
-        type("Mixed", (MeshCPTrainerMixin, refused["RewardTrainer"]), {})(model=None, args=None)
+    with pytest.raises(NotImplementedError, match=r"a KTOTrainer\).*sequences' log-probabilities"):
+        type("Mixed", (MeshCPTrainerMixin, refused["KTOTrainer"]), {})(model=None, args=None)
     for base in (Trainer, SFTTrainer, type("MySFT", (SFTTrainer,), {})):
-        assert issubclass(hf.mesh_cp_trainer_class(base), base)
+        assert issubclass(hf.mesh_cp_trainer_class(base), MeshCPTrainerMixin)
+    for base, mixin in (
+        (DPOTrainer, MeshCPDPOMixin),
+        (GRPOTrainer, MeshCPGRPOMixin),
+        (RewardTrainer, MeshCPRewardMixin),
+    ):
+        for cls in (base, type(f"My{base.__name__}", (base,), {})):
+            built = hf.mesh_cp_trainer_class(cls)
+            assert issubclass(built, cls) and issubclass(built, mixin) and not issubclass(built, MeshCPTrainerMixin)
+    with pytest.raises(NotImplementedError, match=r"MixedDPO puts MeshCPTrainerMixin.*hf.mesh_cp_trainer_class"):
+        type("MixedDPO", (MeshCPTrainerMixin, DPOTrainer), {})(model=None, args=None)
 
 
 def test_world_other_than_the_layout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,18 +8,22 @@ model's distribution that does not depend on how the prompts are cut into batche
 
 from __future__ import annotations
 
+import re
 import tempfile
 import zlib
+from pathlib import Path
 
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 from trl import GRPOConfig, GRPOTrainer
 
+from mesh_cp.testing.errors import expect_error
 from tests.integrations.clients import SGD_RUN
 from tests.integrations.trl.sft_script import MODEL, texts, tokenizer
 
 GLOBAL_BATCH, STEPS, GENERATIONS = 4, 3, 2
+DOC = Path(__file__).resolve().parents[3] / "docs" / "hf.md"
 
 METRICS = (
     "loss",
@@ -123,6 +127,66 @@ def train(parallel, folder: str, **fields) -> dict:
     return {key: [h.get(key) for h in steps] for key in METRICS}
 
 
+def doc_block() -> str:
+    """The Python block of docs/hf.md between the grpo-example markers."""
+    found = re.search(
+        r"<!-- grpo-example:start -->\n```python\n(.*?)```\n<!-- grpo-example:end -->", DOC.read_text(), re.S
+    )
+    assert found is not None, f"{DOC} has no GRPOTrainer example between the grpo-example markers"
+    return found.group(1)
+
+
+def doc_example(parallel, folder: str) -> dict:
+    """The block of :func:`doc_block` as written (it samples), given a tiny model's folder, a reward, a tokenizer,
+    prompts and an output folder, under mesh_cp (the block makes its own layout): the steps it trained and its layout.
+    Run once (at DP 2 x CP 2); nothing in the single process."""
+    if parallel is None or parallel.dp_size != 2:
+        return {}
+    scope = {"model_path": model_path(), "reward": distinct, "tokenizer": tokenizer(), "output_dir": folder}
+    scope["prompts"] = Dataset.from_dict({"prompt": texts(8, 3, 9, 22)})
+    exec(compile(doc_block(), str(DOC), "exec"), scope)  # noqa: S102 - the documented example, run as written
+    return {"steps": scope["trainer"].state.global_step, "layout": str(scope["parallel"])}
+
+
+def refusals(parallel, folder: str) -> dict:
+    """What ``hf.mesh_cp_trainer_class(GRPOTrainer)`` refuses by name (under mesh_cp; nothing in the single
+    process)."""
+    if parallel is None:
+        return {}
+    from datasets import IterableDataset
+
+    from mesh_cp.integrations import hf
+
+    out: dict = {}
+    trainer_class, path = hf.mesh_cp_trainer_class(GRPOTrainer), model_path()
+    prompts = Dataset.from_dict({"prompt": texts(4, 3, 9, 23)})
+
+    def build(data=prompts, **given):
+        fields = {k: given.pop(k) for k in list(given) if k in ("use_vllm", "eval_strategy")}
+        args = GRPOConfig(
+            output_dir=folder, per_device_train_batch_size=2, num_generations=2, max_steps=1, **(SGD_RUN | fields)
+        )
+        return trainer_class(
+            model=path,
+            reward_funcs=distinct,
+            args=args,
+            train_dataset=data,
+            processing_class=tokenizer(),
+            parallel=parallel,
+            **given,
+        )
+
+    expect_error(out, "use_vllm", NotImplementedError, r"use_vllm=True: vLLM", lambda: build(use_vllm=True))
+    expect_error(
+        out, "rollout_func", NotImplementedError, r"rollout_func given", lambda: build(rollout_func=lambda p, t: {})
+    )
+    expect_error(out, "tools", NotImplementedError, r"tools given: the tool-call loop", lambda: build(tools=[len]))
+    iterable = IterableDataset.from_generator(lambda: iter([{"prompt": "w1 w2"}] * 4))
+    expect_error(out, "iterable", NotImplementedError, r"IterableDataset", lambda: build(data=iterable))
+    expect_error(out, "evaluate", NotImplementedError, r"evaluate\(\)", lambda: build().evaluate())
+    return out
+
+
 CASES = {
     "grpo_kl": lambda parallel, folder: train(parallel, folder, loss_type="grpo", beta=0.1),
     "dapo_two_iterations_entropy_mask": lambda parallel, folder: train(
@@ -131,4 +195,6 @@ CASES = {
     "dr_grpo_batch_scale": lambda parallel, folder: train(
         parallel, folder, loss_type="dr_grpo", scale_rewards="batch", beta=0.05
     ),
+    "doc_example": doc_example,
+    "refusals": refusals,
 }

@@ -1,0 +1,66 @@
+"""TRL's ``GRPOTrainer`` under mesh_cp (``hf.mesh_cp_trainer_class(GRPOTrainer)``) against the single-process
+``GRPOTrainer`` on the same tiny model, prompts, reward and seed, and the same sampled completions (grpo_cases.py's
+keyed Gumbel sampling), at DP 1 x CP 4 (tile 2x2) and DP 2 x CP 2 (run by rl_script.py in the shared launch):
+``grpo`` with a KL term, ``dapo`` with two iterations per generation and the high-entropy mask, ``dr_grpo`` with
+``scale_rewards="batch"``. Every step's loss and metrics within 1e-5 over 3 steps, ``num_tokens`` equal; the
+GRPOTrainer block of docs/hf.md trains as written (sampling); what mesh_cp does not run is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+
+from tests.integrations.trl.grpo_cases import CASES, METRICS, STEPS  # noqa: E402
+
+TOL = 1e-5
+LAYOUTS = ("dp1xcp4", "dp2xcp2")
+TRAINED = sorted(set(CASES) - {"doc_example", "refusals"})
+MAIN = ("loss", "reward", "reward_std", "kl", "rewards/distinct/mean", "rewards/distinct/std")
+"""Within :data:`TOL` absolutely; the others (the gradient norm among them) within :data:`TOL` of their size where it
+exceeds 1, fp32 rounding being relative."""
+
+
+def _result(runs: dict, name: str) -> dict:
+    result = runs[name]
+    assert "raised" not in result, f"{name}: {result['raised']}"
+    return result
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", TRAINED)
+def test_grpo_trainer_equals_single_process(rl_runs, case, layout):
+    reference, mesh = rl_runs
+    want, got = _result(reference, f"grpo:{case}"), _result(mesh, f"grpo:{case}@{layout}")
+    assert want["loss"][0] is not None and want["reward"][0] is not None, want
+    for key in METRICS:
+        assert len(want[key]) == len(got[key]) == STEPS, (key, want[key], got[key])
+        for step, (a, b) in enumerate(zip(got[key], want[key], strict=True)):
+            if b is None:  # not logged at this step (no generation, or no KL term), on either side
+                assert a is None, (key, step, got[key], want[key])
+            elif key == "num_tokens":
+                assert a == b, (key, got[key], want[key])
+            else:
+                scale = 1.0 if key in MAIN else max(1.0, abs(b))
+                assert abs(a - b) <= TOL * scale, (key, step, got[key], want[key])
+
+
+def test_grpo_cases_learn_from_spread_rewards(rl_runs):
+    """The comparison can tell: the rewards of a group differ (non-zero advantages), the gradients are far from zero
+    and the policy moves away from the reference (the KL grows)."""
+    reference = _result(rl_runs[0], "grpo:grpo_kl")
+    assert min(reference["reward_std"]) > 1e-3 and reference["frac_reward_zero_std"][0] < 1, reference
+    assert min(reference["grad_norm"]) > 0.1 and reference["kl"][-1] > 10 * reference["kl"][0] + 1e-6, reference
+
+
+def test_docs_grpo_block_trains(rl_runs):
+    result = _result(rl_runs[1], "grpo:doc_example@dp2xcp2")
+    assert result["steps"] == 2 and "DP(2)" in result["layout"], result
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_refusals(rl_runs, layout):
+    result = {k: v for k, v in _result(rl_runs[1], f"grpo:refusals@{layout}").items() if k != "case"}
+    assert set(result) == {"use_vllm", "rollout_func", "tools", "iterable", "evaluate"}, result
+    for name, outcome in result.items():
+        assert outcome is True, (name, outcome)
