@@ -42,6 +42,11 @@ Under ``accelerate launch``, :func:`parallel_from_accelerate` builds the DP x CP
 ``parallelism_config`` block, and :func:`accelerator_parallelism_config` is what the ``Accelerator`` is given instead
 (Note [accelerate's parallelism_config] in :mod:`mesh_cp.integrations.hf.accelerate_config`).
 
+TRL's trainers of whole sequences (``DPOTrainer``, ``GRPOTrainer``, ``RewardTrainer``) keep every CP rank's batch
+whole and shard the model calls instead (:func:`shard_fused_calls` for TRL's fused LM head,
+:func:`shard_classification_calls` for a reward model; Note [Whole sequences under CP] in
+:mod:`mesh_cp.integrations.hf.scores`).
+
 Generation: :func:`generate` (or :func:`prefill`, then ``model.generate(past_key_values=cache)``) prefills the
 prompts sharded over the mesh and decodes with Tree Attention over a :class:`ShardedKVCache` (Note [Sharded
 generation] in :mod:`mesh_cp.integrations.hf.generation`).
@@ -60,6 +65,8 @@ from mesh_cp.integrations.hf.collate import BATCH_KEYS, PadExamples, ShardCollat
 from mesh_cp.integrations.hf.fsdp import check_sharded, fsdp_mesh
 from mesh_cp.integrations.hf.generation import ShardedKVCache, generate, prefill
 from mesh_cp.integrations.hf.masks import MASK_KEYWORDS, mesh_cp_mask
+from mesh_cp.integrations.hf.reward import shard_classification_calls
+from mesh_cp.integrations.hf.scores import shard_fused_calls
 from mesh_cp.integrations.hf.tiled import fused_lm_head, tile_mlp
 from mesh_cp.integrations.hf.trainer import MeshCPTrainerMixin, mesh_cp_trainer_class
 from mesh_cp.runtime.batch import IGNORE_INDEX, ShardedBatch, ShardingCollator, causal_lm_loss, shard_batch
@@ -98,6 +105,8 @@ __all__ = [
     "reduce_gradients",
     "register",
     "shard_batch",
+    "shard_classification_calls",
     "shard_collated",
+    "shard_fused_calls",
     "tile_mlp",
 ]

@@ -263,12 +263,13 @@ def replica_view(trainer: Any, *modules: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def sharded_generation(module: Any, mesh: Any, generate: Any) -> Iterator[None]:
-    """Inside: the model that TRL's trainer ``module`` unwraps for generation (private module attribute
+def sharded_generation(modules: list[Any], mesh: Any, generate: Any) -> Iterator[None]:
+    """Inside: the model that TRL's trainer modules ``modules`` unwrap for generation (their private module attribute
     ``unwrap_model_for_generation``) generates through ``generate`` (:func:`mesh_cp.integrations.hf.generate`: the
     prompts prefilled sharded over ``mesh``, decoding with Tree Attention over the sharded cache, the same sequences
     on every rank of the mesh). Put back on leaving."""
-    original = module.unwrap_model_for_generation
+    modules = [m for m in modules if hasattr(m, "unwrap_model_for_generation")]
+    originals = [m.unwrap_model_for_generation for m in modules]
 
     class Sharded:
         def __init__(self, model: torch.nn.Module) -> None:
@@ -280,16 +281,21 @@ def sharded_generation(module: Any, mesh: Any, generate: Any) -> Iterator[None]:
         def __getattr__(self, name: str) -> Any:
             return getattr(self._model, name)
 
-    @contextlib.contextmanager
-    def unwrap(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        with original(*args, **kwargs) as model:
-            yield Sharded(model)
+    def sharded(original: Any) -> Any:
+        @contextlib.contextmanager
+        def unwrap(*args: Any, **kwargs: Any) -> Iterator[Any]:
+            with original(*args, **kwargs) as model:
+                yield Sharded(model)
 
-    module.unwrap_model_for_generation = unwrap
+        return unwrap
+
+    for module, original in zip(modules, originals, strict=True):
+        module.unwrap_model_for_generation = sharded(original)
     try:
         yield
     finally:
-        module.unwrap_model_for_generation = original
+        for module, original in zip(modules, originals, strict=True):
+            module.unwrap_model_for_generation = original
 
 
 def use_sharded_model(trainer: Any, plugin: Any) -> None:

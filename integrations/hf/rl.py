@@ -1,5 +1,6 @@
-"""TRL's ``GRPOTrainer`` under a DP x CP layout (``hf.mesh_cp_trainer_class(trl.GRPOTrainer)``): exactly the single
-process's training given the same completions (Note [GRPO under CP]).
+"""TRL's ``GRPOTrainer`` and ``RLOOTrainer`` under a DP x CP layout (``hf.mesh_cp_trainer_class(trl.GRPOTrainer)``):
+exactly the single process's training given the same completions (Note [GRPO under CP]; RLOO's trainer is GRPO's in
+its batches, generation, gathers and log-probs, and takes the same mixin).
 
 ::
 
@@ -105,9 +106,7 @@ class MeshCPGRPOMixin(MeshCPSequenceTrainerMixin):
             return super()._generate_and_score_completions(inputs)
 
     def _generate_single_turn(self, *args, **kwargs):
-        import trl.trainer.grpo_trainer as module
-
-        with sharded_generation(module, self.parallel.mesh, generate):
+        with sharded_generation(_trl_modules(self), self.parallel.mesh, generate):
             return super()._generate_single_turn(*args, **kwargs)
 
     def _compute_loss(self, model, inputs):

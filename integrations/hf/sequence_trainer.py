@@ -62,6 +62,7 @@ class MeshCPSequenceTrainerMixin:
         self._mesh_cp_attached: set[int] = set()
         self._mesh_cp_sharded = False  # FSDP is refused (check_sequence_options)
         check_sequence_options(kwargs.get("args"), name)
+        refuse_prompt_learning(kwargs, name)
         self.mesh_cp_before_init(kwargs)
         super().__init__(**kwargs)
         self.mesh_cp_attach()
@@ -128,6 +129,20 @@ def check_even_replicas(name: str, pairs: int, parallel: DataContextParallel, de
             f"pairs, whose average is not the batch's mean; set dataloader_drop_last=True or give a dataset whose "
             f"length is a multiple of the global batch (per_device_train_batch_size x DP)"
         )
+
+
+def refuse_prompt_learning(kwargs: dict[str, Any], name: str) -> None:
+    """Refuse a prompt-learning PEFT adapter (prompt tuning, prefix tuning, P-tuning), given as ``peft_config`` or as
+    the model's: it prepends virtual tokens inside the model's forward, to each rank's shard of the rows."""
+    configs = [kwargs.get("peft_config")]
+    configs += list(getattr(kwargs.get("model"), "peft_config", {}).values())
+    for config in configs:
+        if getattr(config, "is_prompt_learning", False):
+            raise NotImplementedError(
+                f"{name}: a prompt-learning PEFT adapter ({type(config).__name__}) prepends virtual tokens inside the "
+                f"model's forward, to every CP rank's shard of the rows; use an adapter of the weights (LoraConfig) "
+                f"under CP"
+            )
 
 
 def check_sequence_options(args: Any, name: str) -> None:

@@ -90,6 +90,7 @@ SEQUENCE_MIXINS: dict[str, str] = {
     "DPOTrainer": "mesh_cp.integrations.hf.preference:MeshCPDPOMixin",
     "GRPOTrainer": "mesh_cp.integrations.hf.rl:MeshCPGRPOMixin",
     "RewardTrainer": "mesh_cp.integrations.hf.reward:MeshCPRewardMixin",
+    "RLOOTrainer": "mesh_cp.integrations.hf.rl:MeshCPGRPOMixin",
 }
 """TRL's trainers of whole sequences and the mixin of each (Note [Whole sequences under CP] in
 :mod:`mesh_cp.integrations.hf.scores`): every CP rank holds its replica's whole batch and only the model calls are
@@ -117,7 +118,7 @@ UNSUPPORTED_REASONS: dict[str, tuple[str, ...]] = {
         "CPOTrainer", "ORPOTrainer", "KTOTrainer", "BCOTrainer", "TPOTrainer", "A2POTrainer",
     ),
     "it generates completions and weighs whole sequences by their rewards": (
-        "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
+        "PPOTrainer", "OnlineDPOTrainer", "XPOTrainer", "NashMDTrainer",
         "GMPOTrainer", "AsyncGRPOTrainer", "SDPOTrainer", "IWOPDTrainer",
     ),
     "it scores each sequence from one pooled token": ("PRMTrainer",),

@@ -89,9 +89,9 @@ def test_trainers_other_than_the_supported_are_refused_by_name() -> None:
     from mesh_cp.integrations.hf.rl import MeshCPGRPOMixin
     from mesh_cp.integrations.hf.trainer import MeshCPTrainerMixin
 
-    supported = {"DPOTrainer", "GRPOTrainer", "RewardTrainer"}
+    supported = {"DPOTrainer", "GRPOTrainer", "RewardTrainer", "RLOOTrainer"}
     refused = {k: v for k, v in _trl_trainers().items() if k not in supported} | {"Seq2SeqTrainer": Seq2SeqTrainer}
-    assert {"ORPOTrainer", "GKDTrainer", "KTOTrainer", "RLOOTrainer"} <= set(refused), refused
+    assert {"ORPOTrainer", "GKDTrainer", "KTOTrainer", "OnlineDPOTrainer"} <= set(refused), refused
     for name, base in refused.items():
         with pytest.raises(NotImplementedError, match=f"does not support {name} from .*supported: transformers"):
             hf.mesh_cp_trainer_class(base)

@@ -125,12 +125,21 @@ def refusals(parallel, folder: str) -> dict:
     out: dict = {}
     trainer_class = hf.mesh_cp_trainer_class(DPOTrainer)
 
-    def build(**fields):
+    def build(peft=None, **fields):
         args = DPOConfig(output_dir=folder, per_device_train_batch_size=2, max_steps=1, **(SGD_RUN | fields))
         model = AutoModelForCausalLM.from_config(MODEL())
-        given = {"model": model, "ref_model": copy.deepcopy(model), "args": args, "processing_class": tokenizer()}
-        return trainer_class(**given, train_dataset=pairs(4), parallel=parallel)
+        given = {"model": model, "ref_model": None if peft else copy.deepcopy(model), "args": args}
+        return trainer_class(
+            **given, processing_class=tokenizer(), train_dataset=pairs(4), peft_config=peft, parallel=parallel
+        )
 
+    from peft import PromptTuningConfig
+
+    prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    expect_error(
+        out, "prompt_tuning", NotImplementedError, r"PromptTuningConfig\) prepends virtual tokens",
+        lambda: build(peft=prompt_tuning),
+    )  # fmt: skip
     expect_error(out, "evaluate", NotImplementedError, r"evaluate\(\)", lambda: build().evaluate())
     expect_error(
         out, "eval_strategy", NotImplementedError, r"eval_strategy=.*steps", lambda: build(eval_strategy="steps")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from mesh_cp.testing.errors import expect_error
 from tests.integrations.clients import SGD_RUN
@@ -96,10 +96,11 @@ def model_path() -> str:
     return folder[0]
 
 
-def train(parallel, folder: str, **fields) -> dict:
-    """Three steps of GRPO on 12 prompts with ``fields`` set in ``GRPOConfig``; every step's :data:`METRICS`."""
+def train(parallel, folder: str, rloo: bool = False, **fields) -> dict:
+    """Three steps of GRPO (RLOO with ``rloo``) on 12 prompts with ``fields`` set in ``GRPOConfig``; every step's :data:`METRICS`."""
     dp = 1 if parallel is None else parallel.dp_size
-    args = GRPOConfig(
+    config_class, base = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
+    args = config_class(
         output_dir=folder,
         per_device_train_batch_size=GLOBAL_BATCH // dp,
         num_generations=GENERATIONS,
@@ -108,11 +109,11 @@ def train(parallel, folder: str, **fields) -> dict:
         generation_kwargs={"do_sample": False},
         **({"learning_rate": 0.05} | SGD_RUN | {"max_grad_norm": 1.0, "bf16": False} | fields),
     )
-    trainer_class, extra = GRPOTrainer, {}
+    trainer_class, extra = base, {}
     if parallel is not None:
         from mesh_cp.integrations import hf
 
-        trainer_class, extra = hf.mesh_cp_trainer_class(GRPOTrainer), {"parallel": parallel}
+        trainer_class, extra = hf.mesh_cp_trainer_class(base), {"parallel": parallel}
     trainer = trainer_class(
         model=model_path(),
         reward_funcs=distinct,
@@ -195,6 +196,7 @@ CASES = {
     "dr_grpo_batch_scale": lambda parallel, folder: train(
         parallel, folder, loss_type="dr_grpo", scale_rewards="batch", beta=0.05
     ),
+    "rloo_kl": lambda parallel, folder: train(parallel, folder, rloo=True, beta=0.1),
     "doc_example": doc_example,
     "refusals": refusals,
 }

@@ -2,7 +2,7 @@
 ``GRPOTrainer`` on the same tiny model, prompts, reward and seed, and the same sampled completions (grpo_cases.py's
 keyed Gumbel sampling), at DP 1 x CP 4 (tile 2x2) and DP 2 x CP 2 (run by rl_script.py in the shared launch):
 ``grpo`` with a KL term, ``dapo`` with two iterations per generation and the high-entropy mask, ``dr_grpo`` with
-``scale_rewards="batch"``. Every step's loss and metrics within 1e-5 over 3 steps, ``num_tokens`` equal; the
+``scale_rewards="batch"``, and ``RLOOTrainer`` (the same mixin) with a KL term. Every step's loss and metrics within 1e-5 over 3 steps, ``num_tokens`` equal; the
 GRPOTrainer block of docs/hf.md trains as written (sampling); what mesh_cp does not run is refused by name."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ LAYOUTS = ("dp1xcp4", "dp2xcp2")
 TRAINED = sorted(set(CASES) - {"doc_example", "refusals"})
 MAIN = ("loss", "reward", "reward_std", "kl", "rewards/distinct/mean", "rewards/distinct/std")
 """Within :data:`TOL` absolutely; the others (the gradient norm among them) within :data:`TOL` of their size where it
-exceeds 1, fp32 rounding being relative."""
+exceeds 1, fp32 rounding being relative; the gradient norm, a root of a sum over every parameter of squares of sums
+over every token, within 1e-4 of its size."""
 
 
 def _result(runs: dict, name: str) -> dict:
@@ -41,7 +42,7 @@ def test_grpo_trainer_equals_single_process(rl_runs, case, layout):
             elif key == "num_tokens":
                 assert a == b, (key, got[key], want[key])
             else:
-                scale = 1.0 if key in MAIN else max(1.0, abs(b))
+                scale = 1.0 if key in MAIN else max(1.0, abs(b)) * (10 if key == "grad_norm" else 1)
                 assert abs(a - b) <= TOL * scale, (key, step, got[key], want[key])
 
 
