@@ -68,12 +68,13 @@ def shard_fused_calls(model: torch.nn.Module, mesh: CPMesh, *, grad_scale: float
 
 
 class _FusedCalls:
-    """The hooks of :func:`shard_fused_calls`: the full rows' shape of each call in flight (calls nest: a reference
-    model's call inside a policy's is another module's)."""
+    """The hooks of :func:`shard_fused_calls`: the full rows' length of the call in flight (one module's calls do not
+    nest; a reference model's has its own hooks). Set by every sharded call, so a call that raised leaves nothing
+    behind for the next."""
 
     def __init__(self, mesh: CPMesh, grad_scale: float) -> None:
         self.mesh, self.grad_scale = mesh, grad_scale
-        self.shapes: list[tuple[int, int]] = []
+        self.seq: int | None = None
 
     def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if kwargs.get("fused_lm_head") is not True:
@@ -94,13 +95,13 @@ class _FusedCalls:
         call = {"input_ids": shard.input_ids, "position_ids": shard.position_ids, "shift_labels": shard.shift_labels}
         if shard.mask is not None:
             call["mesh_cp_mask"] = shard.mask
-        self.shapes.append((batch, seq))
+        self.seq = seq
         return (), {**call, "fused_lm_head": True, "use_cache": False}
 
     def after(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if kwargs.get("fused_lm_head") is not True or not self.shapes:
+        if kwargs.get("fused_lm_head") is not True or self.seq is None:
             return None
-        batch, seq = self.shapes.pop()
+        seq, self.seq = self.seq, None
         fields = {}
         for name in PER_TOKEN_FIELDS:
             local = getattr(output, name, None)

@@ -163,8 +163,9 @@ CASES = {
         loss_weights=[1.0, 0.3], beta=0.5,
     ),
     "sft_one_replica": lambda parallel, folder: train(parallel, folder, loss_type=["sigmoid", "sft"]),
-    "hinge_ld_alpha_accumulation": lambda parallel, folder: train(
+    "hinge_ld_alpha_accumulation_sync_ref": lambda parallel, folder: train(
         parallel, folder, loss_type=["hinge"], ld_alpha=0.5, gradient_accumulation_steps=2,
+        sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
     ),
     "lora_reference_without_adapter": lambda parallel, folder: train(parallel, folder, peft=_lora()),
     "short_last_batch": lambda parallel, folder: train(

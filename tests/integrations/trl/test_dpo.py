@@ -1,8 +1,8 @@
 """TRL's ``DPOTrainer`` under mesh_cp (``hf.mesh_cp_trainer_class(DPOTrainer)``) against the single-process
 ``DPOTrainer`` on the same tiny model, pairs and seed, at DP 1 x CP 4 (tile 2x2) and DP 2 x CP 2 (the cases of
 dpo_cases.py, run by rl_script.py in the shared launch): the sigmoid loss with a reference model and with
-``use_weighting``, ``ipo`` + ``sigmoid`` with precomputed reference log-probs, ``hinge`` with ``ld_alpha`` and gradient
-accumulation, a LoRA adapter as its own reference. Every step's loss and metrics within 1e-5 over 3 steps and
+``use_weighting``, ``ipo`` + ``sigmoid`` with precomputed reference log-probs, ``hinge`` with ``ld_alpha``, gradient accumulation and
+``sync_ref_model``, a LoRA adapter as its own reference. Every step's loss and metrics within 1e-5 over 3 steps and
 ``num_tokens`` equal. TRL's ``sft`` loss type is a token mean within each process's batch: exact at DP 1, TRL's DDP
 result at DP 2. An epoch ending on a short batch is exact at DP 1 and refused at DP 2; the DPOTrainer block of
 docs/hf.md trains as written; evaluation and the options mesh_cp does not run are refused by name."""
