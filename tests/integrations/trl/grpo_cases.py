@@ -196,6 +196,11 @@ CASES = {
     "dr_grpo_batch_scale": lambda parallel, folder: train(
         parallel, folder, loss_type="dr_grpo", scale_rewards="batch", beta=0.05
     ),
+    "bnpo_sequence_level_two_iterations": lambda parallel, folder: train(
+        parallel, folder, loss_type="bnpo", importance_sampling_level="sequence", num_iterations=2
+    ),
+    "cispo_two_iterations": lambda parallel, folder: train(parallel, folder, loss_type="cispo", num_iterations=2),
+    "sapo_kl": lambda parallel, folder: train(parallel, folder, loss_type="sapo", beta=0.05),
     "rloo_kl": lambda parallel, folder: train(parallel, folder, rloo=True, beta=0.1),
     "doc_example": doc_example,
     "refusals": refusals,

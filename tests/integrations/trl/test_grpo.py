@@ -2,7 +2,8 @@
 ``GRPOTrainer`` on the same tiny model, prompts, reward and seed, and the same sampled completions (grpo_cases.py's
 keyed Gumbel sampling), at DP 1 x CP 4 (tile 2x2) and DP 2 x CP 2 (run by rl_script.py in the shared launch):
 ``grpo`` with a KL term, ``dapo`` with two iterations per generation and the high-entropy mask, ``dr_grpo`` with
-``scale_rewards="batch"``, and ``RLOOTrainer`` (the same mixin) with a KL term. Every step's loss and metrics within 1e-5 over 3 steps, ``num_tokens`` equal; the
+``scale_rewards="batch"``, ``bnpo`` with sequence-level importance sampling and two iterations, ``cispo`` with two
+iterations, ``sapo`` with a KL term, and ``RLOOTrainer`` (the same mixin) with a KL term. Every step's loss and metrics within 1e-5 over 3 steps, ``num_tokens`` equal; the
 GRPOTrainer block of docs/hf.md trains as written (sampling); what mesh_cp does not run is refused by name."""
 
 from __future__ import annotations
