@@ -150,14 +150,20 @@ def check_same_rows(ids: Tensor, labels: Tensor, mesh: CPMesh, *, what: str) -> 
         return
     weights = torch.arange(1, ids.numel() + 1, device=ids.device, dtype=torch.int64).view(ids.shape) % 1_000_003
     mine = int(((ids.long() * weights).sum() * 31 + (labels.long() * weights).sum() + ids.shape[1]) % (1 << 61))
-    both = torch.tensor([mine, -mine], dtype=torch.int64, device=ids.device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=mesh.group)
-    if int(both[0]) != -int(both[1]):
+    low, high = spread(mine, mesh.group, ids.device)
+    if low != high:
         raise RuntimeError(
             f"{what}: the ranks of the CP group were given different rows (shape {tuple(ids.shape)} here); every CP "
             f"rank of a DP replica must hold the replica's whole batch (each replica's part of the global batch, the "
             f"same on its CP ranks, and the same random state for generation and shuffling)"
         )
+
+
+def spread(value: int, group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
+    """The least and the greatest of every rank's ``value`` over ``group`` (one all-reduce of two integers)."""
+    both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return -int(both[1]), int(both[0])
 
 
 def _shape(value: Any) -> str:

@@ -17,13 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from mesh_cp.integrations.hf.attach import attach
 from mesh_cp.integrations.hf.compat import count_repeated_ranks, every_rank_once
 from mesh_cp.integrations.hf.replicas import check_gradients_averaged, check_world, replica_dataloader
-from mesh_cp.integrations.hf.scores import shard_fused_calls
+from mesh_cp.integrations.hf.scores import shard_fused_calls, spread
 from mesh_cp.runtime.parallel import DataContextParallel
 
 REFUSED_SEQUENCE_OPTIONS: dict[str, str] = {
@@ -120,14 +119,13 @@ def check_even_replicas(name: str, pairs: int, parallel: DataContextParallel, de
     averaged over the replicas, which is the mean over the global batch only when the replicas hold as many."""
     if parallel.dp_size == 1:
         return
-    counts = torch.tensor([pairs, -pairs], dtype=torch.int64, device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=parallel.dp_group)
-    if int(counts[0]) != -int(counts[1]):
+    fewest, most = spread(pairs, parallel.dp_group, device)
+    if fewest != most:
         raise NotImplementedError(
-            f"this step's batch splits unevenly over the {parallel.dp_size} DP replicas ({-int(counts[1])} to "
-            f"{int(counts[0])} pairs each, {pairs} here): {name}'s loss and metrics are means over each replica's "
-            f"pairs, whose average is not the batch's mean; set dataloader_drop_last=True or give a dataset whose "
-            f"length is a multiple of the global batch (per_device_train_batch_size x DP)"
+            f"this step's batch splits unevenly over the {parallel.dp_size} DP replicas ({fewest} to {most} pairs "
+            f"each, {pairs} here): {name}'s loss and metrics are means over each replica's pairs, whose average is "
+            f"not the batch's mean; set dataloader_drop_last=True or give a dataset whose length is a multiple of the "
+            f"global batch (per_device_train_batch_size x DP)"
         )
 
 

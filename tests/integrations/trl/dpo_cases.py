@@ -5,8 +5,6 @@ step's logged loss and metrics."""
 from __future__ import annotations
 
 import copy
-import re
-from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -16,6 +14,7 @@ from trl import DPOConfig, DPOTrainer
 from mesh_cp.testing.errors import expect_error
 from mesh_cp.testing.models import tiny_config
 from tests.integrations.clients import SGD_RUN
+from tests.integrations.trl.rl_common import logged, run_doc_block
 from tests.integrations.trl.sft_script import texts, tokenizer
 
 GLOBAL_BATCH, STEPS = 4, 3
@@ -25,8 +24,6 @@ def MODEL():  # noqa: N802
     """A tiny GQA Llama whose per-token log-probs (about -4.7) keep a sequence's sum, and its fp32 rounding, small."""
     return tiny_config("LlamaConfig", num_key_value_heads=2, initializer_range=0.2)
 
-
-DOC = Path(__file__).resolve().parents[3] / "docs" / "hf.md"
 
 METRICS = (
     "loss",
@@ -89,17 +86,7 @@ def train(parallel, folder: str, *, ref_model: bool = True, data: Dataset | None
         **extra,
     )
     trainer.train()
-    steps = [h for h in trainer.state.log_history if "loss" in h]
-    return {key: [h.get(key) for h in steps] for key in METRICS}
-
-
-def doc_block() -> str:
-    """The Python block of docs/hf.md between the dpo-example markers."""
-    found = re.search(
-        r"<!-- dpo-example:start -->\n```python\n(.*?)```\n<!-- dpo-example:end -->", DOC.read_text(), re.S
-    )
-    assert found is not None, f"{DOC} has no DPOTrainer example between the dpo-example markers"
-    return found.group(1)
+    return logged(trainer, METRICS)
 
 
 def doc_example(parallel, folder: str) -> dict:
@@ -112,8 +99,7 @@ def doc_example(parallel, folder: str) -> dict:
     model = AutoModelForCausalLM.from_config(MODEL())
     scope = {"model": model, "ref_model": copy.deepcopy(model), "tokenizer": tokenizer(), "pairs": pairs()}
     scope["output_dir"] = folder
-    exec(compile(doc_block(), str(DOC), "exec"), scope)  # noqa: S102 - the documented example, run as written
-    return {"steps": scope["trainer"].state.global_step, "layout": str(scope["parallel"])}
+    return run_doc_block("dpo-example", scope)
 
 
 def refusals(parallel, folder: str) -> dict:

@@ -8,10 +8,8 @@ model's distribution that does not depend on how the prompts are cut into batche
 
 from __future__ import annotations
 
-import re
 import tempfile
 import zlib
-from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -20,10 +18,10 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from mesh_cp.testing.errors import expect_error
 from tests.integrations.clients import SGD_RUN
+from tests.integrations.trl.rl_common import logged, run_doc_block
 from tests.integrations.trl.sft_script import MODEL, texts, tokenizer
 
 GLOBAL_BATCH, STEPS, GENERATIONS = 4, 3, 2
-DOC = Path(__file__).resolve().parents[3] / "docs" / "hf.md"
 
 METRICS = (
     "loss",
@@ -124,17 +122,7 @@ def train(parallel, folder: str, rloo: bool = False, **fields) -> dict:
     )
     keyed_sampling(trainer.accelerator.unwrap_model(trainer.model))
     trainer.train()
-    steps = [h for h in trainer.state.log_history if "loss" in h]
-    return {key: [h.get(key) for h in steps] for key in METRICS}
-
-
-def doc_block() -> str:
-    """The Python block of docs/hf.md between the grpo-example markers."""
-    found = re.search(
-        r"<!-- grpo-example:start -->\n```python\n(.*?)```\n<!-- grpo-example:end -->", DOC.read_text(), re.S
-    )
-    assert found is not None, f"{DOC} has no GRPOTrainer example between the grpo-example markers"
-    return found.group(1)
+    return logged(trainer, METRICS)
 
 
 def doc_example(parallel, folder: str) -> dict:
@@ -145,8 +133,7 @@ def doc_example(parallel, folder: str) -> dict:
         return {}
     scope = {"model_path": model_path(), "reward": distinct, "tokenizer": tokenizer(), "output_dir": folder}
     scope["prompts"] = Dataset.from_dict({"prompt": texts(8, 3, 9, 22)})
-    exec(compile(doc_block(), str(DOC), "exec"), scope)  # noqa: S102 - the documented example, run as written
-    return {"steps": scope["trainer"].state.global_step, "layout": str(scope["parallel"])}
+    return run_doc_block("grpo-example", scope)
 
 
 def refusals(parallel, folder: str) -> dict:

@@ -5,9 +5,6 @@ own DP 2 x CP 2 layout, once), ``refusals`` what the mixin refuses (under mesh_c
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
@@ -16,14 +13,13 @@ from trl import RewardConfig, RewardTrainer
 from mesh_cp.testing import expect_error
 from mesh_cp.testing.models import tiny_config
 from tests.integrations.clients import SGD_RUN
+from tests.integrations.trl.rl_common import logged, run_doc_block
 from tests.integrations.trl.sft_script import texts, tokenizer
 
 GLOBAL_BATCH, STEPS = 4, 3
 
 METRICS = ("loss", "accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens", "grad_norm")
 """What RewardTrainer logs every step, compared."""
-
-DOC = Path(__file__).resolve().parents[3] / "docs" / "hf.md"
 
 
 def model_config():
@@ -65,20 +61,11 @@ def train(parallel, folder: str, *, data: Dataset | None = None, pad_is_eos: boo
         model=model, args=args, train_dataset=pairs() if data is None else data, processing_class=tok, **extra
     )
     trainer.train()
-    steps = [h for h in trainer.state.log_history if "loss" in h]
-    return {key: [h.get(key) for h in steps] for key in METRICS}
-
-
-def doc_block() -> str:
-    """The Python block of docs/hf.md between the reward-example markers."""
-    text = DOC.read_text()
-    found = re.search(r"<!-- reward-example:start -->\n```python\n(.*?)```\n<!-- reward-example:end -->", text, re.S)
-    assert found is not None, f"{DOC} has no RewardTrainer example between the reward-example markers"
-    return found.group(1)
+    return logged(trainer, METRICS)
 
 
 def doc_example(parallel, folder: str) -> dict:
-    """The block of :func:`doc_block` as written, given a tiny reward model, tokenizer, pairs and output folder, under
+    """The docs block as written, given a tiny reward model, tokenizer, pairs and output folder, under
     mesh_cp (the block makes its own layout): the steps it trained and its layout. Run once (at DP 2 x
     CP 2); nothing in the single process."""
     if parallel is None or parallel.dp_size != 2:
@@ -90,9 +77,7 @@ def doc_example(parallel, folder: str) -> dict:
         "pairs": pairs(),
         "output_dir": folder,
     }
-    exec(compile(doc_block(), str(DOC), "exec"), scope)  # noqa: S102 - the documented example, run as written
-    trainer = scope["trainer"]
-    return {"steps": trainer.state.global_step, "layout": str(scope["parallel"])}
+    return run_doc_block("reward-example", scope)
 
 
 def refusals(parallel, folder: str) -> dict:

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("trl")
 
 from tests.integrations.trl.dpo_cases import CASES, METRICS, STEPS  # noqa: E402
+from tests.integrations.trl.rl_common import check_refusals, result  # noqa: E402
 
 TOL = 1e-5
 LAYOUTS = ("dp1xcp4", "dp2xcp2")
@@ -25,12 +26,6 @@ over every token, within 1e-4 of its size."""
 NEAR_ZERO = 1e-4
 """Below this, a step's reward margin is rounding (the policy equals the reference before the first update, and
 ``use_weighting``'s weights of about 1e-20 make no update): ``rewards/accuracies`` compares two equal rewards there."""
-
-
-def _result(runs: dict, name: str) -> dict:
-    result = runs[name]
-    assert "raised" not in result, f"{name}: {result['raised']}"
-    return result
 
 
 def _check(got: dict, want: dict, steps: int) -> None:
@@ -51,12 +46,12 @@ def _check(got: dict, want: dict, steps: int) -> None:
 @pytest.mark.parametrize("case", TRAINED)
 def test_dpo_trainer_equals_single_process(rl_runs, case, layout):
     reference, mesh = rl_runs
-    _check(_result(mesh, f"dpo:{case}@{layout}"), _result(reference, f"dpo:{case}"), STEPS)
+    _check(result(mesh, f"dpo:{case}@{layout}"), result(reference, f"dpo:{case}"), STEPS)
 
 
 def test_dpo_training_moves_the_rewards(rl_runs):
     """The comparison can tell: training moves the rewards far beyond the tolerance."""
-    reference = _result(rl_runs[0], "dpo:sigmoid")
+    reference = result(rl_runs[0], "dpo:sigmoid")
     assert abs(reference["rewards/margins"][-1]) > 1e-2, reference["rewards/margins"]
     assert len(set(reference["loss"])) == STEPS, reference["loss"]
 
@@ -65,31 +60,27 @@ def test_sft_loss_type_is_trls_ddp_mean(rl_runs):
     """TRL's ``sft`` loss type is a token mean within a process's batch: one replica is the single process's, two
     replicas average their token means as TRL's own DDP does (so the losses part by more than rounding)."""
     reference, mesh = rl_runs
-    want = _result(reference, "dpo:sft_one_replica")
-    _check(_result(mesh, "dpo:sft_one_replica@dp1xcp4"), want, STEPS)
-    got = _result(mesh, "dpo:sft_one_replica@dp2xcp2")
+    want = result(reference, "dpo:sft_one_replica")
+    _check(result(mesh, "dpo:sft_one_replica@dp1xcp4"), want, STEPS)
+    got = result(mesh, "dpo:sft_one_replica@dp2xcp2")
     assert max(abs(a - b) for a, b in zip(got["loss"], want["loss"], strict=True)) > 1e-4
 
 
 def test_short_last_batch(rl_runs):
     """7 pairs in batches of 4: the epoch's last step has 3, exact at DP 1, refused at DP 2 (2 and 1 pairs)."""
     reference, mesh = rl_runs
-    want = _result(reference, "dpo:short_last_batch")
-    _check(_result(mesh, "dpo:short_last_batch@dp1xcp4"), want, 2)
+    want = result(reference, "dpo:short_last_batch")
+    _check(result(mesh, "dpo:short_last_batch@dp1xcp4"), want, 2)
     raised = mesh["dpo:short_last_batch@dp2xcp2"].get("raised", "")
     assert "splits unevenly over the 2 DP replicas (1 to 2 pairs each" in raised, raised
 
 
 def test_docs_dpo_block_trains(rl_runs):
-    result = _result(rl_runs[1], "dpo:doc_example@dp2xcp2")
-    assert result["steps"] == 2 and "DP(2)" in result["layout"], result
+    done = result(rl_runs[1], "dpo:doc_example@dp2xcp2")
+    assert done["steps"] == 2 and "DP(2)" in done["layout"], done
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_refusals(rl_runs, layout):
-    result = {k: v for k, v in _result(rl_runs[1], f"dpo:refusals@{layout}").items() if k != "case"}
-    assert set(result) == {"evaluate", "eval_strategy", "neftune", "no_parallel", "router_logits", "prompt_tuning"}, (
-        result
-    )
-    for name, outcome in result.items():
-        assert outcome is True, (name, outcome)
+    expected = {"evaluate", "eval_strategy", "neftune", "no_parallel", "router_logits", "prompt_tuning"}
+    check_refusals(rl_runs[1], f"dpo:refusals@{layout}", expected)

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("trl")
 
 from tests.integrations.trl.grpo_cases import CASES, METRICS, STEPS  # noqa: E402
+from tests.integrations.trl.rl_common import check_refusals, result  # noqa: E402
 
 TOL = 1e-5
 LAYOUTS = ("dp1xcp4", "dp2xcp2")
@@ -23,17 +24,11 @@ exceeds 1, fp32 rounding being relative; the gradient norm, a root of a sum over
 over every token, within 1e-4 of its size."""
 
 
-def _result(runs: dict, name: str) -> dict:
-    result = runs[name]
-    assert "raised" not in result, f"{name}: {result['raised']}"
-    return result
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", TRAINED)
 def test_grpo_trainer_equals_single_process(rl_runs, case, layout):
     reference, mesh = rl_runs
-    want, got = _result(reference, f"grpo:{case}"), _result(mesh, f"grpo:{case}@{layout}")
+    want, got = result(reference, f"grpo:{case}"), result(mesh, f"grpo:{case}@{layout}")
     assert want["loss"][0] is not None and want["reward"][0] is not None, want
     for key in METRICS:
         assert len(want[key]) == len(got[key]) == STEPS, (key, want[key], got[key])
@@ -50,19 +45,16 @@ def test_grpo_trainer_equals_single_process(rl_runs, case, layout):
 def test_grpo_cases_learn_from_spread_rewards(rl_runs):
     """The comparison can tell: the rewards of a group differ (non-zero advantages), the gradients are far from zero
     and the policy moves away from the reference (the KL grows)."""
-    reference = _result(rl_runs[0], "grpo:grpo_kl")
+    reference = result(rl_runs[0], "grpo:grpo_kl")
     assert min(reference["reward_std"]) > 1e-3 and reference["frac_reward_zero_std"][0] < 1, reference
     assert min(reference["grad_norm"]) > 0.1 and reference["kl"][-1] > 10 * reference["kl"][0] + 1e-6, reference
 
 
 def test_docs_grpo_block_trains(rl_runs):
-    result = _result(rl_runs[1], "grpo:doc_example@dp2xcp2")
-    assert result["steps"] == 2 and "DP(2)" in result["layout"], result
+    done = result(rl_runs[1], "grpo:doc_example@dp2xcp2")
+    assert done["steps"] == 2 and "DP(2)" in done["layout"], done
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_refusals(rl_runs, layout):
-    result = {k: v for k, v in _result(rl_runs[1], f"grpo:refusals@{layout}").items() if k != "case"}
-    assert set(result) == {"use_vllm", "rollout_func", "tools", "iterable", "evaluate"}, result
-    for name, outcome in result.items():
-        assert outcome is True, (name, outcome)
+    check_refusals(rl_runs[1], f"grpo:refusals@{layout}", {"use_vllm", "rollout_func", "tools", "iterable", "evaluate"})

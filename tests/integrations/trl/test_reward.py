@@ -13,24 +13,19 @@ import pytest
 pytest.importorskip("trl")
 
 from tests.integrations.trl.reward_cases import CASES, METRICS, STEPS  # noqa: E402
+from tests.integrations.trl.rl_common import result  # noqa: E402
 
 TOL = 1e-5
 LAYOUTS = ("dp1xcp4", "dp2xcp2")
 TRAINED = sorted(set(CASES) - {"doc_example", "refusals", "short_last_batch"})
 
 
-def _result(runs: dict, name: str) -> dict:
-    result = runs[name]
-    assert "raised" not in result, f"{name}: {result['raised']}"
-    return result
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", TRAINED)
 def test_reward_trainer_equals_single_process(rl_runs, case, layout):
     reference, mesh = rl_runs
-    want = _result(reference, f"reward:{case}")
-    got = _result(mesh, f"reward:{case}@{layout}")
+    want = result(reference, f"reward:{case}")
+    got = result(mesh, f"reward:{case}@{layout}")
     for key in METRICS:
         assert len(want[key]) == len(got[key]) == STEPS, (key, want[key], got[key])
         assert all(value is not None for value in want[key]), (key, want[key])
@@ -46,8 +41,8 @@ def test_short_last_batch(rl_runs):
     second batch splits 2 and 1 over the replicas (TRL's means per replica would not average to the batch's): refused
     by name on every rank."""
     reference, mesh = rl_runs
-    want = _result(reference, "reward:short_last_batch")
-    got = _result(mesh, "reward:short_last_batch@dp1xcp4")
+    want = result(reference, "reward:short_last_batch")
+    got = result(mesh, "reward:short_last_batch@dp1xcp4")
     assert got["num_tokens"] == want["num_tokens"] and len(want["loss"]) == 2, (got, want)
     for key in set(METRICS) - {"num_tokens"}:
         assert max(abs(a - b) for a, b in zip(got[key], want[key], strict=True)) <= TOL, (key, got[key], want[key])
@@ -60,13 +55,13 @@ def test_short_last_batch(rl_runs):
 def test_reward_cases_differ(rl_runs):
     """The cases are different runs (a margin column, centring and the pad token change what is logged)."""
     reference, _ = rl_runs
-    losses = {case: tuple(_result(reference, f"reward:{case}")["loss"]) for case in TRAINED}
+    losses = {case: tuple(result(reference, f"reward:{case}")["loss"]) for case in TRAINED}
     assert len(set(losses.values())) == len(losses), losses
 
 
 def test_docs_reward_block_runs(rl_runs):
     _, mesh = rl_runs
-    done = _result(mesh, "reward:doc_example@dp2xcp2")
+    done = result(mesh, "reward:doc_example@dp2xcp2")
     assert done["steps"] == 2, done
     assert done["layout"].startswith("DP(2) x CP(1x2)"), done
 
@@ -74,6 +69,6 @@ def test_docs_reward_block_runs(rl_runs):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_reward_refusals(rl_runs, layout):
     _, mesh = rl_runs
-    out = dict(_result(mesh, f"reward:refusals@{layout}"))
+    out = dict(result(mesh, f"reward:refusals@{layout}"))
     out.pop("case")
     assert out and {k: v for k, v in out.items() if v is not True} == {}, out
