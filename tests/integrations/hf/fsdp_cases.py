@@ -3,17 +3,20 @@ against the single-process trainer on the same data and seed: one JSON line per 
 on the mesh the shares of the parameters and optimizer states each rank holds.
 
     python fsdp_cases.py OUT.json                         # the single-process references
-    accelerate launch ... fsdp_cases.py OUT.json --mesh   # mesh_cp + FSDP2
+    accelerate launch ... fsdp_cases.py OUT.json --mesh   # mesh_cp + FSDP2 (configs/accelerate_mesh_cp.yaml)
 
-test_fsdp.py runs both and compares them case by case.
+test_fsdp.py runs both and compares them case by case. Every case runs in the one launch: the ``accelerate_config``
+case in the environment a launch with configs/accelerate_fsdp_mesh_cp.yaml gives (:func:`launched_with`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,6 +29,8 @@ from tests.integrations.hf.trainer_cases import examples
 from tests.integrations.trl.sft_script import texts, tokenizer
 
 BATCH, STEPS = 2, 4
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+LAUNCHED, FSDP_CONFIG = CONFIGS / "accelerate_mesh_cp.yaml", CONFIGS / "accelerate_fsdp_mesh_cp.yaml"
 FSDP = {"fsdp": True, "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
 
 CASES: dict[str, dict] = {
@@ -291,15 +296,61 @@ def _layout(cp: int):
     return hf.DataContextParallel.create(dist.group.WORLD, cp_size=cp, tile=(1, cp))
 
 
+def launch_environment(config: Path, launched: Path = LAUNCHED) -> dict[str, str | None]:
+    """What ``accelerate launch --config_file config`` puts in its processes' environment that the launch with
+    ``launched`` (the project's CPU config, test_accelerate._accelerate) does not, worked out by accelerate's own
+    launch code from this process's environment: name -> value, ``None`` for a name that launch leaves unset."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env
+
+    def environment(path: Path) -> dict[str, str]:
+        args = launch_command_parser().parse_args(["--config_file", str(path), __file__])
+        return dict(prepare_multi_gpu_env(_validate_launch_command(args)[0]))
+
+    given, wanted = environment(launched), environment(config)
+    changed = {name: value for name, value in wanted.items() if given.get(name) != value}
+    return changed | {name: None for name in given.keys() - wanted.keys()}
+
+
+def _clear_accelerate_state() -> None:
+    """Forget accelerate's process state (shared by every ``Accelerator`` of a process), as a new launch starts
+    without it; the process group stays."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@contextlib.contextmanager
+def launched_with(config: Path) -> Iterator[None]:
+    """Inside: this process as a launch with ``config`` starts it (:func:`launch_environment`, accelerate's process
+    state cleared); after: the environment as it was, accelerate's state cleared again."""
+    saved = dict(os.environ)
+    _clear_accelerate_state()
+    for name, value in launch_environment(config).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    assert os.environ.get("ACCELERATE_USE_FSDP") == "true", f"{config} does not launch with FSDP"
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        _clear_accelerate_state()
+
+
 def main(out: str, mesh: bool, cases: list[str]) -> None:
     if mesh:
         _layout(1)  # the process group
     results = []
-    launched_with_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false") == "true"
     for name in cases:
-        if mesh and CASES[name].get("accelerate_config", False) != launched_with_fsdp:
-            continue  # that case runs in its own launch, with configs/accelerate_fsdp_mesh_cp.yaml
-        with tempfile.TemporaryDirectory() as tmp:
+        from_config = mesh and CASES[name].get("accelerate_config", False)
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            launched_with(FSDP_CONFIG) if from_config else contextlib.nullcontext(),
+        ):
             if mesh:  # every rank writes to rank 0's checkpoint directory
                 holder = [tmp]
                 dist.broadcast_object_list(holder, src=0)
@@ -307,8 +358,7 @@ def main(out: str, mesh: bool, cases: list[str]) -> None:
                 dist.barrier()
             else:
                 results.append(run_case(name, mesh, tmp))
-        if not launched_with_fsdp:  # an Accelerator given FSDP settings sets it for the rest of the process
-            os.environ.pop("ACCELERATE_USE_FSDP", None)
+        os.environ.pop("ACCELERATE_USE_FSDP", None)  # an Accelerator given FSDP settings sets it for the process
     write_results(out, results, mesh)
 
 

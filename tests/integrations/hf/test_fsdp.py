@@ -1,12 +1,12 @@
-"""FSDP2 beside mesh_cp (fsdp_cases.py: 4 gloo processes under ``accelerate launch``) against the single-process
-``Trainer`` / ``SFTTrainer`` on the same data and seed, with batches of DP x B: DP 2 x CP 2 and CP 4, gradient
-accumulation and checkpointing, clipping (the global norm over the shards), ``reshard_after_forward=False``, a bf16 mixed-precision
-policy, AdamW, a checkpoint saved
-after 2 steps and resumed (full and sharded state dicts, the latter through torch.distributed.checkpoint), LoRA, a
-model sharded by the user over ``hf.fsdp_mesh``, the documented plain loop, and FSDP switched on by an accelerate
-config file (configs/accelerate_fsdp_mesh_cp.yaml). Every step's loss within 1e-5 in fp32; each rank holds a quarter
-of the parameters and of the optimizer states; ``evaluate()`` after training (a partial last batch) within 1e-5; the
-mistakes are refused by name.
+"""FSDP2 beside mesh_cp (fsdp_cases.py: every case in the 4 gloo processes of one ``accelerate launch``) against
+the single-process ``Trainer`` / ``SFTTrainer`` on the same data and seed, with batches of DP x B: DP 2 x CP 2 and
+CP 4, gradient accumulation and checkpointing, clipping (the global norm over the shards),
+``reshard_after_forward=False``, a bf16 mixed-precision policy, AdamW, a checkpoint saved after 2 steps and resumed
+(full and sharded state dicts, the latter through torch.distributed.checkpoint), LoRA, a model sharded by the user
+over ``hf.fsdp_mesh``, the documented plain loop, and FSDP switched on by an accelerate config file
+(configs/accelerate_fsdp_mesh_cp.yaml; its case runs, in the same launch, in the environment a launch with that file
+gives). Every step's loss within 1e-5 in fp32; each rank holds a quarter of the parameters and of the optimizer
+states; ``evaluate()`` after training (a partial last batch) within 1e-5; the mistakes are refused by name.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import pytest
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
 
-from tests.integrations.accelerate.test_accelerate import _accelerate  # noqa: E402
-from tests.integrations.clients import ROOT, reference_and_mesh  # noqa: E402
+from tests.integrations.clients import reference_and_mesh  # noqa: E402
 from tests.integrations.hf.fsdp_cases import CASES  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("fsdp_cases.py")
@@ -29,21 +28,9 @@ COMPARED = sorted(set(CASES) - {"refusals", "bf16_policy"})
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict, dict]:
-    """``(reference, mesh)``: case name -> what the trainer reported; the accelerate-config case from its own launch."""
-    import json
-    import subprocess
-
-    out = tmp_path_factory.mktemp("fsdp")
-    reference, mesh = reference_and_mesh(SCRIPT, out, port=29641)
-    cmd, env = _accelerate(29643, pythonpath=True)
-    cmd[cmd.index("--config_file") + 1] = str(ROOT / "configs" / "accelerate_fsdp_mesh_cp.yaml")
-    result = out / "accelerate_config.json"
-    proc = subprocess.run(
-        [*cmd, str(SCRIPT), str(result), "--mesh", "--cases", "accelerate_config"],
-        capture_output=True, text=True, timeout=600, env=env, cwd=out,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    mesh |= {r["case"]: r for r in json.loads(result.read_text())}
+    """``(reference, mesh)``: case name -> what the trainer reported, every case of the mesh from one launch."""
+    reference, mesh = reference_and_mesh(SCRIPT, tmp_path_factory.mktemp("fsdp"), port=29641)
+    assert set(reference) == set(mesh) == set(CASES), (sorted(reference), sorted(mesh))
     return reference, mesh
 
 
