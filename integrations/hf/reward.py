@@ -246,8 +246,8 @@ class MeshCPRewardMixin(MeshCPSequenceTrainerMixin):
         if kwargs.get("peft_config") is not None or hasattr(model, "peft_config"):
             raise NotImplementedError(
                 f"{type(self).__name__}: a PEFT adapter calls the classifier's forward directly, past the hooks that "
-                f"shard its calls over the CP ranks; train the reward model without peft_config (or merge the adapter "
-                f"first: model.merge_and_unload())"
+                f"shard its calls over the CP ranks; train the reward model without a PEFT adapter under CP (all its "
+                f"weights), or with the adapter without CP"
             )
 
     def mesh_cp_attach(self) -> None:

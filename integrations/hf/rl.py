@@ -83,9 +83,16 @@ class MeshCPGRPOMixin(MeshCPSequenceTrainerMixin):
                 f"{type(self).__name__}: an IterableDataset's prompts cannot be dealt to the DP replicas as the single "
                 f"process's batches; pass a map-style datasets.Dataset"
             )
-        args.generation_batch_size = (
-            args.per_device_train_batch_size * self.parallel.dp_size * args.steps_per_generation
-        )
+        dp = self.parallel.dp_size
+        args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
+        if args.generation_batch_size % args.num_generations:
+            raise ValueError(
+                f"{type(self).__name__}: the generation batch, per_device_train_batch_size x dp_size x "
+                f"steps_per_generation = {args.per_device_train_batch_size} x {dp} x {args.steps_per_generation} = "
+                f"{args.generation_batch_size} completions, is not a multiple of num_generations={args.num_generations} "
+                f"(TRL checked it against all {dp * self.parallel.mesh.size} processes, but the DP replicas are what "
+                f"generate); choose per_device_train_batch_size so that it is"
+            )
 
     def mesh_cp_models(self) -> list[torch.nn.Module]:
         """The policy and, with ``beta != 0``, the reference model (unwrapped)."""

@@ -89,6 +89,8 @@ class MeshCPSequenceTrainerMixin:
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        if self.mesh_cp_pairs:
+            check_last_batch(type(self).__name__, self.train_dataset, self._train_batch_size, self.args, self.parallel)
         return replica_dataloader(self, self.train_dataset, self._train_batch_size)
 
     def get_total_train_batch_size(self, args) -> int:
@@ -111,6 +113,22 @@ class MeshCPSequenceTrainerMixin:
 
     def predict(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__}.predict(): {REFUSED_SEQUENCE_OPTIONS['eval_strategy']}")
+
+
+def check_last_batch(name: str, dataset: Any, batch_size: int, args: Any, parallel: DataContextParallel) -> None:
+    """Refuse, on every rank before training, an epoch whose last batch of pairs would split unevenly over the DP
+    replicas (:func:`check_even_replicas`; a replica left with no pairs would fail alone, the others waiting)."""
+    try:
+        last = len(dataset) % (batch_size * parallel.dp_size)
+    except TypeError:  # no length: checked step by step
+        return
+    if last and not args.dataloader_drop_last and last % parallel.dp_size:
+        raise NotImplementedError(
+            f"the epoch's last batch of {last} pairs ({len(dataset)} in batches of {batch_size} x {parallel.dp_size} "
+            f"replicas) splits unevenly over the {parallel.dp_size} DP replicas: {name}'s loss and metrics are means "
+            f"over each replica's pairs, whose average is not the batch's mean; set dataloader_drop_last=True or give "
+            f"a dataset whose length is a multiple of the global batch (per_device_train_batch_size x DP)"
+        )
 
 
 def check_even_replicas(name: str, pairs: int, parallel: DataContextParallel, device: torch.device) -> None:

@@ -150,7 +150,7 @@ def check_base(base: type) -> None:
             named = c.__name__ if c is base else f"{base.__name__} (a {c.__name__})"
             raise NotImplementedError(
                 f"mesh_cp_trainer_class does not support {named} from {c.__module__} yet: {why}, which a CP rank "
-                f"cannot compute from its shard of each row; supported: {' and '.join(SUPPORTED_BASES)}, and "
+                f"does not train under CP yet; supported: {' and '.join(SUPPORTED_BASES)}, and "
                 f"subclasses of them that keep their batches"
             )
 

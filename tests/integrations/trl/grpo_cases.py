@@ -150,10 +150,11 @@ def refusals(parallel, folder: str) -> dict:
     prompts = Dataset.from_dict({"prompt": texts(4, 3, 9, 23)})
 
     def build(data=prompts, **given):
-        fields = {k: given.pop(k) for k in list(given) if k in ("use_vllm", "eval_strategy")}
-        args = GRPOConfig(
-            output_dir=folder, per_device_train_batch_size=2, num_generations=2, max_steps=1, **(SGD_RUN | fields)
-        )
+        fields = {"per_device_train_batch_size": 2, "num_generations": 2, "max_steps": 1}
+        fields |= {
+            k: given.pop(k) for k in list(given) if k in ("use_vllm", "per_device_train_batch_size", "num_generations")
+        }
+        args = GRPOConfig(output_dir=folder, **(SGD_RUN | fields))
         return trainer_class(
             model=path,
             reward_funcs=distinct,
@@ -164,6 +165,10 @@ def refusals(parallel, folder: str) -> dict:
             **given,
         )
 
+    expect_error(
+        out, "generation_batch", ValueError, r"generation batch.* = 1 x \d x 1 = \d completions, is not a multiple of "
+        r"num_generations=4", lambda: build(per_device_train_batch_size=1, num_generations=4),
+    )  # fmt: skip
     expect_error(out, "use_vllm", NotImplementedError, r"use_vllm=True: vLLM", lambda: build(use_vllm=True))
     expect_error(
         out, "rollout_func", NotImplementedError, r"rollout_func given", lambda: build(rollout_func=lambda p, t: {})

@@ -20,9 +20,9 @@ TOL = 1e-5
 LAYOUTS = ("dp1xcp4", "dp2xcp2")
 TRAINED = sorted(set(CASES) - {"doc_example", "refusals", "short_last_batch", "sft_one_replica"})
 MAIN = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
-"""Within :data:`TOL` absolutely; the other metrics (summed log-probs of about -90, gradient norms of about 50) within
-:data:`TOL` of their size where it exceeds 1, fp32 rounding being relative; the gradient norm, a root of a sum over every parameter of squares of sums
-over every token, within 1e-4 of its size."""
+"""Within :data:`TOL` absolutely; the other metrics (summed log-probs of about -90, gradient norms of about 50)
+within :data:`TOL` of their size where it exceeds 1, fp32 rounding being relative; the gradient norm, a root of a sum
+over every parameter of squares of sums over every token, within 1e-4 of its size."""
 NEAR_ZERO = 1e-4
 """Below this, a step's reward margin is rounding (the policy equals the reference before the first update, and
 ``use_weighting``'s weights of about 1e-20 make no update): ``rewards/accuracies`` compares two equal rewards there."""
@@ -67,12 +67,15 @@ def test_sft_loss_type_is_trls_ddp_mean(rl_runs):
 
 
 def test_short_last_batch(rl_runs):
-    """7 pairs in batches of 4: the epoch's last step has 3, exact at DP 1, refused at DP 2 (2 and 1 pairs)."""
+    """7 pairs in batches of 4: the epoch's last step has 3, exact at DP 1, refused at DP 2 (2 and 1 pairs) on every
+    rank when the dataloader is made, before training."""
     reference, mesh = rl_runs
     want = result(reference, "dpo:short_last_batch")
     _check(result(mesh, "dpo:short_last_batch@dp1xcp4"), want, 2)
     raised = mesh["dpo:short_last_batch@dp2xcp2"].get("raised", "")
-    assert "splits unevenly over the 2 DP replicas (1 to 2 pairs each" in raised, raised
+    assert (
+        "the epoch's last batch of 3 pairs (7 in batches of 2 x 2 replicas) splits unevenly over the 2 DP" in raised
+    ), raised
 
 
 def test_docs_dpo_block_trains(rl_runs):

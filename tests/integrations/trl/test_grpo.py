@@ -19,9 +19,9 @@ TOL = 1e-5
 LAYOUTS = ("dp1xcp4", "dp2xcp2")
 TRAINED = sorted(set(CASES) - {"doc_example", "refusals"})
 MAIN = ("loss", "reward", "reward_std", "kl", "rewards/distinct/mean", "rewards/distinct/std")
-"""Within :data:`TOL` absolutely; the others (the gradient norm among them) within :data:`TOL` of their size where it
-exceeds 1, fp32 rounding being relative; the gradient norm, a root of a sum over every parameter of squares of sums
-over every token, within 1e-4 of its size."""
+"""Within :data:`TOL` absolutely; the others within :data:`TOL` of their size where it exceeds 1, fp32 rounding being
+relative; the gradient norm, a root of a sum over every parameter of squares of sums over every token, within 1e-4 of
+its size."""
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -57,4 +57,8 @@ def test_docs_grpo_block_trains(rl_runs):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_refusals(rl_runs, layout):
-    check_refusals(rl_runs[1], f"grpo:refusals@{layout}", {"use_vllm", "rollout_func", "tools", "iterable", "evaluate"})
+    check_refusals(
+        rl_runs[1],
+        f"grpo:refusals@{layout}",
+        {"use_vllm", "rollout_func", "tools", "iterable", "evaluate", "generation_batch"},
+    )

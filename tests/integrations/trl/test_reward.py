@@ -3,7 +3,8 @@
 of reward_cases.py, run by rl_script.py in the shared launch): plain pairs, a ``margin`` column,
 ``center_rewards_coefficient``, and a ``prompt`` column with the pad token equal to ``<eos>`` (without gradient
 checkpointing). Every step's loss, accuracy, margin, minimum, mean and maximum reward and gradient norm within 1e-5
-over 3 steps, ``num_tokens`` equal; an epoch ending on a short batch too at DP 1, refused at DP 2 where it splits unevenly. The RewardTrainer block of docs/hf.md trains as written on DP 2 x CP 2; a PEFT
+over 3 steps, ``num_tokens`` equal; an epoch ending on a short batch too at DP 1, refused at DP 2 where it splits unevenly (on every rank, before
+training). The RewardTrainer block of docs/hf.md trains as written on DP 2 x CP 2; a PEFT
 adapter and ``evaluate()`` are refused by name."""
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def test_short_last_batch(rl_runs):
     for key in set(METRICS) - {"num_tokens"}:
         assert max(abs(a - b) for a, b in zip(got[key], want[key], strict=True)) <= TOL, (key, got[key], want[key])
     raised = mesh["reward:short_last_batch@dp2xcp2"].get("raised", "did not raise")
-    assert raised.startswith("NotImplementedError: this step's batch splits unevenly over the 2 DP replicas (1 to 2"), (
-        raised[:600]
-    )
+    assert raised.startswith(
+        "NotImplementedError: the epoch's last batch of 3 pairs (7 in batches of 2 x 2 replicas)"
+    ), raised[:600]
 
 
 def test_reward_cases_differ(rl_runs):
