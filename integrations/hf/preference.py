@@ -42,13 +42,6 @@ class MeshCPDPOMixin(MeshCPSequenceTrainerMixin):
                 f"train it without CP"
             )
 
-    def mesh_cp_models(self) -> list[torch.nn.Module]:
-        """The policy and, when TRL keeps one, the reference model (unwrapped)."""
-        models = [self.accelerator.unwrap_model(self.model)]
-        if getattr(self, "ref_model", None) is not None:
-            models.append(self.accelerator.unwrap_model(self.ref_model))
-        return models
-
     def _precompute_ref_logps(self, dataset: Any, name: str, batch_size: int) -> Any:
         """``dataset`` with TRL's ``ref_chosen_logps`` and ``ref_rejected_logps`` columns, computed over the mesh (TRL
         splits the batches over every process and gathers them, so the ranks of a CP group would hold different

@@ -94,13 +94,6 @@ class MeshCPGRPOMixin(MeshCPSequenceTrainerMixin):
                 f"generate); choose per_device_train_batch_size so that it is"
             )
 
-    def mesh_cp_models(self) -> list[torch.nn.Module]:
-        """The policy and, with ``beta != 0``, the reference model (unwrapped)."""
-        models = [self.accelerator.unwrap_model(self.model)]
-        if getattr(self, "ref_model", None) is not None:
-            models.append(self.accelerator.unwrap_model(self.ref_model))
-        return models
-
     def get_train_dataloader(self) -> DataLoader:
         """The replica's part of the single process's generation batches (TRL's repeat sampler)."""
         if self.train_dataset is None:

@@ -72,8 +72,12 @@ class MeshCPSequenceTrainerMixin:
         """Check or fix the trainer's keywords before its ``__init__`` reads them (nothing here)."""
 
     def mesh_cp_models(self) -> list[torch.nn.Module]:
-        """The models whose fused calls run over the mesh: the trained model (unwrapped)."""
-        return [self.accelerator.unwrap_model(self.model)]
+        """The models whose fused calls run over the mesh: the trained model and, when the trainer keeps one (DPO,
+        GRPO with ``beta != 0``), its reference model, unwrapped."""
+        models = [self.accelerator.unwrap_model(self.model)]
+        if getattr(self, "ref_model", None) is not None:
+            models.append(self.accelerator.unwrap_model(self.ref_model))
+        return models
 
     def mesh_cp_attach(self) -> None:
         """Attach every model of :meth:`mesh_cp_models` to the mesh and shard its fused calls, once each (the
