@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import mesh_cp
 from mesh_cp.core import AttentionMask, Tiling, make_plan
-from mesh_cp.testing.copies import WrittenBytes
+from mesh_cp.testing.copies import COPY_OPS, WrittenBytes
 
 TILES = {4: (2, 2), 16: (4, 4)}
 KERNELS = ("cpu_flash", "reference")
@@ -102,12 +102,33 @@ def measure(world, rank, kv_heads, kernel, schedule, mask_name, args) -> dict:
         "mask": mask_name,
         "forward": forward.total / chunk,
         "backward": backward.total / chunk,
+        "forward_copied": forward.copied / chunk,
+        "backward_copied": backward.copied / chunk,
         "forward_by_op": {op: n / chunk for op, n in forward.by_op.most_common()},
         "backward_by_op": {op: n / chunk for op, n in backward.by_op.most_common()},
         "calls_forward": forward.calls["forward"],
         "q_chunks": q_chunks,
         "calls_per_q_chunk": forward.calls["forward"] / max(q_chunks, 1),
     }
+
+
+def line(row: dict, old: dict | None) -> str:
+    copied, written = (row[f"forward{s}"] + row[f"backward{s}"] for s in ("_copied", ""))
+    text = (
+        f"{row['world']:<4} {row['tile']:<4} {row['heads']:<5} {row['kernel']:<10} {row['schedule']:<10} "
+        f"{row['mask']:<7} {row['forward_copied']:6.2f}+{row['backward_copied']:6.2f}   "
+        f"{row['forward']:6.2f}+{row['backward']:6.2f}   {row['calls_per_q_chunk']:8.2f}"
+    )
+    if old is None:
+        return text
+    old_copied = sum(n for op, n in {**_ops(old, "forward"), **{}}.items() if op in COPY_OPS)
+    old_copied += sum(n for op, n in _ops(old, "backward").items() if op in COPY_OPS)
+    old_written = old["forward"] + old["backward"]
+    return text + f"       {copied / old_copied:.3f}, {written / old_written:.3f} ({old['calls_per_q_chunk']:.2f})"
+
+
+def _ops(row: dict, phase: str) -> dict:
+    return row[f"{phase}_by_op"]
 
 
 def key(row: dict) -> tuple:
@@ -122,7 +143,10 @@ def main(argv=None) -> list[dict]:
     base = {}
     if args.baseline:
         base = {key(r): r for r in json.loads(Path(args.baseline).read_text())["rows"]}
-    print("P    tile heads kernel     schedule   mask    fwd C  bwd C  calls/Q chunk  vs baseline (fwd+bwd)")
+    print(
+        "P    tile heads kernel     schedule   mask    copied fwd+bwd C  written fwd+bwd C  calls/Q chunk  "
+        "vs baseline: copied, written (calls/Q chunk)"
+    )
     for world in args.worlds:
         dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=world)
         try:
@@ -132,18 +156,7 @@ def main(argv=None) -> list[dict]:
                         for mask_name in args.masks:
                             row = measure(world, args.rank, kv_heads, kernel, schedule, mask_name, args)
                             rows.append(row)
-                            old = base.get(key(row))
-                            ratio = (
-                                f"{(row['forward'] + row['backward']) / (old['forward'] + old['backward']):.3f}"
-                                f" (calls {old['calls_per_q_chunk']:.2f})"
-                                if old
-                                else ""
-                            )
-                            print(
-                                f"{world:<4} {row['tile']:<4} {row['heads']:<5} {kernel:<10} {schedule:<10} "
-                                f"{mask_name:<7} {row['forward']:6.2f} {row['backward']:6.2f} "
-                                f"{row['calls_per_q_chunk']:8.2f}       {ratio}"
-                            )
+                            print(line(row, base.get(key(row))))
         finally:
             dist.barrier()
             dist.destroy_process_group()

@@ -84,6 +84,10 @@ class Capabilities:
     """It pads the head dim with zeros to a multiple of this (exact: zero columns change no score)."""
     max_head_dim: int | None = None
     """The largest head dim it runs, after that padding; ``None``: no limit."""
+    gaps: bool = False
+    """Its ``segments`` may leave key rows between sequences that no sequence reads, and it reads them in place
+    (flash-attn's ``seqused_k``) rather than gathering the rows it reads: a chunk call's row groups then read the
+    keys from one section of the layout each (Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
 
     def __post_init__(self) -> None:
         keywords = frozenset(self.keywords)

@@ -1,31 +1,27 @@
-"""One attention call as the executors see it: the mesh, the plan, the kernel, the scale, and how every block of
-the plan becomes kernel calls (a Q chunk's unmasked blocks as one call, Note [One call per Q chunk] in
-:mod:`mesh_cp.core.blocks`; masked blocks as varlen calls or cut into tiles, Note [Masked blocks] in
-:mod:`mesh_cp.core.masks`).
+"""One attention call as the executors see it: the mesh, the plan, the kernel, the scale, and the rank programs
+they replay (Note [Rank programs] in :mod:`mesh_cp.core.program`): which kernel calls run, over which rows and keys,
+into which accumulators.
 
 Note [Host work per plan]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 Every layer calls the attention with the same plan (cached by :func:`~mesh_cp.core.plan.make_plan`) and makes the
-same kernel calls: the tiles of a block, their segments, kernel and keywords, the keys of a chunk call, and which
-writes of partial results are first writes (Note [First writes] in :mod:`mesh_cp.core.blocks`). They are decided on
-the host once per plan, unit (block or chunk call) and what the kernel takes, as a :class:`Route` kept in
-:func:`plan_cache`; a layer runs only the tensor ops of its calls.
+same kernel calls. They are decided on the host once per plan, rank, schedule step and what the kernel takes, as a
+:class:`~mesh_cp.core.program.Program` the plan keeps; a layer runs only the tensor ops of its calls.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, RowGroup, first_writes
 from mesh_cp.core.layout import local_positions
-from mesh_cp.core.numerics import acc_dtype, visibility
+from mesh_cp.core.numerics import visibility
 from mesh_cp.core.plan import AttentionPlan
+from mesh_cp.core.program import Call, KernelMode, Program, rank_program, run_program, units
 from mesh_cp.kernels import capabilities_of, takes
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.kernels.fused import merge_
@@ -33,56 +29,6 @@ from mesh_cp.kernels.reference import ReferenceKernel
 from mesh_cp.runtime.mesh import CPMesh
 
 _REFERENCE = ReferenceKernel()
-Piece = tuple[int, tuple[int, int]]
-"""``(y, (k0, k1))``: rows ``[k0, k1)`` of KV chunk ``y``."""
-
-
-@dataclass(frozen=True, eq=False)
-class KernelCall:
-    """One kernel call of a unit, as decided on the host (Note [Host work per plan])."""
-
-    q_rows: tuple[int, int]
-    keys: tuple[Piece, ...]
-    """The key pieces, laid end to end (one for a block's call)."""
-    causal: bool
-    reference: bool
-    """It goes to the reference kernel (softcapped logits or a masked tile the kernel cannot take)."""
-    extra: dict
-    """Its keywords but a mask: ``softcap``, ``segments`` (do not change the dict)."""
-    mask: bool
-    """It takes a ``mask`` built on the device from :attr:`AttentionCall.doc_ids` (a masked tile)."""
-    first: bool = True
-    """The first write of its query rows in the unit's accumulators (Note [First writes])."""
-    first_kv: bool = True
-    """The same for its key rows (a block's tiles)."""
-
-
-@dataclass(frozen=True, eq=False)
-class Route:
-    """The kernel calls of one unit (a block or a chunk call) and how their results make the unit's."""
-
-    calls: tuple[KernelCall, ...]
-    whole: bool
-    """One call whose results are the unit's (no accumulators)."""
-    complete: bool
-    """The first writes cover the unit's query rows: its accumulators need no fill (Note [First writes])."""
-    complete_kv: bool
-    """The same for a block's key rows."""
-    pieces: tuple[Piece, ...]
-    """Every call's key pieces in call order: the ``dk, dv`` pieces :meth:`AttentionCall.backward_chunk` returns."""
-
-
-_PLAN_CACHES: dict[int, dict] = {}
-
-
-def plan_cache(plan: AttentionPlan) -> dict:
-    """A dict that lives as long as ``plan``, for what is derived from it on the host once (Note [Host work per
-    plan]). Keyed by the plan's identity: a plan's hash reads its whole mask."""
-    cache = _PLAN_CACHES.get(id(plan))
-    if cache is None:
-        cache = _PLAN_CACHES[id(plan)] = {}
-        weakref.finalize(plan, _PLAN_CACHES.pop, id(plan), None)
-    return cache
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,179 +51,52 @@ class AttentionCall:
     """``(B, S)`` document of every global position (``-1``: padding) when the plan has a mask and the kernel builds dense
     masks (``None`` for a kernel that takes every masked block as segments)."""
 
-    def forward_block(self, w: BlockWork, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
-        """The ``(o, lse)`` of block ``w`` (rows ``w.q_rows``) from the whole Q chunk ``q (B, L, H, D)`` and the
-        stacked K, V chunk ``kv (2, B, L, Hkv, D)``."""
-        return self._forward(w, q, lambda y: kv)
+    @functools.cached_property
+    def mode(self) -> KernelMode:
+        """What the calls depend on beside the plan: the kernel's keywords and gaps, and the softcap."""
+        caps = capabilities_of(self.kernel)
+        return KernelMode(caps.keywords, self.softcap, caps.gaps)
 
-    def backward_block(
-        self, w: BlockWork, q: Tensor, do: Tensor, stats: Tensor, kv: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """``dq, dk, dv`` of block ``w`` (shaped like its rows and columns) from whole chunks; ``stats
-        (2, B, H, L)`` holds the rows' lse and delta."""
-        route = self.route(w)
-        if route.whole:
-            return self._backward_call(w.x, route.calls[0], q, do, stats, lambda y: kv)
-        (qa, qb), (ka, kb), acc = w.q_rows, w.kv_rows, acc_dtype(q.dtype)
-        dq = accumulator((q.shape[0], qb - qa, *q.shape[2:]), acc, q.device, route.complete)
-        dkv = accumulator((2, kv.shape[1], kb - ka, *kv.shape[3:]), acc, q.device, route.complete_kv)
-        for c in route.calls:
-            dq_t, dk_t, dv_t = self._backward_call(w.x, c, q, do, stats, lambda y: kv)
-            (q0, q1), ((_, (k0, k1)),) = c.q_rows, c.keys
-            accumulate(dq[:, q0 - qa : q1 - qa], dq_t, c.first)
-            accumulate(dkv[0, :, k0 - ka : k1 - ka], dk_t, c.first_kv)
-            accumulate(dkv[1, :, k0 - ka : k1 - ka], dv_t, c.first_kv)
-        return dq, dkv[0], dkv[1]
+    def program(self, rank: int) -> Program:
+        """``rank``'s calls in the collective schedule (Note [Rank programs])."""
+        return rank_program(self.plan, rank, self.mode)
 
-    def units(self, rank: int) -> tuple[BlockWork | ChunkCall, ...]:
-        """``rank``'s kernel calls in the collective schedule: the plan's :meth:`~AttentionPlan.calls` (the unmasked
-        blocks of a Q chunk as one call, Note [One call per Q chunk]), or its single blocks when softcapped logits
-        go tile by tile to the reference kernel."""
-        if self.softcap is not None and "softcap" not in self._keywords:
-            return self.plan.blocks(rank)
-        return self.plan.calls(rank)
+    def run(self, rank: int, phase: str, t: int) -> tuple[int, Program]:
+        """The run of compute actions of the overlapped schedule from action ``t`` of ``phase``: ``(end,
+        program)``."""
+        return run_program(self.plan, rank, phase, t, self.mode)
+
+    def units(self, rank: int) -> tuple:
+        """``rank``'s blocks and chunk calls in the collective schedule (Note [One call per Q chunk])."""
+        return units(self.plan, rank, self.mode)
 
     def kernel_calls(self, rank: int) -> int:
-        """Kernel ``forward`` calls of ``rank``'s forward in the collective schedule (each phase makes as many): one
-        per chunk call on a kernel that takes ``segments`` (else one per row group, its diagonal one more), and a
-        single block's tiles or runs."""
-        return sum(len(self.route(u).calls) for u in self.units(rank))
+        """Kernel ``forward`` calls of ``rank``'s forward in the collective schedule (each phase makes as many)."""
+        return len(self.program(rank).calls)
 
-    def forward_chunk(self, c: ChunkCall, q: Tensor, kv_of: Callable[[int], Tensor]) -> tuple[Tensor, Tensor]:
-        """``(o, lse)`` of rows ``c.q_rows`` of the Q chunk ``q (B, L, H, D)``, ``kv_of(y)`` the stacked K, V chunk
-        ``y`` ``(2, B, L, Hkv, D)``: one call on a kernel that takes it by segments (:func:`by_segments`), else one
-        per row group (its diagonal a second call, merged in)."""
-        return self._forward(c, q, kv_of)
+    def forward(self, c: Call, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """``(o, lse)`` of call ``c`` from its whole Q chunk ``q (B, L, H, D)`` and its key source ``kv (2, B, N,
+        Hkv, D)`` (the phase's layout, or its KV chunk)."""
+        (q0, q1), (k0, k1) = c.q_rows, c.keys
+        kernel = _REFERENCE if c.reference else self.kernel
+        keys = kv[:, :, k0:k1]
+        return kernel.forward(q[:, q0:q1], keys[0], keys[1], causal=c.causal, scale=self.scale, **self._extra(c))
 
-    def backward_chunk(
-        self, c: ChunkCall, q: Tensor, do: Tensor, stats: Tensor, kv_of: Callable[[int], Tensor]
-    ) -> tuple[Tensor, list[tuple[int, tuple[int, int], Tensor, Tensor]]]:
-        """``dq`` of rows ``c.q_rows`` and ``(y, kv_rows, dk, dv)`` per key piece (a piece two row groups see comes
-        twice: sum them; in the order of :attr:`Route.pieces`) of :meth:`forward_chunk`'s call; ``stats (2, B, H,
-        L)`` the rows' lse and delta."""
-        route, grads = self.route(c), []
-        if route.whole:
-            dq, dk, dv = self._backward_call(c.x, route.calls[0], q, do, stats, kv_of)
-            return dq, _split_keys(route.pieces, dk, dv, grads)
-        (r0, r1) = c.q_rows
-        dq = accumulator((q.shape[0], r1 - r0, *q.shape[2:]), acc_dtype(q.dtype), q.device, route.complete)
-        for call in route.calls:
-            dq_g, dk, dv = self._backward_call(c.x, call, q, do, stats, kv_of)
-            (s0, s1) = call.q_rows
-            accumulate(dq[:, s0 - r0 : s1 - r0], dq_g, call.first)
-            _split_keys(call.keys, dk, dv, grads)
-        return dq, grads
+    def backward(self, c: Call, q: Tensor, do: Tensor, stats: Tensor, kv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``dq`` of its rows and ``dk, dv`` of its keys for call ``c``; ``stats (2, B, H, L)`` the rows' lse and
+        delta."""
+        (q0, q1), (k0, k1) = c.q_rows, c.keys
+        kernel = _REFERENCE if c.reference else self.kernel
+        keys, st = kv[:, :, k0:k1], stats[:, :, :, q0:q1]
+        options = {"causal": c.causal, "scale": self.scale, "lse_grad": self.lse_grad}
+        return kernel.backward(do[:, q0:q1], q[:, q0:q1], keys[0], keys[1], st[0], st[1], **options, **self._extra(c))
 
-    def route(self, u: BlockWork | ChunkCall) -> Route:
-        """The kernel calls of ``u`` on this call's kernel, built once per plan (Note [Host work per plan])."""
-        cache, key = plan_cache(self.plan), (id(u), self.route_mode)
-        hit = cache.get(key)
-        if hit is None or hit[0] is not u:  # the unit is held with its route, so its id names it
-            hit = cache[key] = (u, self._chunk_route(u) if isinstance(u, ChunkCall) else self._block_route(u))
-        return hit[1]
-
-    @functools.cached_property
-    def _keywords(self) -> frozenset[str]:
-        return capabilities_of(self.kernel).keywords
-
-    @functools.cached_property
-    def _by_segments(self) -> bool:
-        return by_segments(self.kernel)
-
-    @functools.cached_property
-    def route_mode(self) -> tuple:
-        """What the routes depend on beside the plan and the unit: the softcap and the kernel's keywords."""
-        return self.softcap, self._keywords
-
-    def _forward(self, u: BlockWork | ChunkCall, q: Tensor, kv_of: Callable[[int], Tensor]) -> tuple[Tensor, Tensor]:
-        """``(o, lse)`` of the rows ``u.q_rows`` of ``q``: its one call's, or its calls' written or merged in."""
-        route = self.route(u)
-        if route.whole:
-            return self._forward_call(u.x, route.calls[0], q, kv_of)
-        (r0, r1), acc = u.q_rows, acc_dtype(q.dtype)
-        batch, _, heads, dim = q.shape
-        o_acc = accumulator((batch, r1 - r0, heads, dim), acc, q.device, route.complete)
-        lse_acc = accumulator((batch, heads, r1 - r0), acc, q.device, route.complete, float("-inf"))
-        for c in route.calls:
-            o, lse = self._forward_call(u.x, c, q, kv_of)
-            (q0, q1) = c.q_rows
-            write_rows(o_acc[:, q0 - r0 : q1 - r0], lse_acc[:, :, q0 - r0 : q1 - r0], o, lse, c.first)
-        return o_acc, lse_acc
-
-    def _forward_call(self, x: int, c: KernelCall, q: Tensor, kv_of: Callable[[int], Tensor]) -> tuple[Tensor, Tensor]:
-        (q0, q1), kv, kernel = c.q_rows, _keys(c.keys, kv_of), _REFERENCE if c.reference else self.kernel
-        return kernel.forward(q[:, q0:q1], kv[0], kv[1], causal=c.causal, scale=self.scale, **self._extra(x, c))
-
-    def _backward_call(self, x: int, c: KernelCall, q, do, stats, kv_of) -> tuple[Tensor, Tensor, Tensor]:
-        (q0, q1), kv, kernel = c.q_rows, _keys(c.keys, kv_of), _REFERENCE if c.reference else self.kernel
-        st, options = stats[:, :, :, q0:q1], {"causal": c.causal, "scale": self.scale, "lse_grad": self.lse_grad}
-        return kernel.backward(do[:, q0:q1], q[:, q0:q1], kv[0], kv[1], st[0], st[1], **options, **self._extra(x, c))
-
-    def _extra(self, x: int, c: KernelCall) -> dict:
-        """The keywords of call ``c`` of Q chunk ``x``: its route's, and a tile's mask, built now from the document
-        ids."""
+    def _extra(self, c: Call) -> dict:
+        """The keywords of call ``c``: its program's, and a tile's mask, built now from the document ids."""
         if not c.mask:
             return c.extra
-        ((y, kv_rows),) = c.keys
-        return {**c.extra, "mask": self._tile_mask(x, y, c.q_rows, kv_rows)}
-
-    def _block_route(self, w: BlockWork) -> Route:
-        """Block ``w`` as one call, or as tiles when the mask cuts it or its logits are softcapped and the kernel cannot
-        do that (the reference kernel then runs it tile by tile, in bounded memory). A ``MASKED`` block goes to a
-        kernel that takes it by segments as one call (Note [Block segments] in :mod:`mesh_cp.core.segments`), or as
-        its runs of consecutive global positions, uncut: the segments skip what the mask removes (Note [Masked
-        blocks] in :mod:`mesh_cp.core.masks`)."""
-        masked = w.kind is MaskKind.MASKED
-        tiled = masked or (self.softcap is not None and "softcap" not in self._keywords)
-        runs = masked and self.softcap is None and self._by_segments
-        if not tiled or (runs and self.plan.block_segments(w) is not None):
-            kind = "block" if masked else "causal" if w.causal else "full"
-            call = self._kernel_call(w, w.q_rows, w.kv_rows, kind)
-            return Route((call,), True, True, True, call.keys)
-        tiles = self.plan.tiles(w, runs=runs)
-        (qa, qb), (ka, kb) = w.q_rows, w.kv_rows
-        first_q, complete = first_writes([(0, (q0 - qa, q1 - qa)) for (q0, q1), _, _ in tiles], 1, qb - qa)
-        first_k, complete_kv = first_writes([(0, (k0 - ka, k1 - ka)) for _, (k0, k1), _ in tiles], 1, kb - ka)
-        calls = tuple(
-            self._kernel_call(w, q_rows, kv_rows, kind, first=fq, first_kv=fk)
-            for (q_rows, kv_rows, kind), fq, fk in zip(tiles, first_q, first_k, strict=True)
-        )
-        whole = len(tiles) == 1 and tiles[0][:2] == (w.q_rows, w.kv_rows)
-        return Route(calls, whole, complete, complete_kv, tuple(p for c in calls for p in c.keys))
-
-    def _kernel_call(self, w: BlockWork, q_rows, kv_rows, kind: str, **first: bool) -> KernelCall:
-        """One call of block ``w``. Softcapped logits go to a kernel that takes ``"softcap"`` (else the reference
-        kernel); a ``"masked"`` tile to one that takes ``"mask"`` (a boolean mask) or ``"segments"`` (flash-attn
-        varlen sequences, Note [Tile segments] in :mod:`mesh_cp.core.segments`), else to the reference kernel."""
-        keywords, extra, reference = self._keywords, {}, False
-        if self.softcap is not None:
-            reference = "softcap" not in keywords
-            extra["softcap"] = self.softcap
-        taken = _REFERENCE.capabilities.keywords if reference else keywords
-        mask = kind == "masked" and ("mask" in taken or "segments" not in taken)
-        reference = reference or (mask and "mask" not in taken)
-        if kind == "block":
-            extra["segments"] = self.plan.block_segments(w)
-        elif kind == "masked" and not mask:
-            extra["segments"] = self.plan.tile_segments(w, q_rows, kv_rows)
-        return KernelCall(q_rows, ((w.y, kv_rows),), kind == "causal", reference, extra, mask, **first)
-
-    def _chunk_route(self, c: ChunkCall) -> Route:
-        """Chunk call ``c`` as one call on a kernel that takes it by segments, else as one call per row group (its
-        diagonal a second call)."""
-        extra = {} if self.softcap is None else {"softcap": self.softcap}
-        if self._by_segments:
-            pieces = tuple(p for g in c.groups for p in g.keys)
-            call = KernelCall(c.q_rows, pieces, False, False, {**extra, "segments": _chunk_segments(c)}, False)
-            return Route((call,), True, True, True, pieces)
-        groups = [(g.q_rows, tuple(pieces), causal) for g in c.groups for pieces, causal in _group_calls(g)]
-        (r0, r1) = c.q_rows
-        first, complete = first_writes([(0, (s0 - r0, s1 - r0)) for (s0, s1), _, _ in groups], 1, r1 - r0)
-        calls = tuple(
-            KernelCall(rows, pieces, causal, False, extra, False, first=f)
-            for (rows, pieces, causal), f in zip(groups, first, strict=True)
-        )
-        return Route(calls, False, complete, True, tuple(p for call in calls for p in call.keys))
+        ((_, y, kv_rows, _),) = c.pieces
+        return {**c.extra, "mask": self._tile_mask(c.x, y, c.q_rows, kv_rows)}
 
     def _tile_mask(self, x: int, y: int, q_rows: tuple[int, int], kv_rows: tuple[int, int]) -> Tensor:
         q_pos, k_pos = self._global_positions(x, q_rows), self._global_positions(y, kv_rows)
@@ -335,44 +154,36 @@ def accumulator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     )
 
 
-def _keys(pieces: tuple[Piece, ...], kv_of: Callable[[int], Tensor]) -> Tensor:
-    """The key pieces ``(y, (k0, k1))`` laid end to end: ``(2, B, sum of k1 - k0, Hkv, D)`` (a view for one piece)."""
-    if len(pieces) == 1:
-        ((y, (k0, k1)),) = pieces
-        return kv_of(y)[:, :, k0:k1]
-    return torch.cat([kv_of(y)[:, :, k0:k1] for y, (k0, k1) in pieces], dim=2)
+def lay(kv_of: Callable[[int], Tensor], layout: tuple[tuple[int, tuple[int, int]], ...]) -> Tensor | None:
+    """The key pieces ``layout`` (``(col, rows)`` of the stacked K, V chunks ``kv_of(col) (2, B, L, Hkv, D)``) laid
+    end to end once for the phase: ``(2, B, N, Hkv, D)``, a view when they are one run of one chunk (``None`` for
+    no pieces; Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
+    runs: list[tuple[int, int, int]] = []
+    for col, (k0, k1) in layout:
+        if runs and runs[-1][0] == col and runs[-1][2] == k0:
+            runs[-1] = (col, runs[-1][1], k1)
+        else:
+            runs.append((col, k0, k1))
+    if not runs:
+        return None
+    if len(runs) == 1:
+        col, k0, k1 = runs[0]
+        return kv_of(col)[:, :, k0:k1]
+    return torch.cat([kv_of(col)[:, :, k0:k1] for col, k0, k1 in runs], dim=2)
 
 
-def _split_keys(pieces, dk: Tensor, dv: Tensor, out: list) -> list:
-    """Append ``(y, kv_rows, dk, dv)`` of every piece of keys laid end to end (:func:`_keys`) to ``out``."""
-    at = 0
-    for y, (k0, k1) in pieces:
-        out.append((y, (k0, k1), dk[:, at : at + k1 - k0], dv[:, at : at + k1 - k0]))
-        at += k1 - k0
-    return out
+def add_key_grads(dkv_of: Callable[[int], Tensor], c: Call, dk: Tensor, dv: Tensor, first: tuple[bool, ...]) -> None:
+    """Write the ``dk, dv`` of call ``c`` (over its keys) into the key-row accumulators ``dkv_of(col) (2, B, L, Hkv,
+    D)`` of its pieces: a copy for a first write, else a sum."""
+    for (col, _, (k0, k1), at), f in zip(c.pieces, first, strict=True):
+        acc = dkv_of(col)
+        accumulate(acc[0, :, k0:k1], dk[:, at : at + k1 - k0], f)
+        accumulate(acc[1, :, k0:k1], dv[:, at : at + k1 - k0], f)
 
 
-def _group_calls(g: RowGroup) -> list[tuple[list[Piece], bool]]:
-    """A row group as calls of a kernel without ``segments``: its keys with no causal bound in one call (the
-    diagonal's columns before the group's first row included), then the diagonal's square causally."""
-    if not g.causal_tail:
-        return [(list(g.keys), False)]
-    *before, (x, (k0, _)) = g.keys
-    s0, s1 = g.q_rows
-    full = before + ([(x, (k0, s0))] if s0 > k0 else [])
-    return ([(full, False)] if full else []) + [([(x, (s0, s1))], True)]
-
-
-def _chunk_segments(c: ChunkCall) -> tuple[tuple[tuple[int, int, int, int, int, int], ...]]:
-    """The row groups of ``c`` as varlen sequences over its keys laid end to end, the same for every batch row: a
-    causal tail is the band ``(-1, 0)`` anchored at the bottom-right corner (Note [Tile segments] in
-    :mod:`mesh_cp.core.segments`)."""
-    (r0, _), at, segments = c.q_rows, 0, []
-    for g in c.groups:
-        n = g.key_count
-        segments.append((g.q_rows[0] - r0, g.q_rows[1] - r0, at, at + n, -1, 0 if g.causal_tail else -1))
-        at += n
-    return (tuple(segments),)
+def source(c: Call, laid: Tensor | None, kv_of: Callable[[int], Tensor]) -> Tensor:
+    """The keys call ``c`` reads a view of: the phase's layout, or its KV chunk."""
+    return laid if c.laid else kv_of(c.pieces[0][0])
 
 
 @dataclass(frozen=True)

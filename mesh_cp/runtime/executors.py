@@ -8,16 +8,23 @@ other runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from mesh_cp.core.blocks import BlockWork, ChunkCall, first_writes
 from mesh_cp.core.numerics import acc_dtype, attention_delta
 from mesh_cp.kernels.fused import merge_
-from mesh_cp.runtime.call import AttentionCall, Saved, accumulate, accumulator, plan_cache, write_rows
+from mesh_cp.runtime.call import (
+    AttentionCall,
+    Saved,
+    accumulate,
+    accumulator,
+    add_key_grads,
+    lay,
+    source,
+    write_rows,
+)
 from mesh_cp.runtime.comm import all_gather, all_to_all
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.phases import BackwardPhase, ForwardPhase
@@ -60,8 +67,8 @@ class CollectiveExecutor:
         mesh, plan = call.mesh, call.plan
         q_all = all_gather(q, mesh.q_group)  # (a, B, L, Hq, D)
         kv_all = all_gather(torch.stack((k, v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
-        o_acc, lse_acc = forward_blocks(call, mesh.mesh_rank, q_all, kv_all)
-        out, lse = _reduce_rows_to_owners(o_acc, lse_acc, mesh)
+        packed = _forward_packed(call, mesh.mesh_rank, q_all, kv_all)
+        out, lse = _reduce_rows_to_owners(packed, q_all.shape, mesh)
         return out, lse, (q_all, kv_all) if plan.backward == "reuse" else ()
 
     def backward(
@@ -80,31 +87,47 @@ class CollectiveExecutor:
         if plan.backward == "regather":
             kv_all = all_gather(torch.stack((k, saved.v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
         dq_acc, dkv_acc = backward_blocks(call, mesh.mesh_rank, q_all, do_all, stats, kv_all)
-        dq = all_to_all(dq_acc, mesh.q_group).sum(0)
-        dkv = all_to_all(dkv_acc, mesh.kv_group).sum(0)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(saved.v.dtype)
+        dq = _sum_into(all_to_all(dq_acc, mesh.q_group), q.dtype)
+        dkv = _sum_into(all_to_all(dkv_acc, mesh.kv_group), k.dtype if k.dtype == saved.v.dtype else dkv_acc.dtype)
+        return dq, dkv[0].to(k.dtype), dkv[1].to(saved.v.dtype)
+
+
+def _sum_into(parts: Tensor, dtype: torch.dtype) -> Tensor:
+    """The sum of ``parts`` over their first dim, summed in their dtype and written once in ``dtype``."""
+    return torch.sum(parts, 0, out=torch.empty(parts.shape[1:], dtype=dtype, device=parts.device))
 
 
 def forward_blocks(call: AttentionCall, rank: int, q_all: Tensor, kv_all: Tensor) -> tuple[Tensor, Tensor]:
     """Mesh rank ``rank``'s kernel calls on the gathered Q chunks ``q_all (a, B, L, H, D)`` and stacked K, V chunks
     ``kv_all (b, 2, B, L, Hkv, D)``: the row partials ``o (a, B, L, H, D)`` and ``lse (a, B, H, L)`` in the
-    accumulator dtype. A row's first result is copied in, later ones merged (Note [LSE merge], Note [First
-    writes])."""
-    prog = _program(call, rank)
+    accumulator dtype. A row's first result is copied in, later ones merged (Note [LSE merge], Note [First writes]);
+    the keys of calls over several chunks are laid once (Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
+    return _unpack(_forward_packed(call, rank, q_all, kv_all), q_all.shape)
+
+
+def _forward_packed(call: AttentionCall, rank: int, q_all: Tensor, kv_all: Tensor) -> Tensor:
+    """:func:`forward_blocks`'s partials in one ``(a, B L H (D + 1))`` buffer, ``o`` then ``lse`` per Q chunk: what
+    the all-to-all to the rows' owners sends, with no packing."""
+    prog = call.program(rank)
     a, batch, seq, heads, dim = q_all.shape
-    acc, device = acc_dtype(q_all.dtype), q_all.device
     complete = prog.q_complete and seq == prog.seq  # the chunks are the plan's
-    o_acc = accumulator((a, batch, seq, heads, dim), acc, device, complete)
-    lse_acc = accumulator((a, batch, heads, seq), acc, device, complete, float("-inf"))
-    cols = prog.cols
-    for s in prog.steps:
-        i, (q0, q1) = s.row, s.q_rows
-        if s.col is None:
-            o, lse = call.forward_chunk(s.unit, q_all[i], lambda y: kv_all[cols[y]])
-        else:
-            o, lse = call.forward_block(s.unit, q_all[i], kv_all[s.col])
-        write_rows(o_acc[i, :, q0:q1], lse_acc[i, :, :, q0:q1], o, lse, s.first)
-    return o_acc, lse_acc
+    packed = accumulator((a, batch * seq * heads * (dim + 1)), acc_dtype(q_all.dtype), q_all.device, complete)
+    o_acc, lse_acc = _unpack(packed, q_all.shape)
+    if not complete:
+        lse_acc.fill_(float("-inf"))
+    laid = lay(lambda j: kv_all[j], prog.layout)
+    for c in prog.calls:
+        o, lse = call.forward(c, q_all[c.slot], source(c, laid, lambda j: kv_all[j]))
+        (q0, q1) = c.q_rows
+        write_rows(o_acc[c.slot, :, q0:q1], lse_acc[c.slot, :, :, q0:q1], o, lse, c.first)
+    return packed
+
+
+def _unpack(packed: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
+    """The ``o (a, B, L, H, D)`` and ``lse (a, B, H, L)`` views of one ``(a, B L H (D + 1))`` buffer."""
+    a, batch, seq, heads, dim = shape
+    n_o = batch * seq * heads * dim
+    return packed[:, :n_o].view(shape), packed[:, n_o:].view(a, batch, heads, seq)
 
 
 def backward_blocks(
@@ -112,96 +135,31 @@ def backward_blocks(
 ) -> tuple[Tensor, Tensor]:
     """The backward of :func:`forward_blocks` given ``do_all`` like ``q_all`` and the rows' ``stats (a, 2, B, H,
     L)`` (lse, delta): partial ``dq (a, B, L, H, D)`` and ``dk, dv (b, 2, B, L, Hkv, D)`` in the accumulator
-    dtype. A piece's first gradient is copied in, later ones added (Note [First writes])."""
-    prog = _program(call, rank)
+    dtype. Every call's gradients go straight into them: a first write is a copy, later ones add (Note [First
+    writes])."""
+    prog = call.program(rank)
     acc = acc_dtype(q_all.dtype)
     fits = q_all.shape[2] == prog.seq == kv_all.shape[3]  # the chunks are the plan's
     dq_acc = accumulator(q_all.shape, acc, q_all.device, prog.q_complete and fits)
     dkv_acc = accumulator(kv_all.shape, acc, q_all.device, prog.kv_complete and fits)
-    cols = prog.cols
-    for s in prog.steps:
-        i, (q0, q1) = s.row, s.q_rows
-        if s.col is None:
-            dq, pieces = call.backward_chunk(s.unit, q_all[i], do_all[i], stats[i], lambda y: kv_all[cols[y]])
-            grads = [(dk, dv) for _, _, dk, dv in pieces]
-        else:
-            dq, dk, dv = call.backward_block(s.unit, q_all[i], do_all[i], stats[i], kv_all[s.col])
-            grads = [(dk, dv)]
-        accumulate(dq_acc[i, :, q0:q1], dq, s.first)
-        for (j, (k0, k1), first), (dk, dv) in zip(s.keys, grads, strict=True):
-            accumulate(dkv_acc[j, 0, :, k0:k1], dk, first)
-            accumulate(dkv_acc[j, 1, :, k0:k1], dv, first)
+    laid = lay(lambda j: kv_all[j], prog.layout)
+    for c in prog.calls:
+        i, (q0, q1) = c.slot, c.q_rows
+        dq, dk, dv = call.backward(c, q_all[i], do_all[i], stats[i], source(c, laid, lambda j: kv_all[j]))
+        accumulate(dq_acc[i, :, q0:q1], dq, c.first)
+        add_key_grads(lambda j: dkv_acc[j], c, dk, dv, c.first_kv)
     return dq_acc, dkv_acc
 
 
-@dataclass(frozen=True, eq=False)
-class _Step:
-    """One unit of a rank's calls, placed in the gathered chunks (Note [Host work per plan])."""
-
-    unit: BlockWork | ChunkCall
-    row: int
-    """Its Q chunk's position in the gathered Q chunks."""
-    q_rows: tuple[int, int]
-    col: int | None
-    """A block's KV chunk's position in the gathered KV chunks (``None``: a chunk call)."""
-    first: bool
-    """The first write of its rows in the row accumulators (Note [First writes])."""
-    keys: tuple[tuple[int, tuple[int, int], bool], ...]
-    """``(position, kv_rows, first write)`` of every piece of its ``dk, dv``, in the order its backward returns them."""
-
-
-@dataclass(frozen=True, eq=False)
-class _Program:
-    """A rank's units in the gathered chunks, and whether the first writes cover the accumulators."""
-
-    steps: tuple[_Step, ...]
-    cols: dict[int, int]
-    """KV chunk -> its position in the gathered KV chunks."""
-    seq: int
-    """Rows of a chunk."""
-    q_complete: bool
-    kv_complete: bool
-
-
-def _program(call: AttentionCall, rank: int) -> _Program:
-    """``rank``'s :class:`_Program` on ``call``'s kernel, built once per plan (Note [Host work per plan])."""
-    cache = plan_cache(call.plan)
-    key = ("program", rank, call.route_mode)
-    if key not in cache:
-        cache[key] = _build_program(call, rank)
-    return cache[key]
-
-
-def _build_program(call: AttentionCall, rank: int) -> _Program:
-    plan, seq = call.plan, call.plan.mesh_shape.seq_local
-    rows = {x: i for i, x in enumerate(plan.tiling.q_group(rank))}
-    cols = {y: j for j, y in enumerate(plan.tiling.kv_group(rank))}
-    units = call.units(rank)
-    keys = [call.route(u).pieces if isinstance(u, ChunkCall) else ((u.y, u.kv_rows),) for u in units]
-    first_q, q_complete = first_writes([(rows[u.x], u.q_rows) for u in units], len(rows), seq)
-    first_kv, kv_complete = first_writes([(cols[y], k_rows) for pieces in keys for y, k_rows in pieces], len(cols), seq)
-    steps, at = [], 0
-    for u, pieces, first in zip(units, keys, first_q, strict=True):
-        flags = first_kv[at : at + len(pieces)]
-        placed = tuple((cols[y], kv_rows, f) for (y, kv_rows), f in zip(pieces, flags, strict=True))
-        at += len(pieces)
-        col = None if isinstance(u, ChunkCall) else cols[u.y]
-        steps.append(_Step(u, rows[u.x], u.q_rows, col, first, placed))
-    return _Program(tuple(steps), cols, seq, q_complete, kv_complete)
-
-
-def _reduce_rows_to_owners(o_acc: Tensor, lse_acc: Tensor, mesh: CPMesh) -> tuple[Tensor, Tensor]:
-    """``(a, B, L, H, D)`` / ``(a, B, H, L)`` row partials -> this rank's merged row, by all-to-all."""
-    a = o_acc.shape[0]
-    if a == 1:
+def _reduce_rows_to_owners(packed: Tensor, shape: torch.Size, mesh: CPMesh) -> tuple[Tensor, Tensor]:
+    """Row partials in one buffer (:func:`_forward_packed`, ``shape`` the gathered Q chunks') -> this rank's merged
+    row, by one all-to-all of the buffer; the partials received are merged into the first one."""
+    if shape[0] == 1:
+        o_acc, lse_acc = _unpack(packed, shape)
         return o_acc[0], lse_acc[0]
-    n_o = o_acc[0].numel()
-    packed = torch.cat((o_acc.reshape(a, -1), lse_acc.reshape(a, -1)), dim=1)
-    received = all_to_all(packed, mesh.q_group)
-    o_parts = received[:, :n_o].view(o_acc.shape)
-    lse_parts = received[:, n_o:].view(lse_acc.shape)
-    out, lse = o_parts[0].clone(), lse_parts[0].clone()
-    for j in range(1, a):
+    o_parts, lse_parts = _unpack(all_to_all(packed, mesh.q_group), shape)
+    out, lse = o_parts[0], lse_parts[0]
+    for j in range(1, shape[0]):
         merge_(out, lse, o_parts[j], lse_parts[j])
     return out, lse
 
@@ -223,14 +181,14 @@ class OverlapExecutor:
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
         phase = ForwardPhase(call, q, k, v)
         phase.run()
-        return (*phase.row(0), phase.gathered())
+        return (*phase.result(), phase.gathered())
 
     def backward(
         self, call: AttentionCall, do: Tensor, dlse: Tensor | None, saved: Saved
     ) -> tuple[Tensor, Tensor, Tensor]:
         phase = BackwardPhase(call, do, dlse, saved)
         phase.run()
-        dq, dkv = phase.grad("q", 0), phase.grad("kv", 0)
+        dq, dkv = phase.result("q"), phase.result("kv")
         return dq.to(saved.q.dtype), dkv[0].to(saved.k.dtype), dkv[1].to(saved.v.dtype)
 
 

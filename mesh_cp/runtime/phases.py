@@ -5,18 +5,16 @@ reduced along the rings, and the one loop over the schedule's actions (Note [Ove
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from mesh_cp.core.blocks import BlockWork, ChunkCall
 from mesh_cp.core.numerics import acc_dtype, attention_delta
+from mesh_cp.core.program import Program
 from mesh_cp.core.schedule import RingStep
-from mesh_cp.kernels import takes
 from mesh_cp.kernels.fused import merge_
-from mesh_cp.runtime.call import by_segments
+from mesh_cp.runtime.call import accumulate, add_key_grads, lay, source, write_rows
 from mesh_cp.runtime.comm import ring_step
 
 if TYPE_CHECKING:
@@ -75,14 +73,6 @@ class OverlapPhase:
         self.groups = {"q": call.mesh.q_group, "kv": call.mesh.kv_group}
         self.chunks: dict[str, list[_Chunks]] = {"q": [], "kv": []}
 
-    @functools.cached_property
-    def chunked(self) -> bool:
-        """The blocks of one Q chunk run as one call: on a kernel that takes them by segments (one varlen call; on
-        the others a chunk call is a call per row group and diagonal, no fewer than the blocks), and not softcapped
-        logits that go tile by tile to the reference kernel (:meth:`AttentionCall.units`)."""
-        kernel = self.call.kernel
-        return by_segments(kernel) and (self.call.softcap is None or takes(kernel, "softcap"))
-
     def post(self, step: RingStep, sends: list[Tensor], recvs: list[Tensor]) -> tuple[list, list[Tensor]]:
         """Post a ring step; return its works and the tensors to keep alive until its wait."""
         works = ring_step(sends, recvs, self.groups[step.ring], tag=0 if step.kind == "move" else 4)
@@ -119,7 +109,7 @@ class OverlapPhase:
             t = end
 
     def _computes(self, t: int) -> int:
-        """Compute the blocks of the compute actions from ``t`` on that share its Q offset; return the index after
+        """Run the calls of the run of compute actions from ``t`` on that share its Q offset; return the index after
         them.
 
         Note [Rows of the overlapped schedule]
@@ -128,26 +118,71 @@ class OverlapPhase:
         (Note [Overlapped schedule] in :mod:`mesh_cp.core.schedule`). Two or more of them without a mask are one
         call over their keys laid end to end, as the collective schedule runs a Q chunk (Note [One call per Q chunk]
         in :mod:`mesh_cp.core.blocks`); the partial row is merged once. A KV move unlocks blocks of different Q
-        chunks, which stay single. The plan holds the runs (:meth:`AttentionPlan.overlap_calls`), so the memory model
-        counts the calls that run. Only kernels that take blocks by segments (the flash kernels) run a row as one
-        call; on the others a chunk call is one call per row group and diagonal, which saves nothing over the
-        blocks. Softcapped logits on a kernel that cannot softcap stay single (tile by tile, reference kernel).
+        chunks, which stay single. The plan holds the runs (:meth:`AttentionPlan.overlap_calls`) and their programs
+        (:func:`mesh_cp.core.program.run_program`), so the memory model counts the calls that run. Only kernels that
+        take blocks by segments (the flash kernels) run a row as one call; on the others a chunk call is one call per
+        row group and diagonal, which saves nothing over the blocks. Softcapped logits on a kernel that cannot
+        softcap stay single (tile by tile, reference kernel). Every call writes straight into the phase's
+        accumulator of its ring offset (:class:`_Acc`).
         """
-        rank, plan, actions = self.call.mesh.mesh_rank, self.call.plan, self.sched.actions
-        end, call = plan.overlap_calls(rank, self.phase)[t]
-        i = actions[t].block[0]
-        blocks = [(a.block[1], w) for a in actions[t:end] if (w := plan.block_at(rank, *a.block)) is not None]
-        if call is not None and self.chunked:
-            self.compute_row(i, {w.y: j for j, w in blocks}, call)
-        else:
-            for j, w in blocks:
-                self.compute(i, j, w)
+        end, prog = self.call.run(self.call.mesh.mesh_rank, self.phase, t)
+        self.compute(prog)
         return end
 
 
+class _Acc:
+    """The partial results of one ring offset: tensors allocated without values, and the rows written so far, so that
+    a first write is a copy, a later one a merge or a sum, and only rows nothing wrote are filled (Note [First
+    writes] in :mod:`mesh_cp.core.blocks`). ``views`` of ``flat`` hold their rows along ``dims``, filled with
+    ``fills``."""
+
+    def __init__(self, flat: Tensor, views: tuple[Tensor, ...], dims: tuple[int, ...], fills: tuple[float, ...]):
+        self.flat, self.views, self.dims, self.fills = flat, views, dims, fills
+        self.size = views[0].shape[dims[0]]
+        self.spans: list[tuple[int, int]] = []
+
+    @classmethod
+    def written(cls, flat: Tensor, views: tuple[Tensor, ...], dims: tuple[int, ...]) -> _Acc:
+        """An accumulator whose every row holds values (a partial received whole)."""
+        acc = cls(flat, views, dims, (0.0,) * len(views))
+        acc.spans = [(0, acc.size)]
+        return acc
+
+    def prepare(self, rows: tuple[int, int]) -> bool:
+        """Before writing ``rows``: whether it is a first write (none of them written); otherwise the rows among them
+        nothing wrote are filled with the identity, and the write merges or adds."""
+        start, stop = rows
+        if all(stop <= s0 or s1 <= start for s0, s1 in self.spans):
+            self.spans.append(rows)
+            return True
+        self._fill(start, stop)
+        return False
+
+    def finish(self) -> Tensor:
+        """Fill every row nothing wrote; return the whole buffer."""
+        self._fill(0, self.size)
+        return self.flat
+
+    def _fill(self, start: int, stop: int) -> None:
+        at = start
+        for s0, s1 in sorted(self.spans):
+            if s1 <= at or s0 >= stop:
+                continue
+            if s0 > at:
+                self._fill_rows(at, s0)
+            at = max(at, s1)
+        if at < stop:
+            self._fill_rows(at, stop)
+        self.spans.append((start, stop))
+
+    def _fill_rows(self, start: int, stop: int) -> None:
+        for view, dim, fill in zip(self.views, self.dims, self.fills, strict=True):
+            view.narrow(dim, start, stop - start).fill_(fill)
+
+
 class ForwardPhase(OverlapPhase):
-    """Forward: Q and stacked K, V chunks move; partial ``(o, lse)`` of rows travel along the Q ring and are
-    merged on the way."""
+    """Forward: Q and stacked K, V chunks move; partial ``(o, lse)`` of rows travel along the Q ring (one buffer each,
+    sent as it is) and are merged on the way."""
 
     def __init__(self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor) -> None:
         super().__init__(call, "forward")
@@ -155,47 +190,48 @@ class ForwardPhase(OverlapPhase):
         self.chunks["q"] = [_Chunks(q, self.sizes["q"], keep, self.sched.last_use("q"))]
         self.chunks["kv"] = [_Chunks(torch.stack((k, v)), self.sizes["kv"], keep, self.sched.last_use("kv"))]
         self.shape, self.acc, self.device = q.shape, acc_dtype(q.dtype), q.device
-        self.rows: dict[int, tuple[Tensor, Tensor]] = {}
+        self.rows: dict[int, _Acc] = {}
         """Partial (o, lse) per row offset, created on first use and dropped once sent on."""
 
-    def row(self, i: int) -> tuple[Tensor, Tensor]:
+    def _views(self, flat: Tensor) -> tuple[Tensor, Tensor]:
+        batch, seq, heads, dim = self.shape
+        n_o = batch * seq * heads * dim
+        return flat[:n_o].view(batch, seq, heads, dim), flat[n_o:].view(batch, heads, seq)
+
+    def row(self, i: int) -> _Acc:
         if i not in self.rows:
             batch, seq, heads, dim = self.shape
-            self.rows[i] = (
-                torch.zeros((batch, seq, heads, dim), dtype=self.acc, device=self.device),
-                torch.full((batch, heads, seq), float("-inf"), dtype=self.acc, device=self.device),
-            )
+            flat = torch.empty(batch * seq * heads * (dim + 1), dtype=self.acc, device=self.device)
+            self.rows[i] = _Acc(flat, self._views(flat), (1, 2), (0.0, float("-inf")))
         return self.rows[i]
 
+    def result(self) -> tuple[Tensor, Tensor]:
+        """This rank's own rows, merged: ``(o, lse)``."""
+        return self._views(self.row(0).finish())
+
     def reduce(self, step: RingStep) -> tuple[list, list[Tensor]]:
-        """Send row offset ``s + 1`` (packed), receive offset ``s + 2``."""
-        o, lse = self.row(step.index + 1)
+        """Send row offset ``s + 1``, receive offset ``s + 2``."""
+        flat = self.row(step.index + 1).finish()
         del self.rows[step.index + 1]
-        packed = torch.cat((o.reshape(-1), lse.reshape(-1)))
-        return self.post(step, [packed], [torch.empty_like(packed)])
+        return self.post(step, [flat], [torch.empty_like(flat)])
 
     def land(self, step: RingStep, recv: Tensor) -> None:
-        batch, seq, heads, dim = self.shape
-        target, n_o = (step.index + 2) % self.sizes["q"], batch * seq * heads * dim
-        o, lse = recv[:n_o].view(batch, seq, heads, dim), recv[n_o:].view(batch, heads, seq)
+        target = (step.index + 2) % self.sizes["q"]
         if target in self.rows:
-            merge_(*self.rows[target], o, lse)
+            row = self.rows[target]
+            row.finish()
+            merge_(*row.views, *self._views(recv))
         else:
-            self.rows[target] = (o, lse)
+            self.rows[target] = _Acc.written(recv, self._views(recv), (1, 2))
 
-    def compute(self, i: int, j: int, w: BlockWork) -> None:
-        o, lse = self.call.forward_block(w, self.chunks["q"][0][i], self.chunks["kv"][0][j])
-        o_acc, lse_acc = self.row(i)
-        (q0, q1) = w.q_rows
-        merge_(o_acc[:, q0:q1], lse_acc[:, :, q0:q1], o, lse)
-
-    def compute_row(self, i: int, offsets: dict[int, int], c: ChunkCall) -> None:
-        """The chunk call ``c`` of Q offset ``i``; ``offsets`` maps its KV chunks to their ring offsets."""
+    def compute(self, prog: Program) -> None:
         kv = self.chunks["kv"][0]
-        o, lse = self.call.forward_chunk(c, self.chunks["q"][0][i], lambda y: kv[offsets[y]])
-        o_acc, lse_acc = self.row(i)
-        (q0, q1) = c.q_rows
-        merge_(o_acc[:, q0:q1], lse_acc[:, :, q0:q1], o, lse)
+        laid = lay(kv.__getitem__, prog.layout)
+        for c in prog.calls:
+            o, lse = self.call.forward(c, self.chunks["q"][0][c.slot], source(c, laid, kv.__getitem__))
+            row, (q0, q1) = self.row(c.slot), c.q_rows
+            o_acc, lse_acc = row.views
+            write_rows(o_acc[:, q0:q1], lse_acc[:, :, q0:q1], o, lse, row.prepare(c.q_rows))
 
     def gathered(self) -> tuple[Tensor, ...]:
         keep = self.call.plan.backward == "reuse"
@@ -220,17 +256,22 @@ class BackwardPhase(OverlapPhase):
             self.chunks["kv"] = [_Chunks(torch.stack((k, saved.v)), self.sizes["kv"], False, last_kv)]
         self.gathered = saved.gathered
         self.shapes, self.acc, self.device = {"q": q.shape, "kv": (2, *k.shape)}, acc, q.device
-        self.grads: dict[str, dict[int, Tensor]] = {"q": {}, "kv": {}}
+        self.grads: dict[str, dict[int, _Acc]] = {"q": {}, "kv": {}}
         """Partial dq per row offset and dk, dv per column offset, created on first use, dropped once sent on."""
 
-    def grad(self, ring: str, offset: int) -> Tensor:
+    def grad(self, ring: str, offset: int) -> _Acc:
         if offset not in self.grads[ring]:
-            self.grads[ring][offset] = torch.zeros(self.shapes[ring], dtype=self.acc, device=self.device)
+            flat = torch.empty(self.shapes[ring], dtype=self.acc, device=self.device)
+            self.grads[ring][offset] = _Acc(flat, (flat,), (1 if ring == "q" else 2,), (0.0,))
         return self.grads[ring][offset]
+
+    def result(self, ring: str) -> Tensor:
+        """This rank's own ``dq`` (``ring="q"``) or stacked ``dk, dv`` (``"kv"``), summed."""
+        return self.grad(ring, 0).finish()
 
     def reduce(self, step: RingStep) -> tuple[list, list[Tensor]]:
         """Send offset ``s + 1``'s partial, receive ``s + 2``'s."""
-        send = self.grad(step.ring, step.index + 1)
+        send = self.grad(step.ring, step.index + 1).finish()
         del self.grads[step.ring][step.index + 1]
         return self.post(step, [send], [torch.empty_like(send)])
 
@@ -238,30 +279,18 @@ class BackwardPhase(OverlapPhase):
         target = (step.index + 2) % self.sizes[step.ring]
         grads = self.grads[step.ring]
         if target in grads:
-            grads[target] += recv
+            grads[target].finish().add_(recv)
         else:
-            grads[target] = recv
+            grads[target] = _Acc.written(recv, (recv,), (1 if step.ring == "q" else 2,))
 
-    def compute(self, i: int, j: int, w: BlockWork) -> None:
-        main, stats = self.chunks["q"][0][i], self.chunks["q"][1][i]
-        q_i, do_i = (main[0], main[1]) if self.regather else (self.gathered[0][i], main)
-        kv = self.chunks["kv"][0][j] if self.regather else self.gathered[1][j]
-        dq, dk, dv = self.call.backward_block(w, q_i, do_i, stats, kv)
-        (q0, q1), (k0, k1) = w.q_rows, w.kv_rows
-        self.grad("q", i)[:, q0:q1] += dq
-        dkv = self.grad("kv", j)
-        dkv[0, :, k0:k1] += dk
-        dkv[1, :, k0:k1] += dv
-
-    def compute_row(self, i: int, offsets: dict[int, int], c: ChunkCall) -> None:
-        """The backward of :meth:`ForwardPhase.compute_row`."""
-        main, stats = self.chunks["q"][0][i], self.chunks["q"][1][i]
-        q_i, do_i = (main[0], main[1]) if self.regather else (self.gathered[0][i], main)
+    def compute(self, prog: Program) -> None:
         kv = self.chunks["kv"][0] if self.regather else self.gathered[1]
-        dq, pieces = self.call.backward_chunk(c, q_i, do_i, stats, lambda y: kv[offsets[y]])
-        (q0, q1) = c.q_rows
-        self.grad("q", i)[:, q0:q1] += dq
-        for y, (k0, k1), dk, dv in pieces:
-            dkv = self.grad("kv", offsets[y])
-            dkv[0, :, k0:k1] += dk
-            dkv[1, :, k0:k1] += dv
+        laid = lay(kv.__getitem__, prog.layout)
+        for c in prog.calls:
+            main, stats = self.chunks["q"][0][c.slot], self.chunks["q"][1][c.slot]
+            q_i, do_i = (main[0], main[1]) if self.regather else (self.gathered[0][c.slot], main)
+            dq, dk, dv = self.call.backward(c, q_i, do_i, stats, source(c, laid, kv.__getitem__))
+            g = self.grad("q", c.slot)
+            accumulate(g.flat[:, c.q_rows[0] : c.q_rows[1]], dq, g.prepare(c.q_rows))
+            first = tuple(self.grad("kv", col).prepare(rows) for col, _, rows, _ in c.pieces)
+            add_key_grads(lambda j: self.grad("kv", j).flat, c, dk, dv, first)

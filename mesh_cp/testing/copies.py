@@ -15,7 +15,9 @@ merging, packing for a collective, casting) costs memory traffic that one kernel
   on a GPU (Note [Fused passes]): the bytes it returns, or for an in-place pass (``merge_``) the accumulators it
   rewrites, whether it runs compiled or eagerly (on CPU it runs eagerly).
 
-The kernel calls are counted too (:attr:`WrittenBytes.calls`, per ``"forward"`` / ``"backward"``), so a benchmark can
+Of these, :attr:`WrittenBytes.copied` are the bytes of the ops that only move data (:data:`COPY_OPS`: copies, casts,
+concatenations, gathers); the rest are arithmetic (the LSE merge, sums of partial gradients) and fills. The kernel
+calls are counted too (:attr:`WrittenBytes.calls`, per ``"forward"`` / ``"backward"``), so a benchmark can
 show the calls per Q chunk beside the bytes.
 """
 
@@ -31,6 +33,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _UNWRITTEN = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_to_copy_meta"}
 _COMM_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor"}
 _STATE = threading.local()
+COPY_OPS = frozenset(
+    {
+        "copy_",
+        "_to_copy",
+        "clone",
+        "cat",
+        "stack",
+        "index_select",
+        "index",
+        "gather",
+        "repeat",
+        "repeat_interleave",
+        "contiguous",
+        "_unsafe_view",
+        "expand_copy",
+        "slice_scatter",
+        "index_put_",
+        "index_copy_",
+        "scatter",
+    }
+)
+"""The ops that only move data."""
 
 
 def _kernel_classes() -> list[type]:
@@ -78,6 +102,11 @@ class WrittenBytes(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
+
+    @property
+    def copied(self) -> int:
+        """Bytes written by the ops that only move data (:data:`COPY_OPS`)."""
+        return sum(n for op, n in self.by_op.items() if op in COPY_OPS)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

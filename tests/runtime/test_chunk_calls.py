@@ -32,12 +32,15 @@ class RecordingKernel:
 
     name = "recording"
 
-    def __init__(self, keywords: set[str]) -> None:
-        self.capabilities = Capabilities(keywords=keywords)
+    def __init__(self, keywords: set[str], gaps: bool = False) -> None:
+        self.capabilities = Capabilities(keywords=keywords, gaps=gaps)
         self.calls: list[tuple[str, int, int, bool]] = []
+        self.storages: list[int] = []
+        """The storage every forward call's keys and values are views of."""
 
     def forward(self, q, k, v, *, causal, scale, **extra):
         self.calls.append(("forward", q.shape[1], k.shape[1], "segments" in extra))
+        self.storages += [k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()]
         lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
         return torch.zeros_like(q), lse
 
@@ -55,14 +58,22 @@ def packed(lo: int, hi: int, seed: int, split: bool = False) -> AttentionMask:
     return split_documents([lengths], seq_len=P * L, world=P)[0] if split else AttentionMask.from_lengths([lengths])
 
 
-def calls_per_rank(tile: tuple[int, int], keywords: set[str], mask: AttentionMask | None = None) -> list[dict]:
+class GapsKernel(SegmentsKernel):
+    """:class:`SegmentsKernel` that reads segments with gaps between their keys in place (``seqused_k``)."""
+
+    capabilities = Capabilities(keywords={"segments", "softcap"}, gaps=True)
+
+
+def calls_per_rank(
+    tile: tuple[int, int], keywords: set[str], mask: AttentionMask | None = None, gaps: bool = False
+) -> list[dict]:
     """Per rank: forward and backward kernel calls and Q chunks held, at P = 16, L = 8192, batch 1, one head."""
     shape = AttentionShape(batch=1, seq_local=L, heads=1, kv_heads=1, head_dim=8, itemsize=4)
     plan = make_plan(Tiling(P, *tile), shape, causal=True, layout="zigzag", schedule="collective", mask=mask)
     ids = None if mask is None else document_ids(mask, 1, P * L)
     out = []
     for rank in range(P):
-        kernel = RecordingKernel(keywords)
+        kernel = RecordingKernel(keywords, gaps)
         call = AttentionCall(mesh=None, plan=plan, kernel=kernel, scale=1.0, doc_ids=ids)
         q_all = torch.zeros(tile[0], 1, L, 1, 8)
         kv_all = torch.zeros(tile[1], 2, 1, L, 1, 8)
@@ -76,6 +87,7 @@ def calls_per_rank(tile: tuple[int, int], keywords: set[str], mask: AttentionMas
                 "q_chunks": len({w.x for w in blocks}),
                 "blocks": len(blocks),
                 "masked": sum(w.kind is MaskKind.MASKED for w in blocks),
+                "storages": set(kernel.storages) - {kv_all.untyped_storage().data_ptr()},
             }
         )
     return out
@@ -87,6 +99,18 @@ def test_causal_one_call_per_q_chunk_and_phase(tile) -> None:
     for rank, r in enumerate(calls_per_rank(tile, {"segments"})):
         assert len(r["forward"]) == r["q_chunks"] == tile[0], (rank, r["forward"])
         assert len(r["backward"]) == r["q_chunks"], (rank, r["backward"])
+
+
+@pytest.mark.parametrize("tile", [(4, 4), (2, 8), (8, 2)])
+@pytest.mark.parametrize(("keywords", "gaps"), [(set(), False), ({"segments"}, False), ({"segments"}, True)])
+def test_keys_are_laid_once_per_phase(tile, keywords, gaps) -> None:
+    """Every call reads its keys and values as views of the gathered K, V chunks or of one tensor laid for the whole
+    phase (Note [Keys in global order]): no call gets keys laid for it alone. The calls per Q chunk are one with
+    segments (gaps or not), at most two per row group without."""
+    for rank, r in enumerate(calls_per_rank(tile, keywords, gaps=gaps)):
+        assert len(r["storages"]) <= 1, (rank, r)
+        limit = 1 if keywords else 4
+        assert len(r["forward"]) <= limit * r["q_chunks"], (rank, r["forward"])
 
 
 def test_causal_calls_of_a_kernel_without_segments() -> None:
@@ -179,7 +203,7 @@ def test_chunk_call_groups_cover_the_blocks() -> None:
                 assert counted == sum(w.pairs for w in c.blocks), (causal, layout, rank, c)
 
 
-@pytest.mark.parametrize("kernel_name", ["reference", "cpu_flash", "segments_only"])
+@pytest.mark.parametrize("kernel_name", ["reference", "cpu_flash", "segments_only", "segments_gaps"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("packed_rows", [None, "packed", "split"])
 def test_chunk_calls_match_single_process_attention(kernel_name, kv_heads, packed_rows) -> None:
@@ -205,9 +229,10 @@ def test_chunk_calls_match_single_process_attention(kernel_name, kv_heads, packe
     out_ref.backward(do)
     pos = [torch.tensor(local_positions(S, world, r, "zigzag")) for r in range(world)]
     chunk = lambda t, r: t.detach()[:, pos[r]]  # noqa: E731
-    kernel = SegmentsKernel() if kernel_name == "segments_only" else get_kernel(kernel_name)
+    kernels = {"segments_only": SegmentsKernel, "segments_gaps": GapsKernel}
+    kernel = kernels[kernel_name]() if kernel_name in kernels else get_kernel(kernel_name)
     # a kernel taking only segments gets no document ids (the runtime builds none for it)
-    ids = None if mask is None or kernel_name == "segments_only" else document_ids(mask, 2, S)
+    ids = None if mask is None or kernel_name in kernels else document_ids(mask, 2, S)
     call = AttentionCall(mesh=None, plan=plan, kernel=kernel, scale=0.25, doc_ids=ids)
     t = plan.tiling
     units = [u for r in range(world) for u in call.units(r)]

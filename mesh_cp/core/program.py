@@ -1,0 +1,376 @@
+"""A rank's kernel calls as data: which calls run, over which Q rows and key rows, into which accumulators (pure
+Python).
+
+Note [Rank programs]
+~~~~~~~~~~~~~~~~~~~~
+A :class:`Program` holds what one rank runs in one phase between its transfers, built once per plan, rank, schedule
+step and kernel (:class:`KernelMode`, what the kernel takes), and read by the executors (which replay it), the memory
+model and the per-rank benchmark:
+
+- :attr:`Program.layout`: the key pieces laid end to end once per phase, in global order (Note [Keys in global
+  order]); a call over several KV chunks reads a view of it;
+- :attr:`Program.calls`: every kernel call, in order: its Q slot and rows, its keys (a view of the layout, or of one
+  KV chunk), how the kernel masks them (``causal``, ``segments``, a dense ``mask``, the reference kernel), and whether
+  its writes into the Q-row and key-row accumulators are first writes (Note [First writes] in
+  :mod:`mesh_cp.core.blocks`).
+
+Note [Keys in global order]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The unmasked blocks of a Q chunk are one call over their keys (Note [One call per Q chunk] in
+:mod:`mesh_cp.core.blocks`). A row group of such a call sees keys in global order up to its own position: laid in
+global order, its keys are one run ending in its causal half. In a zig-zag chunk ``x`` the first half sees the first
+halves of the earlier chunks and its own (causally); the second half sees every first half, the second halves of the
+later chunks (earlier in global order) and its own (causally). With the KV chunks' halves laid once in global order
+(first halves by chunk, then second halves by chunk in reverse), each group reads one view, its causal half last.
+
+A kernel that takes neither ``segments`` nor more than one causal diagonal runs a group as two calls on views: its
+keys before the causal half, then the causal half's square. A kernel that takes ``segments`` runs the chunk as one
+varlen call, whose sequences' keys must not overlap in its backward (two sequences writing the same ``dk`` rows): a
+kernel whose varlen sequences may leave gaps between them (``seqused_k``, :attr:`KernelMode.gaps`) reads them from one
+section of the layout per group index (the first halves laid twice), and one that needs them adjacent takes laid
+segments over the single layout (Note [Laid keys] in :mod:`mesh_cp.kernels.varlen`; it gathers their rows). A group
+whose keys are not one run of a section (a mask left some blocks out) gets a section of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, first_writes
+from mesh_cp.core.layout import local_positions
+
+Rows = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class KernelMode:
+    """What the kernel takes, as far as the calls depend on it."""
+
+    keywords: frozenset[str]
+    """Its optional keywords (``"mask"``, ``"segments"``, ``"softcap"``)."""
+    softcap: float | None = None
+    """The call's logit softcap."""
+    gaps: bool = False
+    """Its varlen sequences may leave key rows between them unread (``seqused_k``): no gather for such segments."""
+
+    @property
+    def by_segments(self) -> bool:
+        """A chunk call is one varlen call and a masked block one call of its documents (a kernel that also takes
+        dense masks builds them instead)."""
+        return "segments" in self.keywords and "mask" not in self.keywords
+
+    @property
+    def reference_softcap(self) -> bool:
+        """Softcapped logits the kernel cannot take: every block goes tile by tile to the reference kernel."""
+        return self.softcap is not None and "softcap" not in self.keywords
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """One kernel call of a program (Note [Rank programs])."""
+
+    slot: int
+    """Position of its Q chunk among the chunks the phase holds (gathered position or ring offset)."""
+    x: int
+    """Its Q chunk."""
+    q_rows: Rows
+    keys: Rows
+    """Rows of its key source: the layout when :attr:`laid`, else KV chunk ``pieces[0][0]``."""
+    laid: bool
+    pieces: tuple[tuple[int, int, Rows, int], ...]
+    """``(col, y, kv_rows, at)``: rows ``kv_rows`` of KV chunk ``y`` (at position ``col``) are its key rows from
+    ``at`` on; its ``dk, dv`` there belong to them (rows of its keys in no piece are in no sequence)."""
+    causal: bool
+    reference: bool
+    """It goes to the reference kernel (softcapped logits, or a masked tile the kernel cannot take)."""
+    extra: dict = field(hash=False)
+    """Its keywords but a mask: ``softcap``, ``segments`` (do not change the dict)."""
+    mask: bool
+    """It takes a dense mask, built on the device from the document ids (a masked tile)."""
+    first: bool = True
+    """The first write of its Q rows in the Q-row accumulators."""
+    first_kv: tuple[bool, ...] = ()
+    """The same for each of its pieces in the key-row accumulators."""
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """A rank's kernel calls in one phase of a plan (Note [Rank programs])."""
+
+    layout: tuple[tuple[int, Rows], ...]
+    """``(col, rows)``: the key pieces laid end to end once in the phase (empty: no call reads a layout)."""
+    calls: tuple[Call, ...]
+    seq: int
+    """Rows of a chunk."""
+    q_complete: bool
+    """The first writes cover every row of every Q slot (its accumulators need no fill)."""
+    kv_complete: bool
+
+    @property
+    def laid_rows(self) -> int:
+        return sum(k1 - k0 for _, (k0, k1) in self.layout)
+
+
+def rank_program(plan, rank: int, mode: KernelMode) -> Program:
+    """``rank``'s calls in the collective schedule (slots: positions in the gathered Q and KV chunks), built once per
+    plan, rank and mode."""
+    return _cached(plan, ("collective", rank, mode), lambda: _collective(plan, rank, mode))
+
+
+def run_program(plan, rank: int, phase: str, t: int, mode: KernelMode) -> tuple[int, Program]:
+    """``(end, program)`` of the run of compute actions of the overlapped schedule that starts at action ``t`` of
+    ``phase`` (:meth:`~mesh_cp.core.plan.AttentionPlan.overlap_calls`): slots and columns are ring offsets; first
+    writes are left to the executor, which also merges partials received along the rings."""
+    return _cached(plan, ("overlap", rank, phase, t, mode), lambda: _run(plan, rank, phase, t, mode))
+
+
+def units(plan, rank: int, mode: KernelMode) -> tuple:
+    """``rank``'s blocks and chunk calls in the collective schedule: single blocks when softcapped logits go tile by
+    tile to the reference kernel."""
+    return plan.blocks(rank) if mode.reference_softcap else plan.calls(rank)
+
+
+def _cached(plan, key, build):
+    cache = plan.__dict__.setdefault("_programs", {})
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def _collective(plan, rank: int, mode: KernelMode) -> Program:
+    slots = {x: i for i, x in enumerate(plan.tiling.q_group(rank))}
+    cols = {y: j for j, y in enumerate(plan.tiling.kv_group(rank))}
+    return _program(plan, units(plan, rank, mode), slots, cols, mode, first=True)
+
+
+def _run(plan, rank: int, phase: str, t: int, mode: KernelMode) -> tuple[int, Program]:
+    end, chunk = plan.overlap_calls(rank, phase)[t]
+    actions = plan.overlap(phase).actions
+    i = actions[t].block[0]
+    blocks = [(a.block[1], w) for a in actions[t:end] if (w := plan.block_at(rank, *a.block)) is not None]
+    cols = {w.y: j for j, w in blocks}
+    slots = {w.x: i for _, w in blocks}
+    chunked = chunk is not None and mode.by_segments and not mode.reference_softcap
+    todo = (chunk,) if chunked else tuple(w for _, w in blocks)
+    return end, _program(plan, todo, slots, cols, mode, first=False)
+
+
+def _program(plan, todo, slots, cols, mode: KernelMode, *, first: bool) -> Program:
+    seq = plan.mesh_shape.seq_local
+    chunks = [u for u in todo if isinstance(u, ChunkCall)]
+    layout = _Layout(plan, cols, [_windows(plan, c) for c in chunks], mode)
+    specs, c = [], 0
+    for u in todo:
+        if isinstance(u, ChunkCall):
+            specs += _chunk_specs(u, layout.placed[c], mode)
+            c += 1
+        else:
+            specs += _block_specs(plan, u, mode, cols[u.y])
+    n_q = len(slots)
+    q_writes = [(slots[s["x"]], s["q_rows"]) for s in specs]
+    kv_writes = [(col, rows) for s in specs for col, _, rows, _ in s["pieces"]]
+    if first:
+        first_q, q_complete = first_writes(q_writes, n_q, seq)
+        first_kv, kv_complete = first_writes(kv_writes, len(cols), seq)
+    else:
+        first_q, q_complete, first_kv, kv_complete = (False,) * len(specs), False, (False,) * len(kv_writes), False
+    calls, at = [], 0
+    for s, fq in zip(specs, first_q, strict=True):
+        n = len(s["pieces"])
+        calls.append(Call(slot=slots[s["x"]], first=fq, first_kv=tuple(first_kv[at : at + n]), **s))
+        at += n
+    return Program(layout.laid, tuple(calls), seq, q_complete, kv_complete)
+
+
+Unit = tuple[int, Rows]
+"""``(y, rows)``: rows of KV chunk ``y`` that are consecutive in global order (a zig-zag half, a contiguous chunk)."""
+
+
+def _windows(plan, c: ChunkCall) -> list[tuple[list[Unit], bool]]:
+    """The keys of each row group of ``c`` as units in global order, and whether its last unit is its causal
+    diagonal."""
+    seq = plan.mesh_shape.seq_local
+    grid = (0, seq // 2, seq) if plan.layout == "zigzag" else (0, seq)
+    out = []
+    for g in c.groups:
+        units = [
+            (y, (max(k0, a), min(k1, b)))
+            for y, (k0, k1) in g.keys
+            for a, b in zip(grid, grid[1:], strict=False)
+            if max(k0, a) < min(k1, b)
+        ]
+        out.append((sorted(units, key=lambda u: _start(plan, u)), g.causal_tail))
+    return out
+
+
+def _start(plan, unit: Unit) -> int:
+    y, (k0, _) = unit
+    seq = plan.mesh_shape.seq_local
+    return _positions(seq * plan.tiling.world, plan.tiling.world, y, plan.layout)[k0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _positions(seq_len: int, world: int, chunk: int, layout: str) -> tuple[int, ...]:
+    return tuple(local_positions(seq_len, world, chunk, layout))
+
+
+class _Layout:
+    """The sections of a phase's layout and where every row group's keys are in it (Note [Keys in global order])."""
+
+    def __init__(self, plan, cols: dict[int, int], windows: list[list[tuple[list[Unit], bool]]], mode: KernelMode):
+        self.cols = cols
+        per_group = mode.by_segments and mode.gaps
+        shared: dict[int, list[Unit]] = {}
+        for call in windows:
+            for g, (units, _) in enumerate(call):
+                shared.setdefault(g if per_group else 0, []).extend(units)
+        apart: set[int] = set()
+        while True:  # a call whose group is not one run of its section gets sections of its own
+            sections = {s: sorted(set(u), key=lambda x: _start(plan, x)) for s, u in shared.items()}
+            bad = {
+                c
+                for c, call in enumerate(windows)
+                if c not in apart
+                and not all(
+                    _run_of(units, sections[g if per_group else 0]) is not None for g, (units, _) in enumerate(call)
+                )
+            }
+            if not bad:
+                break
+            apart |= bad
+            shared = {}
+            for c, call in enumerate(windows):
+                for g, (units, _) in enumerate(call):
+                    if c not in apart:
+                        shared.setdefault(g if per_group else 0, []).extend(units)
+        order = [sections[s] for s in sorted(sections)]
+        where = {}
+        for c in sorted(apart):
+            for g, (units, _) in enumerate(windows[c]):
+                where[(c, g)] = len(order)
+                order.append(units)
+        starts, at = [], 0
+        for section in order:
+            starts.append(at)
+            at += sum(k1 - k0 for _, (k0, k1) in section)
+        self.laid = tuple((cols[y], rows) for section in order for y, rows in section)
+        self.placed = []
+        for c, call in enumerate(windows):
+            placed = []
+            for g, (units, tail) in enumerate(call):
+                s = where.get((c, g), g if per_group else 0)
+                first = _run_of(units, order[s])
+                offset = starts[s] + sum(k1 - k0 for _, (k0, k1) in order[s][:first])
+                placed.append((self._pieces(units, offset), tail))
+            self.placed.append(placed)
+
+    def _pieces(self, units: list[Unit], offset: int) -> list[tuple[int, int, Rows, int]]:
+        out = []
+        for y, (k0, k1) in units:
+            out.append((self.cols[y], y, (k0, k1), offset))
+            offset += k1 - k0
+        return out
+
+
+def _run_of(units: list[Unit], section: list[Unit]) -> int | None:
+    """Where ``units`` are one run of ``section``, in that order (``None``: they are not)."""
+    if not units or units[0] not in section:
+        return None
+    i = section.index(units[0])
+    return i if section[i : i + len(units)] == units else None
+
+
+REFERENCE_KEYWORDS = frozenset({"mask", "segments", "softcap"})
+"""The optional keywords the reference kernel takes (:class:`mesh_cp.kernels.reference.ReferenceKernel`)."""
+
+
+def _chunk_specs(c: ChunkCall, placed, mode: KernelMode) -> list[dict]:
+    """The calls of chunk call ``c`` whose groups' keys are ``placed``: one varlen call on a kernel that takes
+    segments, else per group its keys before the causal half and the causal half's square."""
+    extra = {} if mode.softcap is None else {"softcap": mode.softcap}
+    if mode.by_segments:
+        v0 = min(p[0][3] for p, _ in placed)
+        v1 = max(p[-1][3] + p[-1][2][1] - p[-1][2][0] for p, _ in placed)
+        (r0, _), segments, pieces = c.q_rows, [], {}
+        for g, (p, tail) in zip(c.groups, placed, strict=True):
+            s0, s1 = p[0][3] - v0, p[-1][3] + p[-1][2][1] - p[-1][2][0] - v0
+            window = (s0, s1) if mode.gaps else ((s0, s1),)
+            segments.append(
+                (g.q_rows[0] - r0, g.q_rows[1] - r0, *window, -1, 0 if tail else -1)
+                if mode.gaps
+                else (g.q_rows[0] - r0, g.q_rows[1] - r0, window, -1, 0 if tail else -1)
+            )
+            pieces.update({q[3]: (q[0], q[1], q[2], q[3] - v0) for q in p})
+        extra = {**extra, "segments": (tuple(segments),)}
+        ordered = tuple(pieces[k] for k in sorted(pieces))
+        return [_spec(c.x, c.q_rows, (v0, v1), True, ordered, False, extra=extra)]
+    specs = []
+    for g, (p, tail) in zip(c.groups, placed, strict=True):
+        n = _diagonal_units(p, c.x, g.q_rows) if tail else 0
+        full, diag = p[: len(p) - n], p[len(p) - n :]
+        for part, causal in ((full, False), (diag, True)):
+            if part:
+                v0, last = part[0][3], part[-1]
+                keys = (v0, last[3] + last[2][1] - last[2][0])
+                moved = tuple((q[0], q[1], q[2], q[3] - v0) for q in part)
+                specs.append(_spec(c.x, g.q_rows, keys, True, moved, causal, extra=extra))
+    return specs
+
+
+def _diagonal_units(pieces, x: int, rows: Rows) -> int:
+    """How many of the last ``pieces`` are the causal diagonal: rows ``rows`` of chunk ``x`` itself (one zig-zag
+    half, or both when the group is the whole chunk; consecutive in global order then, as no later chunk's keys are
+    in the group)."""
+    n = 0
+    while n < len(pieces) and pieces[-1 - n][1] == x and rows[0] <= pieces[-1 - n][2][0] < rows[1]:
+        n += 1
+    covered = [q[2] for q in pieces[len(pieces) - n :]]
+    if not covered or covered[0][0] != rows[0] or covered[-1][1] != rows[1]:
+        raise AssertionError(f"the causal diagonal of chunk {x} rows {rows} is not the last keys laid: {pieces}")
+    return n
+
+
+def _spec(x, q_rows, keys, laid, pieces, causal, *, reference=False, extra=None, mask=False) -> dict:
+    return {
+        "x": x,
+        "q_rows": q_rows,
+        "keys": keys,
+        "laid": laid,
+        "pieces": pieces,
+        "causal": causal,
+        "reference": reference,
+        "extra": extra or {},
+        "mask": mask,
+    }
+
+
+def _block_specs(plan, w: BlockWork, mode: KernelMode, col: int) -> list[dict]:
+    """Block ``w`` as one call on a view of its KV chunk, or as tiles when the mask cuts it or its logits are
+    softcapped and the kernel cannot do that (Note [Masked blocks] in :mod:`mesh_cp.core.masks`; a kernel that takes
+    segments runs a masked block as one call of its documents, or as its runs, uncut)."""
+    masked = w.kind is MaskKind.MASKED
+    tiled = masked or mode.reference_softcap
+    runs = masked and mode.softcap is None and mode.by_segments
+    if not tiled or (runs and plan.block_segments(w) is not None):
+        kind = "block" if masked else "causal" if w.causal else "full"
+        return [_tile_spec(plan, w, w.q_rows, w.kv_rows, kind, mode, col)]
+    return [_tile_spec(plan, w, q_rows, kv_rows, kind, mode, col) for q_rows, kv_rows, kind in plan.tiles(w, runs=runs)]
+
+
+def _tile_spec(plan, w: BlockWork, q_rows: Rows, kv_rows: Rows, kind: str, mode: KernelMode, col: int) -> dict:
+    """One call of block ``w``: softcapped logits to a kernel that takes ``"softcap"`` (else the reference kernel); a
+    ``"masked"`` tile to one that takes a dense ``"mask"`` or ``"segments"``, else to the reference kernel."""
+    extra, reference = {}, False
+    if mode.softcap is not None:
+        reference = "softcap" not in mode.keywords
+        extra["softcap"] = mode.softcap
+    taken = REFERENCE_KEYWORDS if reference else mode.keywords
+    mask = kind == "masked" and ("mask" in taken or "segments" not in taken)
+    reference = reference or (mask and "mask" not in taken)
+    if kind == "block":
+        extra["segments"] = plan.block_segments(w)
+    elif kind == "masked" and not mask:
+        extra["segments"] = plan.tile_segments(w, q_rows, kv_rows)
+    pieces = ((col, w.y, kv_rows, 0),)
+    return _spec(w.x, q_rows, kv_rows, False, pieces, kind == "causal", reference=reference, extra=extra, mask=mask)
