@@ -10,7 +10,9 @@ reason it cannot run such inputs there (empty: it can), which ``"auto"`` and nam
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
+import sys
 from typing import Literal, get_args
 
 import torch
@@ -26,7 +28,9 @@ from mesh_cp.kernels.base import (
 
 logger = logging.getLogger("mesh_cp")
 
-KernelName = Literal["reference", "cpu_flash", "cuda_sdpa", "cuda_flash", "flash_attn", "cuda_cudnn", "flash_attn3"]
+KernelName = Literal[
+    "reference", "cpu_flash", "cuda_sdpa", "cuda_flash", "flash_attn", "cuda_cudnn", "flash_attn3", "flash_attn4"
+]
 
 # name -> (module, class); imported lazily so a missing optional library only matters when chosen.
 _REGISTRY: dict[str, tuple[str, str]] = {
@@ -37,9 +41,11 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "flash_attn": ("mesh_cp.kernels.flash_attn", "FlashAttnKernel"),
     "cuda_cudnn": ("mesh_cp.kernels.cudnn", "CudnnKernel"),
     "flash_attn3": ("mesh_cp.kernels.flash_attn3", "FlashAttn3Kernel"),
+    "flash_attn4": ("mesh_cp.kernels.flash_attn4", "FlashAttn4Kernel"),
 }
-# Compute capabilities where "auto" puts FlashAttention 3 and cuDNN first (cuDNN where PyTorch itself prefers it:
-# sdp_utils.cpp, check_prefer_cudnn_attention; flash-attn 3 is built for Hopper).
+# Compute capabilities where "auto" puts FlashAttention 4, 3 and cuDNN first (cuDNN where PyTorch itself prefers it:
+# sdp_utils.cpp, check_prefer_cudnn_attention; flash-attn 3 is built for Hopper, flash-attn 4 for Hopper and Blackwell).
+_FA4_MAJORS = (9, 10)
 _FA3_MAJOR = 9
 _CUDNN_FIRST = ((9, 0), (10, 0), (10, 3))
 KERNEL_NAMES: tuple[str, ...] = get_args(KernelName)
@@ -96,9 +102,10 @@ def forget_choices() -> None:
 def candidates(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """The kernels ``"auto"`` tries, best first.
 
-    CUDA fp16/bf16: on compute capability 9.x ``flash_attn3`` (FlashAttention 3) and, on 9.0, 10.0 and 10.3,
-    ``cuda_cudnn`` (PyTorch's cuDNN attention) first; then ``flash_attn`` (flash-attn 2), ``cuda_flash``
-    (PyTorch's FlashAttention 2), ``cuda_sdpa`` (memory-efficient), ``reference``. CUDA fp32: ``cuda_sdpa``,
+    CUDA fp16/bf16: on compute capability 9.x and 10.x ``flash_attn4`` (FlashAttention 4, when installed) first,
+    then on 9.x ``flash_attn3`` (FlashAttention 3) and, on 9.0, 10.0 and 10.3, ``cuda_cudnn`` (PyTorch's cuDNN
+    attention); then ``flash_attn`` (flash-attn 2), ``cuda_flash`` (PyTorch's FlashAttention 2), ``cuda_sdpa``
+    (memory-efficient), ``reference``. CUDA fp32: ``cuda_sdpa``,
     ``reference``; CUDA fp64: ``reference``. CPU: ``cpu_flash``, ``reference``; other devices: ``reference``.
     :func:`choose` takes the first whose ``not_supported_reasons`` are empty.
     """
@@ -118,8 +125,20 @@ def _hopper_first(device: torch.device) -> tuple[str, ...]:
     if torch.version.hip:
         return ()
     capability = tuple(torch.cuda.get_device_capability(device))
+    fa4 = ("flash_attn4",) if capability[0] in _FA4_MAJORS and _importable("flash_attn.cute.interface") else ()
     fa3 = ("flash_attn3",) if capability[0] == _FA3_MAJOR else ()
-    return fa3 + (("cuda_cudnn",) if capability in _CUDNN_FIRST else ())
+    return fa4 + fa3 + (("cuda_cudnn",) if capability in _CUDNN_FIRST else ())
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` is in ``sys.modules`` or can be found (finding imports its parent packages, nothing of it);
+    an install that is found but fails to import is still offered, and passed over with the reason."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except Exception:  # a parent missing, None in sys.modules, or failing to import: not installed here
+        return False
 
 
 def _usable(device: torch.device, dtype: torch.dtype, head_dim: int | None) -> list[str]:
