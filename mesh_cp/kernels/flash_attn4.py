@@ -53,13 +53,14 @@ Read from ``flash_attn/cute/interface.py`` of Dao-AILab/flash-attention at tag `
 
 Note [FA4 segments in place]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A tile whose segments are all plain (:data:`~mesh_cp.core.segments.Segment`) has sorted, disjoint query ranges and
-sorted, disjoint key ranges in every row, so over the flattened ``(B * Sq)`` queries and ``(B * Sk)`` keys each
+A tile whose segments are all plain (:data:`~mesh_cp.core.segments.Segment`; a laid one whose key ranges touch is
+taken as the plain one of their union, if the key ranges of its row stay sorted and disjoint) has sorted, disjoint
+query ranges and sorted, disjoint key ranges in every row, so over the flattened ``(B * Sq)`` queries and ``(B * Sk)`` keys each
 window's segments are sequences ``cu_seqlens_q = [q0, ...]``, ``cu_seqlens_k = [k0, ...]`` (closed by the last one's
 end), each of ``seqused = q1 - q0`` (``k1 - k0``) rows: FA4 reads them from the flat ``q, k, v`` themselves, nothing
 is gathered or scattered back. ``seqused`` is passed only on a side whose ranges leave rows between them. The calls
 of a tile (one per window) write into one ``out`` (zeros) and ``lse`` (``-inf``) and one ``dq, dk, dv`` (zeros),
-each only on its own rows, so rows in no segment keep those values. A tile with a laid segment (Note [Laid keys])
+each only on its own rows, so rows in no segment keep those values. A tile with any other laid segment (Note [Laid keys])
 goes through :func:`mesh_cp.kernels.varlen.forward` / :func:`~mesh_cp.kernels.varlen.backward` (rows gathered per
 call); its backward passes ``-delta`` as the ``out`` those gather by rows, which the call turns into ``dlse``.
 The int32 ``cu_seqlens`` and ``seqused`` of a tile are built on the host once per arguments (a bounded cache) and
@@ -80,6 +81,7 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.options import positive_or_none
+from mesh_cp.core.segments import LaidSegment, Segment
 from mesh_cp.kernels import varlen
 from mesh_cp.kernels.base import Capabilities, cut_head_dim, pad_head_dim, round_up
 
@@ -193,13 +195,31 @@ def _sequences(starts: list[int], ends: list[int]) -> tuple[list[int], list[int]
     return [*starts, ends[-1]], [e - s for s, e in zip(starts, ends, strict=True)] if gaps else None
 
 
+def _plain(segment: Segment | LaidSegment) -> Segment | None:
+    """``segment`` as a plain one when its keys are one run of rows (a laid segment whose ranges touch), else
+    ``None``."""
+    if len(segment) == 6:
+        return segment
+    q0, q1, keys, left, right = segment
+    if any(a[1] != b[0] for a, b in zip(keys, keys[1:], strict=False)):
+        return None
+    return (q0, q1, keys[0][0], keys[-1][1], left, right)
+
+
+def _runs(segments: list[Segment | None]) -> bool:
+    """Every segment of a batch row is plain and their key ranges are sorted and disjoint."""
+    if any(seg is None for seg in segments):
+        return False
+    return all(a[3] <= b[2] for a, b in zip(segments, segments[1:], strict=False))
+
+
 @functools.lru_cache(maxsize=256)
 def _in_place(
     segments: varlen.Segments, batch: int, sq: int, sk: int, device: torch.device
 ) -> tuple[InPlaceCall, ...] | None:
     varlen._check_segments(segments, batch, sq, sk)
-    rows = segments * batch if len(segments) == 1 else segments
-    if any(len(seg) != 6 for segs in rows for seg in segs):
+    rows = [[_plain(seg) for seg in segs] for segs in (segments * batch if len(segments) == 1 else segments)]
+    if not all(_runs(segs) for segs in rows):
         return None
     groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for b, segs in enumerate(rows):

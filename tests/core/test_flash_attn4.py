@@ -124,6 +124,14 @@ def test_adjacent_segments_need_no_seqused(fa4) -> None:
         assert a["cu_seqlens_k"].tolist() == [0, 6, 8, 14, 16, 22, 24]
 
 
+def test_laid_segments_of_one_run_of_keys_are_read_in_place(fa4) -> None:
+    touching = (((0, 4, ((0, 2), (2, 5)), -1, -1), (5, 9, ((6, 9),), -1, 1)),)
+    case = _case(2, 10, 12, 4, 2, 64, torch.bfloat16, seed=4)
+    check(FlashAttn4Kernel.without_device_check(), case, segments=touching, lse_grad=True)
+    assert all(a["k"].data_ptr() == case[1].data_ptr() for _, a in fa4.calls)
+    assert fa4.calls[0][1]["cu_seqlens_k"].tolist() == [0, 12, 17] and fa4.calls[0][1]["seqused_k"].tolist() == [5, 5]
+
+
 LAID = (((0, 4, ((0, 3), (6, 9)), -1, -1), (5, 9, ((2, 5), (7, 10)), -1, 2), (10, 12, 11, 14, -1, -1)),)
 
 
