@@ -183,7 +183,8 @@ class InPlaceCall:
 
 def in_place_calls(segments: varlen.Segments, q: Tensor, k: Tensor, causal: bool) -> tuple[InPlaceCall, ...] | None:
     """The calls of a tile of ``q (B, Sq, ...)``, ``k (B, Sk, ...)`` read in place (Note [FA4 segments in place]), or
-    ``None`` when a segment is laid. Raises ``ValueError`` for ``causal`` or segments that break the contract."""
+    ``None`` when a laid segment's keys are not one run of rows (or their runs overlap): the tile's rows are gathered
+    then. Built once per arguments. Raises ``ValueError`` for ``causal`` or segments that break the contract."""
     if causal:
         raise ValueError("causal=True with segments: the segments carry the whole mask; pass causal=False")
     return _in_place(segments, q.shape[0], q.shape[1], k.shape[1], q.device)
@@ -207,7 +208,7 @@ def _plain(segment: Segment | LaidSegment) -> Segment | None:
 
 
 def _runs(segments: list[Segment | None]) -> bool:
-    """Every segment of a batch row is plain and their key ranges are sorted and disjoint."""
+    """Every segment of a batch row (after :func:`_plain`) is plain and their key ranges are sorted and disjoint."""
     if any(seg is None for seg in segments):
         return False
     return all(a[3] <= b[2] for a, b in zip(segments, segments[1:], strict=False))
@@ -316,7 +317,7 @@ class FlashAttn4Kernel:
         if calls is not None:
             batch, rows, heads, _ = q.shape
             out = torch.zeros(batch * rows, heads, padded, dtype=q.dtype, device=q.device)
-            lse = torch.full((heads, batch * rows), float("-inf"), device=q.device)
+            lse = torch.full((heads, batch * rows), float("-inf"), dtype=torch.float32, device=q.device)
             qf, kf, vf = _flat(q), _flat(k), _flat(v)
             for call in calls:
                 self._fa._flash_attn_fwd(q=qf, k=kf, v=vf, **call.arguments(), **options, out=out, lse=lse)
