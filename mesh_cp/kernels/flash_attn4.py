@@ -265,7 +265,9 @@ class FlashAttn4Kernel:
         dtypes=DTYPES,
         head_dim_multiple=HEAD_DIM_MULTIPLE,
         max_head_dim=MAX_HEAD_DIM,
+        gaps=True,
     )
+    """Plain segments with rows between them are read in place (``gaps``; Note [FA4 segments in place])."""
 
     def __init__(self, *, check_device: bool = True) -> None:
         self._fa = load()
