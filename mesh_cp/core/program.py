@@ -109,7 +109,20 @@ class Program:
 
     @property
     def laid_rows(self) -> int:
-        return sum(k1 - k0 for _, (k0, k1) in self.layout)
+        """Rows the phase lays by a copy: none when the layout is one run of one chunk (a view of it)."""
+        runs = self.runs
+        return 0 if len(runs) <= 1 else sum(k1 - k0 for _, k0, k1 in runs)
+
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        """The layout as runs ``(col, k0, k1)`` of consecutive rows of one chunk."""
+        out: list[tuple[int, int, int]] = []
+        for col, (k0, k1) in self.layout:
+            if out and out[-1][0] == col and out[-1][2] == k0:
+                out[-1] = (col, out[-1][1], k1)
+            else:
+                out.append((col, k0, k1))
+        return tuple(out)
 
 
 def rank_program(plan, rank: int, mode: KernelMode) -> Program:

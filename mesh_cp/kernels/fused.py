@@ -108,3 +108,6 @@ def compiles(device: torch.device) -> bool:
 
 merge_ = Fused(numerics.merge_)
 """:func:`mesh_cp.core.numerics.merge_` in one pass where it compiles (Note [Fused passes])."""
+
+merged = Fused(numerics.merged)
+""":func:`mesh_cp.core.numerics.merged` in one pass where it compiles (Note [Fused passes])."""

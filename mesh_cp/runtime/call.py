@@ -154,16 +154,11 @@ def accumulator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     )
 
 
-def lay(kv_of: Callable[[int], Tensor], layout: tuple[tuple[int, tuple[int, int]], ...]) -> Tensor | None:
-    """The key pieces ``layout`` (``(col, rows)`` of the stacked K, V chunks ``kv_of(col) (2, B, L, Hkv, D)``) laid
-    end to end once for the phase: ``(2, B, N, Hkv, D)``, a view when they are one run of one chunk (``None`` for
-    no pieces; Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
-    runs: list[tuple[int, int, int]] = []
-    for col, (k0, k1) in layout:
-        if runs and runs[-1][0] == col and runs[-1][2] == k0:
-            runs[-1] = (col, runs[-1][1], k1)
-        else:
-            runs.append((col, k0, k1))
+def lay(kv_of: Callable[[int], Tensor], prog: Program) -> Tensor | None:
+    """The keys of ``prog``'s layout (rows of the stacked K, V chunks ``kv_of(col) (2, B, L, Hkv, D)``) laid end to
+    end once for the phase: ``(2, B, N, Hkv, D)``, a view when they are one run of one chunk (``None`` for none;
+    Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
+    runs = prog.runs
     if not runs:
         return None
     if len(runs) == 1:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.numerics import acc_dtype, attention_delta
-from mesh_cp.kernels.fused import merge_
+from mesh_cp.kernels.fused import merge_, merged
 from mesh_cp.runtime.call import (
     AttentionCall,
     Saved,
@@ -66,10 +66,11 @@ class CollectiveExecutor:
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
         mesh, plan = call.mesh, call.plan
         q_all = all_gather(q, mesh.q_group)  # (a, B, L, Hq, D)
-        kv_all = all_gather(torch.stack((k, v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
-        packed = _forward_packed(call, mesh.mesh_rank, q_all, kv_all)
+        kv = [all_gather(torch.stack((k, v)), mesh.kv_group)]  # (b, 2, B, L, Hkv, D)
+        gathered = (q_all, kv[0]) if plan.backward == "reuse" else ()
+        packed = _forward_packed(call, mesh.mesh_rank, q_all, kv)
         out, lse = _reduce_rows_to_owners(packed, q_all.shape, mesh)
-        return out, lse, (q_all, kv_all) if plan.backward == "reuse" else ()
+        return out, lse, gathered
 
     def backward(
         self, call: AttentionCall, do: Tensor, dlse: Tensor | None, saved: Saved
@@ -81,12 +82,12 @@ class CollectiveExecutor:
             q_do = all_gather(torch.stack((q, do.to(q.dtype))), mesh.q_group)  # (a, 2, B, L, Hq, D)
             q_all, do_all = q_do[:, 0], q_do[:, 1]
         else:
-            q_all, kv_all = saved.gathered
+            q_all, kv = saved.gathered[0], [saved.gathered[1]]
             do_all = all_gather(do.to(q.dtype), mesh.q_group)
         stats = all_gather(torch.stack((saved.lse.to(acc), delta)), mesh.q_group)  # (a, 2, B, Hq, L)
         if plan.backward == "regather":
-            kv_all = all_gather(torch.stack((k, saved.v)), mesh.kv_group)  # (b, 2, B, L, Hkv, D)
-        dq_acc, dkv_acc = backward_blocks(call, mesh.mesh_rank, q_all, do_all, stats, kv_all)
+            kv = [all_gather(torch.stack((k, saved.v)), mesh.kv_group)]  # (b, 2, B, L, Hkv, D)
+        dq_acc, dkv_acc = _backward_accumulators(call, mesh.mesh_rank, q_all, do_all, stats, kv)
         dq = _sum_into(all_to_all(dq_acc, mesh.q_group), q.dtype)
         dkv = _sum_into(all_to_all(dkv_acc, mesh.kv_group), k.dtype if k.dtype == saved.v.dtype else dkv_acc.dtype)
         return dq, dkv[0].to(k.dtype), dkv[1].to(saved.v.dtype)
@@ -102,24 +103,35 @@ def forward_blocks(call: AttentionCall, rank: int, q_all: Tensor, kv_all: Tensor
     ``kv_all (b, 2, B, L, Hkv, D)``: the row partials ``o (a, B, L, H, D)`` and ``lse (a, B, H, L)`` in the
     accumulator dtype. A row's first result is copied in, later ones merged (Note [LSE merge], Note [First writes]);
     the keys of calls over several chunks are laid once (Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
-    return _unpack(_forward_packed(call, rank, q_all, kv_all), q_all.shape)
+    return _unpack(_forward_packed(call, rank, q_all, [kv_all]), q_all.shape)
 
 
-def _forward_packed(call: AttentionCall, rank: int, q_all: Tensor, kv_all: Tensor) -> Tensor:
+def _laid_keys(prog, kv: list[Tensor]) -> tuple[Tensor | None, Tensor | None]:
+    """The phase's laid keys and the gathered K, V chunks, which ``kv`` (a list of them) gives up when every call
+    reads the layout: held nowhere else (``backward="regather"``), they are freed once laid."""
+    laid = lay(kv[0].__getitem__, prog)
+    if laid is not None and all(c.laid for c in prog.calls):
+        kv.clear()
+        return laid, None
+    return laid, kv[0]
+
+
+def _forward_packed(call: AttentionCall, rank: int, q_all: Tensor, kv: list[Tensor]) -> Tensor:
     """:func:`forward_blocks`'s partials in one ``(a, B L H (D + 1))`` buffer, ``o`` then ``lse`` per Q chunk: what
     the all-to-all to the rows' owners sends, with no packing."""
     prog = call.program(rank)
+    laid, kv_all = _laid_keys(prog, kv)
     a, batch, seq, heads, dim = q_all.shape
     complete = prog.q_complete and seq == prog.seq  # the chunks are the plan's
     packed = accumulator((a, batch * seq * heads * (dim + 1)), acc_dtype(q_all.dtype), q_all.device, complete)
     o_acc, lse_acc = _unpack(packed, q_all.shape)
     if not complete:
         lse_acc.fill_(float("-inf"))
-    laid = lay(lambda j: kv_all[j], prog.layout)
     for c in prog.calls:
         o, lse = call.forward(c, q_all[c.slot], source(c, laid, lambda j: kv_all[j]))
         (q0, q1) = c.q_rows
         write_rows(o_acc[c.slot, :, q0:q1], lse_acc[c.slot, :, :, q0:q1], o, lse, c.first)
+        del o, lse  # before the next call's outputs exist
     return packed
 
 
@@ -137,29 +149,35 @@ def backward_blocks(
     L)`` (lse, delta): partial ``dq (a, B, L, H, D)`` and ``dk, dv (b, 2, B, L, Hkv, D)`` in the accumulator
     dtype. Every call's gradients go straight into them: a first write is a copy, later ones add (Note [First
     writes])."""
+    return _backward_accumulators(call, rank, q_all, do_all, stats, [kv_all])
+
+
+def _backward_accumulators(call, rank: int, q_all, do_all, stats, kv: list[Tensor]) -> tuple[Tensor, Tensor]:
     prog = call.program(rank)
-    acc = acc_dtype(q_all.dtype)
-    fits = q_all.shape[2] == prog.seq == kv_all.shape[3]  # the chunks are the plan's
+    acc, kv_shape = acc_dtype(q_all.dtype), kv[0].shape
+    fits = q_all.shape[2] == prog.seq == kv_shape[3]  # the chunks are the plan's
     dq_acc = accumulator(q_all.shape, acc, q_all.device, prog.q_complete and fits)
-    dkv_acc = accumulator(kv_all.shape, acc, q_all.device, prog.kv_complete and fits)
-    laid = lay(lambda j: kv_all[j], prog.layout)
+    laid, kv_all = _laid_keys(prog, kv)
+    dkv_acc = accumulator(kv_shape, acc, q_all.device, prog.kv_complete and fits)
     for c in prog.calls:
         i, (q0, q1) = c.slot, c.q_rows
         dq, dk, dv = call.backward(c, q_all[i], do_all[i], stats[i], source(c, laid, lambda j: kv_all[j]))
         accumulate(dq_acc[i, :, q0:q1], dq, c.first)
         add_key_grads(lambda j: dkv_acc[j], c, dk, dv, c.first_kv)
+        del dq, dk, dv
     return dq_acc, dkv_acc
 
 
 def _reduce_rows_to_owners(packed: Tensor, shape: torch.Size, mesh: CPMesh) -> tuple[Tensor, Tensor]:
     """Row partials in one buffer (:func:`_forward_packed`, ``shape`` the gathered Q chunks') -> this rank's merged
-    row, by one all-to-all of the buffer; the partials received are merged into the first one."""
+    row, by one all-to-all of the buffer: the first two partials received merged into new tensors, the rest into
+    them (what is returned holds none of the buffers)."""
     if shape[0] == 1:
         o_acc, lse_acc = _unpack(packed, shape)
-        return o_acc[0], lse_acc[0]
+        return o_acc[0], lse_acc[0].clone()
     o_parts, lse_parts = _unpack(all_to_all(packed, mesh.q_group), shape)
-    out, lse = o_parts[0], lse_parts[0]
-    for j in range(1, shape[0]):
+    out, lse = merged(o_parts[0], lse_parts[0], o_parts[1], lse_parts[1])
+    for j in range(2, shape[0]):
         merge_(out, lse, o_parts[j], lse_parts[j])
     return out, lse
 

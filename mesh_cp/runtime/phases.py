@@ -206,8 +206,10 @@ class ForwardPhase(OverlapPhase):
         return self.rows[i]
 
     def result(self) -> tuple[Tensor, Tensor]:
-        """This rank's own rows, merged: ``(o, lse)``."""
-        return self._views(self.row(0).finish())
+        """This rank's own rows, merged: ``(o, lse)`` (the lse a tensor of its own, so that keeping it for backward
+        does not keep the fp32 rows)."""
+        o, lse = self._views(self.row(0).finish())
+        return o, lse.clone()
 
     def reduce(self, step: RingStep) -> tuple[list, list[Tensor]]:
         """Send row offset ``s + 1``, receive offset ``s + 2``."""
@@ -226,12 +228,13 @@ class ForwardPhase(OverlapPhase):
 
     def compute(self, prog: Program) -> None:
         kv = self.chunks["kv"][0]
-        laid = lay(kv.__getitem__, prog.layout)
+        laid = lay(kv.__getitem__, prog)
         for c in prog.calls:
             o, lse = self.call.forward(c, self.chunks["q"][0][c.slot], source(c, laid, kv.__getitem__))
             row, (q0, q1) = self.row(c.slot), c.q_rows
             o_acc, lse_acc = row.views
             write_rows(o_acc[:, q0:q1], lse_acc[:, :, q0:q1], o, lse, row.prepare(c.q_rows))
+            del o, lse  # before the next call's outputs exist
 
     def gathered(self) -> tuple[Tensor, ...]:
         keep = self.call.plan.backward == "reuse"
@@ -285,7 +288,7 @@ class BackwardPhase(OverlapPhase):
 
     def compute(self, prog: Program) -> None:
         kv = self.chunks["kv"][0] if self.regather else self.gathered[1]
-        laid = lay(kv.__getitem__, prog.layout)
+        laid = lay(kv.__getitem__, prog)
         for c in prog.calls:
             main, stats = self.chunks["q"][0][c.slot], self.chunks["q"][1][c.slot]
             q_i, do_i = (main[0], main[1]) if self.regather else (self.gathered[0][c.slot], main)
@@ -294,3 +297,4 @@ class BackwardPhase(OverlapPhase):
             accumulate(g.flat[:, c.q_rows[0] : c.q_rows[1]], dq, g.prepare(c.q_rows))
             first = tuple(self.grad("kv", col).prepare(rows) for col, _, rows, _ in c.pieces)
             add_key_grads(lambda j: self.grad("kv", j).flat, c, dk, dv, first)
+            del dq, dk, dv

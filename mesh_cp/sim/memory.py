@@ -8,18 +8,21 @@ copies an all-gather through a flat buffer of its output, NCCL gathers in place)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
-from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind
 from mesh_cp.core.options import Phase, check_option
 from mesh_cp.core.plan import AttentionPlan
+from mesh_cp.core.program import Call, KernelMode, Program, rank_program, run_program
 from mesh_cp.core.segments import key_count
 
 Backend = Literal["gloo", "nccl"]
 BACKENDS: tuple[str, ...] = ("gloo", "nccl")
 
 
-def peak_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Backend = "gloo") -> int:
+def peak_bytes(
+    plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Backend = "gloo", kernel: str | None = None
+) -> int:
     """Bytes mesh rank ``rank`` allocates at the peak of ``phase`` of ``plan``, beyond its inputs and saved tensors.
 
     The mesh's peak, on ``plan.mesh_shape``: what the schedule holds — gathered Q/KV chunks (all of them for
@@ -31,14 +34,17 @@ def peak_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Bac
     all it moves (q, k, v, held while the mesh computes, and out and lse, exchanged while they are still held);
     backward what it moves *in* (dO and the lse's gradient): dq, dk, dv are exchanged after the mesh has freed its
     buffers and stay below the mesh's peak (measured within the tolerance of tests/runtime/test_memory.py).
+
+    The calls are read from the rank's program for ``kernel`` (:data:`FOOTPRINTS`; ``None``: the backend's
+    :data:`DEFAULT_KERNEL`): the keys it lays once per phase and each call's share (Note [Rank programs] in
+    :mod:`mesh_cp.core.program`).
     """
     check_option("phase", phase)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not modelled; choose one of {list(BACKENDS)}")
+    fp = footprint(kernel, backend)
     if plan.schedule == "collective":
-        mesh = _collective_peak(plan, phase, rank, staged=backend == "gloo")
+        mesh = _collective_peak(plan, phase, rank, staged=backend == "gloo", fp=fp)
     else:
-        mesh = _overlap_peak(plan, phase, rank, gpu=backend == "nccl")
+        mesh = _overlap_peak(plan, phase, rank, fp)
     return mesh + sum(t.piece_bytes * t.group_size for t in plan.all_to_alls(phase) if t.what in HELD)
 
 
@@ -46,49 +52,84 @@ HELD = ("q,k,v", "out", "lse", "dout", "dlse")
 """The head exchange's tensors whose head-layout copies count in the peak (:func:`peak_bytes`)."""
 
 
-def _kernel_bytes(plan: AttentionPlan, w: BlockWork | ChunkCall | None, phase: Phase, gpu: bool = False) -> int:
-    """Outputs and temporaries of one kernel call. CPU flash kernel (``gpu=False``): forward its output and the
-    merge's weighted copy; backward dq, dk, dv and the kernel's own out; GQA adds the K, V repeated to every head.
-    CUDA fused kernels in bf16 (``gpu=True``, measured with scripts/bench_rank.py on an H100, docs/performance.md):
-    no repeated K, V (native GQA), a masked block's varlen call adds its gathered rows (a split block's laid keys as
-    often as they are laid, and in backward the fp32 sum of their dk, dv, Note [Laid keys]), and the backward adds
-    six chunks of its rows (the fp32 temporaries of ``rowsum(dO * O)``'s construction and of the dq accumulation). A
-    :class:`ChunkCall` adds its keys laid end to end (Note [One call per Q chunk]): those of its largest row group,
-    as a kernel without ``segments`` holds them (with ``segments`` all groups' keys are held together, at most about
-    1.5 times more for a zig-zag chunk); on CPU its forward holds those keys repeated to every head beside them
-    (GQA), twice a block's share."""
-    if w is None:
-        return 0
+@dataclass(frozen=True)
+class KernelFootprint:
+    """What a kernel holds around its calls, as the memory model reads it: the :class:`KernelMode` its programs are
+    built for (Note [Rank programs] in :mod:`mesh_cp.core.program`), and what it allocates per call."""
+
+    mode: KernelMode
+    native_gqa: bool = False
+    """K and V keep their heads (else they are repeated to every query head inside the call)."""
+    gathers: bool = False
+    """Its varlen calls gather the rows of their sequences (flash-attn 2's varlen API); with :attr:`KernelMode.gaps`
+    only laid segments are gathered."""
+    backward_rows: float = 0.0
+    """Temporaries of a backward call in query chunk-rows of the input dtype (six for PyTorch's CUDA flash kernel in
+    bf16, measured with scripts/bench_rank.py on an H100: the fp32 ``rowsum(dO * O)`` construction and dq
+    accumulation)."""
+
+
+def _mode(keywords: set[str], gaps: bool = False) -> KernelMode:
+    return KernelMode(frozenset(keywords), None, gaps)
+
+
+FOOTPRINTS: dict[str, KernelFootprint] = {
+    "reference": KernelFootprint(_mode({"mask", "segments", "softcap"})),
+    "cpu_flash": KernelFootprint(_mode({"mask"})),
+    "cuda_sdpa": KernelFootprint(_mode({"mask"}), backward_rows=6),
+    "cuda_flash": KernelFootprint(_mode({"segments"}), native_gqa=True, gathers=True, backward_rows=6),
+    "flash_attn": KernelFootprint(_mode({"segments", "softcap"}), native_gqa=True, gathers=True, backward_rows=6),
+    "cuda_cudnn": KernelFootprint(_mode(set()), native_gqa=True, backward_rows=6),
+    "flash_attn3": KernelFootprint(_mode(set()), native_gqa=True, backward_rows=6),
+    "flash_attn4": KernelFootprint(_mode({"segments", "softcap"}, gaps=True), native_gqa=True, backward_rows=6),
+}
+"""The footprint of every kernel of :mod:`mesh_cp.kernels` by name (tests/core/test_memory_calibration.py checks that
+the modes match the kernels' capabilities)."""
+
+DEFAULT_KERNEL = {"gloo": "cpu_flash", "nccl": "cuda_flash"}
+"""The kernel a backend's peak is modelled with when none is named."""
+
+
+def footprint(kernel: str | None, backend: Backend) -> KernelFootprint:
+    """The :class:`KernelFootprint` of kernel ``kernel`` (``None``: the backend's :data:`DEFAULT_KERNEL`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not modelled; choose one of {list(BACKENDS)}")
+    name = DEFAULT_KERNEL[backend] if kernel is None else kernel
+    if name not in FOOTPRINTS:
+        raise ValueError(f"kernel {name!r} has no memory footprint; choose one of {sorted(FOOTPRINTS)}")
+    return FOOTPRINTS[name]
+
+
+def _call_bytes(plan: AttentionPlan, c: Call, phase: Phase, fp: KernelFootprint) -> int:
+    """Outputs and temporaries of one kernel call of a program. Forward: its output and the merge's weighted copy;
+    backward: dq, dk, dv, the kernel's own out and :attr:`KernelFootprint.backward_rows`; K, V repeated to every head
+    without native GQA; a varlen call that gathers adds its gathered rows (a laid key as often as it is laid, and in
+    backward the fp32 sum of their dk, dv, Note [Laid keys] in :mod:`mesh_cp.kernels.varlen`)."""
     s = plan.mesh_shape
-    q_bytes = s.chunk_elems * s.itemsize
-    rq = (w.q_rows[1] - w.q_rows[0]) / s.seq_local
-    if isinstance(w, ChunkCall):
-        # the per-group calls hold one group's keys at a time; one call with segments holds all of them
-        rk = max(g.key_count for g in w.groups) / s.seq_local
-        keys = int(rk * plan.chunk_bytes()[1])
-    else:
-        rk, keys = (w.kv_rows[1] - w.kv_rows[0]) / s.seq_local, 0
-    gqa = rk if s.kv_heads != s.heads and not gpu else 0.0
-    if gpu and isinstance(w, BlockWork) and w.kind is MaskKind.MASKED:
-        laid = _laid_keys(plan, w)
-        gathered = rk if laid is None else laid / s.seq_local
-        keys = int(gathered * plan.chunk_bytes()[1] + 2 * rq * q_bytes)  # a varlen call's gathered rows and output's
-        if laid is not None and phase == "backward":  # the fp32 sum of the laid keys' dk, dv
-            keys += int(rk * plan.chunk_bytes()[1] // s.itemsize * s.acc_itemsize)
+    q_bytes, kv_bytes = plan.chunk_bytes()
+    rq = (c.q_rows[1] - c.q_rows[0]) / s.seq_local
+    rk = (c.keys[1] - c.keys[0]) / s.seq_local
+    gqa = rk if s.kv_heads != s.heads and not fp.native_gqa else 0.0
+    keys = 0
+    segments = c.extra.get("segments")
+    if segments is not None and fp.gathers:
+        laid = any(len(seg) == 5 for row in segments for seg in row)
+        if laid or not fp.mode.gaps:
+            gathered = sum(key_count(seg) for row in segments for seg in row) / len(segments) / s.seq_local
+            keys = int(gathered * kv_bytes + 2 * rq * q_bytes)  # the gathered rows and the output's
+            if laid and phase == "backward":  # the fp32 sum of the laid keys' dk, dv
+                keys += int(rk * kv_bytes // s.itemsize * s.acc_itemsize)
     if phase == "forward":
-        expanded = gqa * q_bytes // (1 if isinstance(w, ChunkCall) else 2)  # K, V repeated to every head
-        return keys + int(rq * (q_bytes + s.chunk_elems * s.acc_itemsize) + expanded)
-    return keys + int((2 * rq + 2 * rk + 1.5 * gqa + (6 * rq if gpu else 0)) * q_bytes)
+        expanded = gqa * q_bytes // (1 if c.laid else 2)  # K, V repeated to every head
+        merge = 0 if c.first else s.chunk_elems * s.acc_itemsize  # a first write is a copy, not a merge
+        return keys + int(rq * (q_bytes + merge) + expanded)
+    return keys + int((2 * rq + 2 * rk + 1.5 * gqa + fp.backward_rows * rq) * q_bytes)
 
 
-def _laid_keys(plan: AttentionPlan, w: BlockWork) -> float | None:
-    """Key rows per batch row that a masked block's varlen call gathers when its segments lay keys end to end (split
-    documents, Note [Block segments]): a key part two query parts see is gathered twice. ``None`` for a block whose
-    segments are plain (its key rows, at most) or that runs as its runs."""
-    segments = plan.block_segments(w)
-    if segments is None or all(len(seg) == 6 for row in segments for seg in row):
-        return None
-    return sum(key_count(seg) for row in segments for seg in row) / len(segments)
+def _program_bytes(plan: AttentionPlan, prog: Program, phase: Phase, fp: KernelFootprint) -> int:
+    """The keys a program lays for its phase (none when they are one run of one chunk: a view) and its largest
+    call's share."""
+    return _laid_bytes(plan, prog) + max((_call_bytes(plan, c, phase, fp) for c in prog.calls), default=0)
 
 
 def _units(plan: AttentionPlan) -> dict[str, int]:
@@ -104,9 +145,13 @@ def _units(plan: AttentionPlan) -> dict[str, int]:
     }
 
 
-def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool) -> int:
+def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool, fp: KernelFootprint) -> int:
     u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
-    compute = _compute_stage(plan, phase, rank, gpu=not staged)  # accumulators and the largest call
+    compute = _compute_stage(plan, phase, rank, fp)  # accumulators, the laid keys and the largest call
+    prog = rank_program(plan, rank, fp.mode)
+    laid = _laid_bytes(plan, prog)
+    # the gathered K, V are freed once laid when every call reads the layout and backward does not reuse them
+    freed = b * u["kv"] if laid and plan.backward == "regather" and all(c.laid for c in prog.calls) else 0
     if phase == "forward":
         rows = a * (u["acc"] + u["stats"])
         gathered = a * u["q"] + b * u["kv"]
@@ -114,46 +159,53 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool)
         stages = [
             a * u["q"] * (2 if a > 1 else 1),  # the all-gather of Q
             gathered + u["kv"] + (b * u["kv"] if b > 1 else 0),  # the all-gather of the stacked K, V
-            gathered + compute,  # block compute
-            gathered + 3 * rows + u["acc"] + u["stats"] if a > 1 else 0,  # packed, received, merged row
+            gathered + laid,  # the keys laid
+            gathered - freed + compute,  # block compute
+            gathered - freed + 2 * rows if a > 1 else 0,  # the partials sent and received (merged into the first)
         ]
         return max(stages)
     regather = plan.backward == "regather"
     gathered = (a * 2 * u["q"] + b * u["kv"]) if regather else a * u["q"]
     stats = (2 * a + 3) * u["stats"]
     grads = 2 * (a * u["acc"] + b * u["kv_acc"]) + u["acc"] + u["kv_acc"]
-    return gathered + stats + max(grads, compute)
+    return gathered + stats + max(grads - freed, compute - freed, laid + a * u["acc"])
 
 
-def compute_bytes(plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Backend = "gloo") -> int:
+def _laid_bytes(plan: AttentionPlan, prog: Program) -> int:
+    """Bytes of the keys a program lays for its phase (none when they are one run of one chunk: a view)."""
+    return int(prog.laid_rows / plan.mesh_shape.seq_local * plan.chunk_bytes()[1])
+
+
+def compute_bytes(
+    plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Backend = "gloo", kernel: str | None = None
+) -> int:
     """What the collective schedule allocates around its kernel calls on mesh rank ``rank``, beyond the gathered
     chunks and the rows' statistics: the fp32 row (forward) or gradient (backward) accumulators and the largest
     call's share (the block-compute stage of :func:`peak_bytes`, which a one-device benchmark measures alone)."""
     check_option("phase", phase)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not modelled; choose one of {list(BACKENDS)}")
+    fp = footprint(kernel, backend)
     if plan.schedule != "collective":
         raise ValueError(f"compute_bytes models the collective schedule; this plan's is {plan.schedule!r}")
-    return _compute_stage(plan, phase, rank, gpu=backend == "nccl")
+    return _compute_stage(plan, phase, rank, fp)
 
 
-def _compute_stage(plan: AttentionPlan, phase: Phase, rank: int, gpu: bool) -> int:
+def _compute_stage(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootprint) -> int:
     u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
-    kernel = max(_kernel_bytes(plan, w, phase, gpu) for w in plan.calls(rank))
+    kernel = _program_bytes(plan, rank_program(plan, rank, fp.mode), phase, fp)
     if phase == "forward":
         return a * (u["acc"] + u["stats"]) + kernel
     return a * u["acc"] + b * u["kv_acc"] + kernel
 
 
-def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, gpu: bool) -> int:
+def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootprint) -> int:
     u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
     sched = plan.overlap(phase)
     keep = plan.backward == "reuse"
     if phase == "forward":
-        # Partial rows are packed into a copy when sent: the copy and the receive buffer are in flight.
+        # Partial rows are sent as the buffer they are in: only the receive buffer is extra while in flight.
         partial = {"q": u["acc"] + u["stats"]}
-        alive = {"q": sched.partials_alive("q", sent_at="launch")}
-        inflight_bytes = {"q": 2 * (u["acc"] + u["stats"])}
+        alive = {"q": sched.partials_alive("q", sent_at="wait")}
+        inflight_bytes = dict(partial)
         fixed = 0
         q_unit, kv_unit, q0_input = u["q"], u["kv"], not keep
         if keep:  # the chunk stores are allocated whole
@@ -168,10 +220,11 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, gpu: bool) -> in
         q_unit = (u["q"] if keep else 2 * u["q"]) + 2 * u["stats"]  # (dO) or (q, dO), with lse and delta
         kv_unit, q0_input = (0, True) if keep else (u["kv"], False)  # reuse: offset 0's dO is the input
     last_q = sched.last_use("q")
-    units = {}  # the kernel call of every compute action: a row's on GPU kernels (Note [Rows of the overlapped schedule])
-    for start, (end, call) in plan.overlap_calls(rank, phase).items():
+    units = {}  # what the run of every compute action holds (Note [Rows of the overlapped schedule])
+    for start in plan.overlap_calls(rank, phase):
+        end, prog = run_program(plan, rank, phase, start, fp.mode)
         for t in range(start, end):
-            units[t] = call if call is not None and gpu else plan.block_at(rank, *sched.actions[t].block)
+            units[t] = _program_bytes(plan, prog, phase, fp)
     inflight: dict[str, int] = {}
     peak = 0
     for t, (act, (nq, nkv)) in enumerate(zip(sched.actions, sched.chunks_alive(), strict=True)):
@@ -179,7 +232,7 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, gpu: bool) -> in
             inflight[act.step.ring] = inflight_bytes[act.step.ring]
         held = nq * q_unit + nkv * kv_unit - (u["q"] if q0_input and last_q.get(0, -1) >= t else 0)
         partials = sum(alive[ring][t] * partial[ring] for ring in partial)
-        kernel = _kernel_bytes(plan, units[t], phase, gpu) if act.op == "compute" else 0
+        kernel = units[t] if act.op == "compute" else 0
         now = fixed + held + partials + sum(inflight.values()) + kernel
         peak = max(peak, now)
         if act.op == "wait" and act.step.kind == "reduce":
