@@ -1,7 +1,11 @@
 """The peak-memory model's GPU calibration (``backend="nccl"``) against the peaks measured on an H100 in bf16 by
 scripts/bench_rank.py (docs/results/bench_rank_h100.json): rank 0 of P = 16, tile 4x4, causal and three packed mixes,
 MHA 32:32 and GQA 32:8, L = 2048 and 8192, forward and backward. The model was fitted on these measurements, so this
-guards it against drifting from them; a new GPU run is what validates it."""
+guards it against drifting from them; a new GPU run is what validates it.
+
+The measured runtime laid a chunk call's keys for each call; the present one lays the keys of every KV chunk once per
+phase (Note [Keys in global order] in ``mesh_cp/core/program.py``), which its model counts, and copies first writes
+where that one merged them. Until a GPU run measures the present runtime, the bounds are those below."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import sys
 from pathlib import Path
 
 from mesh_cp.core import AttentionShape, Tiling, make_plan
-from mesh_cp.sim.memory import compute_bytes
+from mesh_cp.core.program import rank_program
+from mesh_cp.sim.memory import FOOTPRINTS, compute_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -18,44 +23,49 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_rank import masks  # noqa: E402
 
 
-def test_gpu_model_within_20_percent_of_the_h100_peaks() -> None:
-    doc = json.loads((ROOT / "docs/results/bench_rank_h100.json").read_text())
+def ratios(path: str, split: bool) -> list[tuple[float, float, int, str, str]]:
+    """``(model / measured, model without the laid keys / measured, L, mask, phase)`` of every training row of a
+    bench_rank result file."""
+    doc = json.loads((ROOT / path).read_text())
     assert doc["dtype"] == "bfloat16" and doc["kernel"] == "cuda_flash"
-    rows = [r for r in doc["rows"] if r["kind"] == "train"]
-    assert len(rows) == 16
-    for r in rows:
-        mask = masks(doc["world"] * r["L"], doc["doc_scale"], doc["seed"])[r["mask"]]
+    out = []
+    for r in [r for r in doc["rows"] if r["kind"] == "train"]:
+        extra = {"balance_world": doc["world"], "split": True} if split else {}
+        mask = masks(doc["world"] * r["L"], doc["doc_scale"], doc["seed"], **extra)[r["mask"]]
         shape = AttentionShape(
             batch=1, seq_local=r["L"], heads=r["heads"], kv_heads=r["kv_heads"], head_dim=128, itemsize=2
         )
         plan = make_plan(Tiling(16, 4, 4), shape, causal=True, layout="zigzag", schedule="collective", mask=mask)
         for phase, measured in zip(("forward", "backward"), r["peak_mib"], strict=True):
             model = compute_bytes(plan, phase, backend="nccl") / 2**20
-            assert 0.8 <= model / measured <= 1.2, (
-                r["L"],
-                r["heads"],
-                r["kv_heads"],
-                r["mask"],
-                phase,
-                model,
-                measured,
-            )
+            out.append((model / measured, (model - laid_mib(plan)) / measured, r["L"], r["mask"], phase))
+    return out
 
 
-def test_gpu_model_is_never_far_below_the_h200_peaks() -> None:
-    """The same model against a later run on an H200 (docs/results/bench_rank_h200.json; also balanced and split
-    packed rows, after first writes stopped filling accumulators): at most 15% below any measured peak, so a tile that
-    ``memory_budget`` admits does not run short, and at most 50% above (packed rows, where it is conservative)."""
-    doc = json.loads((ROOT / "docs/results/bench_rank_h200.json").read_text())
-    rows = [r for r in doc["rows"] if r["kind"] == "train"]
-    assert doc["device"] == "NVIDIA H200" and len(rows) == 40
-    ratios = []
-    for r in rows:
-        mask = masks(doc["world"] * r["L"], doc["doc_scale"], doc["seed"], doc["world"], split=True)[r["mask"]]
-        shape = AttentionShape(
-            batch=1, seq_local=r["L"], heads=r["heads"], kv_heads=r["kv_heads"], head_dim=128, itemsize=2
-        )
-        plan = make_plan(Tiling(16, 4, 4), shape, causal=True, layout="zigzag", schedule="collective", mask=mask)
-        for phase, measured in zip(("forward", "backward"), r["peak_mib"], strict=True):
-            ratios.append((compute_bytes(plan, phase, backend="nccl") / 2**20 / measured, r["L"], r["mask"], phase))
-    assert min(ratios)[0] >= 0.85 and max(ratios)[0] <= 1.5, (min(ratios), max(ratios))
+def test_gpu_model_against_the_measured_peaks() -> None:
+    """The H100 run (16 rows) and the H200 run (40 rows, balanced and split packed rows too). The measured runtime laid
+    a chunk call's keys for each call and merged first writes; the present one lays the phase's keys once (counted by
+    the model: up to 1.55x the measured peak of causal MHA forward) and copies first writes (less than the measured:
+    down to 0.79x). Without the laid keys the model stays within 25% below and 50% above every measured peak; with
+    them, within 25% below and 70% above."""
+    rows = ratios("docs/results/bench_rank_h100.json", False) + ratios("docs/results/bench_rank_h200.json", True)
+    assert len(rows) == 2 * (16 + 40)
+    assert 0.75 <= min(rows)[0] and max(rows)[0] <= 1.7, (min(rows), max(rows))
+    without = sorted(r[1:] for r in rows)
+    assert 0.75 <= without[0][0] and without[-1][0] <= 1.5, (without[0], without[-1])
+
+
+def laid_mib(plan) -> float:
+    """MiB of the keys rank 0 lays once per phase on ``cuda_flash``."""
+    laid = rank_program(plan, 0, FOOTPRINTS["cuda_flash"].mode).laid_rows
+    return laid / plan.mesh_shape.seq_local * plan.chunk_bytes()[1] / 2**20
+
+
+def test_footprints_match_the_kernels() -> None:
+    """Every kernel of the registry has a footprint whose mode is what its capabilities declare."""
+    from mesh_cp.kernels import KERNEL_NAMES, _kernel_class, capabilities_of
+
+    assert set(FOOTPRINTS) == set(KERNEL_NAMES)
+    for name in KERNEL_NAMES:
+        caps = capabilities_of(_kernel_class(name))
+        assert (FOOTPRINTS[name].mode.keywords, FOOTPRINTS[name].mode.gaps) == (caps.keywords, caps.gaps), name
