@@ -17,7 +17,7 @@ and run on an H200 with torch 2.11.0+cu130 (cuDNN 9.19). What this kernel relies
 - Tensors are ``(B, H, S, D)`` views of contiguous ``(B, S, H, D)`` tensors (the layout ``check_cudnn_layout``
   accepts), and ``out``, ``grad_out`` of the backward have that layout too: the backward's graph is cached by the
   shapes and strides of ``q, k, v`` only, so every call of one key must bring the same layouts of the rest. K and
-  V get the query heads (GQA heads are expanded here and their gradients summed back).
+  V keep their own heads (Note [cuDNN native GQA]).
 - The head dim is padded with zeros to a multiple of 8 and is at most 128 (cuDNN's limit on every GPU; 256 needs
   sm90/sm100, cuDNN > 9.22 and a new enough cuDNN frontend, which Python cannot see). With a gradient on the lse
   at head dim 128 the delta column does not fit: backward by parts (Note [Gradient of the lse] in
@@ -34,6 +34,23 @@ and run on an H200 with torch 2.11.0+cu130 (cuDNN 9.19). What this kernel relies
   prefers cuDNN only from 9.15.1): this kernel needs cuDNN >= 9.15.1, as block lengths are arbitrary here.
 - The backward takes no determinism flag: under ``torch.use_deterministic_algorithms(True)`` PyTorch's op only
   warns (with ``warn_only``) that cuDNN's backward is not deterministic; ``flash_attn`` follows the flag.
+
+Note [cuDNN native GQA]
+~~~~~~~~~~~~~~~~~~~~~~~
+The op pair takes K and V with fewer heads than Q (``Hq % Hkv == 0``) and the backward returns ``dk, dv`` with
+``Hkv`` heads, the sum over each group; read from PyTorch's ``aten/src/ATen/native/cudnn/MHA.cpp`` (``build_graph``
+and ``build_graph_backward`` declare the cuDNN graph's K, V, dK and dV with the tensors' own ``sizes()`` and
+strides, and the graph cache key holds K's and V's dims apart from Q's), ``transformers/cuda/
+attention_backward.cu`` (``_cudnn_attention_backward``: ``dk = at::empty_like(key)``, ``dv =
+at::empty_like(value)``), ``transformers/cuda/sdp_utils.cpp`` (``can_use_cudnn_attention``'s dense constraints:
+``check_batch_size_and_num_heads_dense<supports_gqa=true, requires_same_num_heads=false>``, pytorch/pytorch#150337:
+"cuDNN attention doesn't require key and value tensors to have the same number of heads"), all on main of 2025-26,
+and from torch 2.13's meta functions (``torch/_meta_registrations.py``: the backward's ``grad_k =
+torch.empty_like(key)``); cuDNN's graph API has taken grouped K/V heads in the forward and the backward since 8.9
+(pytorch/pytorch#139586, 2024: the op "does not reject nheads being different as long as they are valid
+factors"). No 2.11 or 2.12 source was at hand, so the native call is gated on the PyTorch this kernel was run
+with on a GPU and after (:data:`NATIVE_GQA_TORCH`, 2.11, whose schemas are 2.13's); an older PyTorch gets the
+heads expanded here and the gradients summed back, as before.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ import functools
 
 import torch
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
 from mesh_cp.core.numerics import expand_kv, fold_kv_grad
 from mesh_cp.kernels.base import (
@@ -60,6 +78,9 @@ MAX_HEAD_DIM = 128
 MIN_CUDNN = 91501
 """cuDNN 9.15.1, as ``torch.backends.cudnn.version()`` reports it (``major * 10000 + minor * 100 + patch``)."""
 OPS = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
+NATIVE_GQA_TORCH = "2.11.0.dev0"
+"""The oldest PyTorch whose cuDNN op pair this kernel calls with K and V of their own heads (Note [cuDNN native
+GQA])."""
 _REFERENCE = ReferenceKernel()
 
 
@@ -79,6 +100,17 @@ def stats_rank() -> int:
     if lse.shape not in ((1, 1, 16), (1, 1, 16, 1)):
         raise RuntimeError(f"torch {torch.__version__}: the cuDNN attention op's logsumexp is {tuple(lse.shape)}")
     return lse.dim()
+
+
+@functools.cache
+def native_gqa() -> bool:
+    """Whether K and V go to the op with their own heads in this PyTorch (Note [cuDNN native GQA])."""
+    return TorchVersion(torch.__version__) >= NATIVE_GQA_TORCH
+
+
+def _kv(k: Tensor, v: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    """``k, v`` as the op gets them: unchanged with native GQA, else expanded to ``heads``."""
+    return (k, v) if native_gqa() else (expand_kv(k, heads), expand_kv(v, heads))
 
 
 def _bhsd(x: Tensor) -> Tensor:
@@ -137,7 +169,7 @@ class CudnnKernel(CudaOnlyKernel):
             return _REFERENCE.forward(q, k, v, causal=causal, scale=scale)
         batch, rows, heads, dim = q.shape
         padded = round_up(dim, HEAD_DIM_MULTIPLE)
-        q, k, v = (_bhsd(pad_head_dim(t, padded)) for t in (q, expand_kv(k, heads), expand_kv(v, heads)))
+        q, k, v = (_bhsd(pad_head_dim(t, padded)) for t in (q, *_kv(k, v, heads)))
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale
         )
@@ -168,7 +200,7 @@ class CudnnKernel(CudaOnlyKernel):
         if lse_grad and round_up(dim + 1, HEAD_DIM_MULTIPLE) > MAX_HEAD_DIM:
             return backward_by_parts(self, do, q, k, v, lse, delta, causal=causal, scale=scale)
         kv_heads, keys = k.shape[2], k.shape[1]
-        k, v = expand_kv(k, heads), expand_kv(v, heads)
+        k, v = _kv(k, v, heads)
         # The op forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
         do, q, k, v, out = fused_backward_inputs(do, q, k, v, delta, lse_grad=lse_grad, multiple=HEAD_DIM_MULTIPLE)
         stats = lse.float().reshape(batch, heads, rows, *((1,) if stats_rank() == 4 else ())).contiguous()

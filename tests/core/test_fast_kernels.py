@@ -3,8 +3,9 @@
 
 - ``cuda_cudnn``: on ``meta`` tensors through the ops' real meta functions, and numerically under a dispatch mode
   that implements the op pair on CPU, reading every argument by its schema name and asserting what the kernel
-  relies on (Note [cuDNN attention ops]: the ``(B, S, H, D)``-contiguous layout of q, k, v, out and grad_out, equal
-  heads, head dims that are multiples of 8 up to 128, the ``(B, H, S, 1)`` fp32 logsumexp, at least 2 keys).
+  relies on (Note [cuDNN attention ops]: the ``(B, S, H, D)``-contiguous layout of q, k, v, out and grad_out, K and
+  V heads that divide the query heads and gradients of K's and V's own heads (Note [cuDNN native GQA]), head dims
+  that are multiples of 8 up to 128, the ``(B, H, S, 1)`` fp32 logsumexp, at least 2 keys).
 - ``flash_attn3``: fakes of ``flash_attn_interface`` with the exact signatures of flash-attention's
   ``hopper/flash_attn_interface.py`` at commits 7a80279 (2025-01), 909eb7c (2025-04) and the custom ops merged
   2025-11-17 (Note [flash-attn 3 API]), asserting what the C++ asserts and forming ``rowsum(dO * out)`` as the
@@ -56,9 +57,16 @@ def _check_layout(*tensors) -> None:
         assert t.stride() == (s * h * d, d, h * d, 1), (t.shape, t.stride())
 
 
+def _check_heads(query, key, value) -> None:
+    """``check_grouped_query_attention`` without ``requires_same_num_heads`` (sdp_utils): K's and V's heads each
+    divide the query heads."""
+    hq, hk, hv = query.shape[1], key.shape[1], value.shape[1]
+    assert hq % hk == 0 and hq % hv == 0, f"query heads {hq} are not a multiple of key heads {hk} / value heads {hv}"
+
+
 def _cudnn_fwd(query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask, scale):
     assert query.dtype in LOW and query.dtype == key.dtype == value.dtype
-    assert query.shape[1] == key.shape[1] == value.shape[1], "K and V heads are expanded before the op"
+    _check_heads(query, key, value)
     assert query.shape[-1] % 8 == 0 and query.shape[-1] <= 128, "head_dim a multiple of 8, at most 128"
     assert key.shape[2] >= 2, "cudnn SDPA does not support key/value sequence length 1"
     assert not is_causal or query.shape[2] == key.shape[2], "causal only on square blocks"
@@ -90,14 +98,18 @@ def _cudnn_bwd(
 ):
     assert attn_bias is None and cum_seq_q is None and cum_seq_k is None and dropout_p == 0.0
     assert (max_q, max_k) == (query.shape[2], key.shape[2]) and key.shape[2] >= 2
-    assert query.shape[-1] % 8 == 0 and query.shape[-1] <= 128 and query.shape[1] == key.shape[1]
+    assert query.shape[-1] % 8 == 0 and query.shape[-1] <= 128
+    _check_heads(query, key, value)
+    assert grad_out.shape == out.shape == (*query.shape[:3], value.shape[-1])
     _check_layout(grad_out, query, key, value, out)
     b, h, s, _ = query.shape
     assert logsumexp.shape == (b, h, s, 1) and logsumexp.dtype == torch.float32 and logsumexp.is_contiguous()
     delta = (grad_out.float() * out.float()).sum(-1)  # cuDNN forms rowsum(dO * O) itself
     bshd = [t.transpose(1, 2) for t in (grad_out, query, key, value)]
     grads = REF.backward(*bshd, logsumexp[..., 0], delta, causal=is_causal, scale=scale)
-    return tuple(g.to(query.dtype).transpose(1, 2) for g in grads)  # empty_like(query): query's layout
+    grads = tuple(g.to(query.dtype).transpose(1, 2) for g in grads)  # empty_like(query / key / value): their layout
+    assert [g.shape for g in grads] == [query.shape, key.shape, value.shape]  # dk, dv of K's and V's own heads
+    return grads
 
 
 class EmulatedCudnn(EmulatedCudaAttention):
@@ -108,6 +120,17 @@ class EmulatedCudnn(EmulatedCudaAttention):
         torch.ops.aten._scaled_dot_product_cudnn_attention.default: _cudnn_fwd,
         torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_bwd,
     }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads: list[tuple[int, int, int]] = []
+        """``(query, key, value)`` heads of every cuDNN op call."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__ in CUDNN_OPS:
+            bound = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | (kwargs or {})
+            self.heads.append(tuple(bound[name].shape[1] for name in ("query", "key", "value")))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 CUDNN_OPS = {"_scaled_dot_product_cudnn_attention.default", "_scaled_dot_product_cudnn_attention_backward.default"}
@@ -136,6 +159,20 @@ def test_cudnn_is_exact_on_emulated_ops(head_dim: int) -> None:
     widths = {shape[-1] for shape in mode.backward_widths}
     # The delta column at round_up(D + 1, 8); at 128 it does not fit and the backward goes by parts, at 128.
     assert widths == ({128} if head_dim == 128 else {round_up(head_dim + 1, 8), round_up(head_dim, 8)}), widths
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_cudnn_calls_the_op_with_kv_heads_of_their_own(monkeypatch, native: bool) -> None:
+    """GQA (8 query heads, 2 K/V heads) goes to the op unexpanded and its dk, dv come back with 2 heads (Note [cuDNN
+    native GQA]); a PyTorch before :data:`~mesh_cp.kernels.cudnn.NATIVE_GQA_TORCH` gets the heads expanded."""
+    assert cudnn.native_gqa()  # torch 2.13 here
+    monkeypatch.setattr(cudnn, "native_gqa", lambda: native)
+    kernel = CudnnKernel.without_device_check()
+    with EmulatedCudnn() as mode:
+        check_block_kernel(kernel, torch.bfloat16, True, lse_grad_case(8, 2, 64, seed=5, lse_only=False))
+        check_block_kernel(kernel, torch.float16, False, lse_grad_case(8, 2, 128, seed=6, lse_only=False))
+    assert CUDNN_OPS <= set(mode.ran)
+    assert set(mode.heads) == ({(8, 2, 2)} if native else {(8, 8, 8)}), mode.heads
 
 
 def test_cudnn_blocks_of_one_key_run_on_the_reference_kernel() -> None:
