@@ -17,13 +17,21 @@ def _objective(out: torch.Tensor, lse: torch.Tensor, do: torch.Tensor, dlse: tor
 
 
 def errors_against_reference(
-    mesh, shape: tuple[int, int, int, int, int], *, seed: int, layout: str, lse_loss: bool = True, **options
+    mesh,
+    shape: tuple[int, int, int, int, int],
+    *,
+    seed: int,
+    layout: str,
+    lse_loss: bool = True,
+    dtype: torch.dtype = torch.float32,
+    **options,
 ) -> dict[str, float]:
     """Max abs errors of ``mesh_attn_func`` on this rank's shards of random ``q, k, v`` of ``shape = (batch, seq,
     heads, kv_heads, head_dim)`` (fp32) against :func:`reference_attention` in fp64: ``out``, ``lse`` (``inf`` when
     the rows that attend nothing differ) and ``dq, dk, dv`` of a loss on out and lse (on out only, the lse returned
     but unread, when not ``lse_loss``). ``options``: ``causal``,
-    ``mask`` and ``softcap`` (both sides), ``schedule`` and ``kernel`` (the mesh's call)."""
+    ``mask`` and ``softcap`` (both sides), ``schedule`` and ``kernel`` (the mesh's call); the mesh's inputs are in
+    ``dtype``."""
     batch, seq, heads, kv_heads, dim = shape
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seq, heads, dim, generator=gen)
@@ -38,9 +46,9 @@ def errors_against_reference(
     def shard(t, dim=1):
         return mesh_cp.shard_sequence(t, mesh=mesh, dim=dim, layout=layout)
 
-    local = [shard(t).requires_grad_() for t in (q, k, v)]
+    local = [shard(t).to(dtype).requires_grad_() for t in (q, k, v)]
     out, lse = mesh_cp.mesh_attn_func(*local, mesh=mesh, layout=layout, return_lse=True, **both, **options)
-    _objective(out, lse, shard(do), shard(dlse, dim=2) if lse_loss else None).backward()
+    _objective(out, lse, shard(do).to(dtype), shard(dlse, dim=2) if lse_loss else None).backward()
     want_lse = shard(ref_lse.detach(), dim=2)
     finite = ~torch.isinf(want_lse)
     same_empty = torch.equal(torch.isinf(lse), ~finite)

@@ -21,7 +21,7 @@ from mesh_cp.core.split import split_documents
 from mesh_cp.kernels import Capabilities, get_kernel
 from mesh_cp.runtime.call import AttentionCall
 from mesh_cp.runtime.executors import backward_blocks, forward_blocks
-from tests.runtime.test_masks import SegmentsKernel
+from tests.runtime.test_masks import GapsKernel, SegmentsKernel
 
 P, L = 16, 8192
 MIXES = {"long": (8192, 32768), "mixed": (1024, 8192), "short": (256, 2048)}
@@ -56,12 +56,6 @@ def packed(lo: int, hi: int, seed: int, split: bool = False) -> AttentionMask:
     while sum(lengths) < P * L:
         lengths.append(min(rng.randint(lo, hi), P * L - sum(lengths)))
     return split_documents([lengths], seq_len=P * L, world=P)[0] if split else AttentionMask.from_lengths([lengths])
-
-
-class GapsKernel(SegmentsKernel):
-    """:class:`SegmentsKernel` that reads segments with gaps between their keys in place (``seqused_k``)."""
-
-    capabilities = Capabilities(keywords={"segments", "softcap"}, gaps=True)
 
 
 def calls_per_rank(

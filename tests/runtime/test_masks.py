@@ -119,7 +119,15 @@ class SegmentsKernel:
         return REF.backward(do, q, k, v, lse, delta, causal=causal, scale=scale, mask=mask, softcap=softcap)
 
 
-KERNELS = {"auto": "auto", "segments": SegmentsKernel()}
+class GapsKernel(SegmentsKernel):
+    """:class:`SegmentsKernel` that reads segments with rows between them in place, as the flash kernels do
+    (``seqused_k``, or sequences without queries over the rows between): a chunk call's row groups read the keys from
+    one section of the layout each (Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
+
+    capabilities = Capabilities(keywords={"segments", "softcap"}, gaps=True)
+
+
+KERNELS = {"auto": "auto", "segments": GapsKernel()}
 
 
 def run_case(mesh, name: str, case: dict, schedule: str, seed: int, kernel="auto") -> dict[str, float]:
