@@ -34,6 +34,22 @@ windows] in :mod:`mesh_cp.kernels.varlen`. There is no softcap (the op passes ``
 keywords are passed only for a call with a bound side, after reading the op's schema: the 2.5.1 schema has them,
 but no 2.4 source was at hand, so a PyTorch without them refuses such a tile with the reason instead of
 ignoring the window.
+
+Note [Activated flash implementations]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``torch.nn.attention.activate_flash_attention_impl("FA4")`` (or ``"FA3"``) re-registers the CUDA kernels of the
+flash ops this kernel calls (``_scaled_dot_product_flash_attention``, ``_flash_attention_forward`` and their
+backwards) for the whole process, to flash-attn-4 (or 3) through PyTorch's shims, until
+``torch.nn.attention.restore_flash_attention_impl()``. Read from torch 2.13's ``torch/nn/attention/_registry.py``
+(the active implementation is the public ``current_flash_attention_impl()``, ``None`` for the default) and
+``_fa4.py``: ``_fa4_run_forward`` does ``out, lse = module._flash_attn_fwd(...)``, while
+``flash_attn.cute.interface._flash_attn_fwd`` returns four values since ``4.0.0b19`` (Note [flash-attn 4 API] in
+:mod:`mesh_cp.kernels.flash_attn4`), so every forward of this kernel would raise there; and an FA3 or FA4 behind
+these ops has other limits than FlashAttention 2's (head dims, GPUs, windows: Note [Varlen windows] in
+:mod:`mesh_cp.kernels.varlen` is FlashAttention 2's), which this kernel was not built on. So while any
+implementation is active this kernel is refused by name (:func:`activated_impl_reason`), in
+``not_supported_reasons`` and, since a choice is made once per inputs and an implementation may be activated
+later, again by each forward and backward before calling an op (a read of one module global).
 """
 
 from __future__ import annotations
@@ -58,6 +74,43 @@ from mesh_cp.kernels.base import (
 DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_MULTIPLE = 8
 MAX_HEAD_DIM = 256
+
+
+_USE_INSTEAD = {"FA4": "flash_attn4", "FA3": "flash_attn3"}
+
+
+def active_flash_impl() -> str | None:
+    """The flash attention implementation activated in PyTorch's dispatcher (``"FA4"``, ``"FA3"``), ``None`` for
+    the default or a PyTorch without the switch (``torch.nn.attention.current_flash_attention_impl``, public in
+    torch 2.13)."""
+    current = getattr(getattr(torch.nn, "attention", None), "current_flash_attention_impl", None)
+    return None if current is None else current()
+
+
+def activated_impl_reason() -> str | None:
+    """Why this kernel cannot run now that an implementation is activated (Note [Activated flash
+    implementations]); ``None`` when none is."""
+    active = active_flash_impl()
+    if active is None:
+        return None
+    crash = (
+        f"torch {torch.__version__}'s FA4 shim unpacks two values from flash-attn-4's forward, which returns four "
+        f"since 4.0.0b19, so every forward raises; "
+        if active == "FA4"
+        else ""
+    )
+    return (
+        f"flash attention implementation {active!r} is active (torch.nn.attention.activate_flash_attention_impl): "
+        f"PyTorch's flash ops are then not its FlashAttention 2, which this kernel is built on; {crash}"
+        f"use kernel='{_USE_INSTEAD.get(active, 'flash_attn')}', or call "
+        f"torch.nn.attention.restore_flash_attention_impl()"
+    )
+
+
+def _refuse_activated_impl() -> None:
+    reason = activated_impl_reason()
+    if reason is not None:
+        raise RuntimeError(f"kernel 'cuda_flash': {reason}")
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -163,9 +216,12 @@ class CudaFlashKernel(CudaOnlyKernel):
     @classmethod
     def not_supported_reasons(cls, device: torch.device, dtype: torch.dtype, head_dim: int | None) -> tuple[str, ...]:
         """Every reason this kernel cannot run such inputs (empty: it can): its capabilities' limits, a ROCm or
-        flash-less PyTorch build, and on a CUDA device its compute capability (at least 8.0, and no head dim whose
-        backward PyTorch refuses there)."""
+        flash-less PyTorch build, an activated flash implementation (Note [Activated flash implementations]), and
+        on a CUDA device its compute capability (at least 8.0, and no head dim whose backward PyTorch refuses
+        there)."""
         reasons = list(cls.capabilities.not_supported_reasons(device, dtype, head_dim))
+        activated = activated_impl_reason()
+        reasons += [activated] if activated else []
         if torch.version.hip:
             reasons.append("PyTorch's flash kernel on ROCm has other limits; not offered there")
         available = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
@@ -184,6 +240,7 @@ class CudaFlashKernel(CudaOnlyKernel):
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, segments: varlen.Segments | None = None
     ) -> tuple[Tensor, Tensor]:
+        _refuse_activated_impl()
         dim = q.shape[-1]
         padded = round_up(dim, HEAD_DIM_MULTIPLE)
         plan = None if segments is None else varlen.plan_for(q, k, segments, causal)
@@ -210,6 +267,7 @@ class CudaFlashKernel(CudaOnlyKernel):
         lse_grad: bool = False,
         segments: varlen.Segments | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        _refuse_activated_impl()
         dim = q.shape[-1]
         plan = None if segments is None else varlen.plan_for(q, k, segments, causal)
         # The kernel forms rowsum(dO * out) itself: Note [Gradient of the lse] in mesh_cp.kernels.base.
@@ -254,7 +312,7 @@ def decode_reasons(device: torch.device, dtype: torch.dtype, head_dim: int) -> t
     can; Note [Flash decode] in :mod:`mesh_cp.runtime.decode`). Asked every layer and step: what cannot change in a
     process is looked up; only the active flash implementation (a user may switch it) is read each time."""
     reasons = _fixed_decode_reasons(device, dtype, head_dim)
-    active = getattr(getattr(torch.nn, "attention", None), "current_flash_attention_impl", lambda: None)()
+    active = active_flash_impl()
     if active is not None:
         reasons += (f"flash attention implementation {active!r} is active (the paged call is FlashAttention 2's)",)
     return reasons
