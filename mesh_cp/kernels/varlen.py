@@ -52,7 +52,9 @@ function of ``_flash_attention_forward`` agrees). A query that sees no key would
 ``lse = +inf`` (``softmax.h``), not the ``-inf`` the LSE merge takes, so segments must not have one.
 
 The gather indices, ``cu_seqlens`` (int32) and ``max_seqlen`` of a tile are built on the host from the hashable
-segments, copied to the device in one transfer and cached; nothing reads a device tensor back.
+segments, copied to the device in one asynchronous transfer from pinned memory and cached within a byte budget
+(``MESH_CP_VARLEN_CACHE_MB``, default 256 MiB: Note [Varlen plan cache] in :mod:`mesh_cp.kernels.plan_cache`);
+nothing reads a device tensor back.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.segments import LaidSegment, Segment, key_count, laid
+from mesh_cp.kernels.plan_cache import CACHE, Built, host_empty, upload
 
 Segments = tuple[tuple[Segment | LaidSegment, ...], ...]
 """One tuple of segments per batch row, or one tuple for every row (:data:`~mesh_cp.core.segments.Segment`: module
@@ -168,13 +171,18 @@ def flash_max_seqlen_k(window: tuple[int, int], max_q: int, max_k: int) -> int:
 
 def varlen_plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int | None = None) -> VarlenPlan:
     """The varlen calls of a tile of ``batch`` rows (default ``len(segments)``) of ``sq`` queries and ``sk`` keys,
-    on ``device``; built once per arguments (Note [Varlen windows]). Raises ``ValueError`` for segments that break
-    the contract."""
+    on ``device``; built once per arguments and kept while the cache's budget allows (Note [Varlen windows], Note
+    [Varlen plan cache]). Raises ``ValueError`` for segments that break the contract."""
     return _plan(segments, sq, sk, torch.device(device), len(segments) if batch is None else batch)
 
 
-@functools.lru_cache(maxsize=512)
 def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int) -> VarlenPlan:
+    return CACHE.get(("plan", segments, sq, sk, device, batch), lambda: _build_plan(segments, sq, sk, device, batch))
+
+
+def _build_plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int) -> Built:
+    """The plan of :func:`varlen_plan`, the tensors it holds and the :class:`~mesh_cp.kernels.plan_cache.Ready` of
+    its one copy."""
     _check_segments(segments, batch, sq, sk)
     rows = segments * batch if len(segments) == 1 else segments
     groups: dict[tuple[int, int], list[tuple[int, Segment | LaidSegment]]] = {}
@@ -193,9 +201,10 @@ def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int
     kv_back = torch.cat([k_back, k_back + len(k_rows) + 1], 1)
     whole = tuple(len(shapes) == 1 and _in_order(r, n) for r, n in ((q_rows, batch * sq), (k_rows, batch * sk)))
     cu = [torch.tensor(lengths).cumsum(0).T for _, lengths, _, _ in shapes]  # (2, n) per call
-    host = torch.cat([q_rows, k_rows, q_back, kv_back.reshape(-1), *(_with_zero(c).reshape(-1) for c in cu)])
-    dev = host.to(device)  # the one host-to-device copy
-    sizes = [len(q_rows), len(k_rows), len(q_back), kv_back.numel(), *(2 * (c.shape[1] + 1) for c in cu)]
+    parts = [q_rows, k_rows, q_back, kv_back.reshape(-1), *(_with_zero(c).reshape(-1) for c in cu)]
+    host = torch.cat(parts, out=host_empty((sum(len(p) for p in parts),), torch.int64, device))
+    dev, ready = upload(host, device)  # the one host-to-device copy, asynchronous from pinned memory on CUDA
+    sizes = [len(p) for p in parts]
     views = list(dev.split(sizes))
     q_rows, k_rows, q_back = views[:3]
     kv_back = views[3].reshape(kv_back.shape)
@@ -207,7 +216,8 @@ def _plan(segments: Segments, sq: int, sk: int, device: torch.device, batch: int
         calls.append(VarlenCall(window, q_rows[q_at : q_at + nq], k_rows[k_at : k_at + nk], cu_q, cu_k, max_q, max_k))
         q_at, k_at = q_at + nq, k_at + nk
     covered = (q_back < len(q_rows)).reshape(batch, 1, sq)
-    return VarlenPlan(tuple(calls), q_back, k_back, kv_back, covered, whole)
+    plan = VarlenPlan(tuple(calls), q_back, k_back, kv_back, covered, whole)
+    return plan, [dev, covered, *(t for c in calls for t in (c.cu_seqlens_q, c.cu_seqlens_k))], ready
 
 
 def _in_order(rows: Tensor, size: int) -> bool:
@@ -236,14 +246,15 @@ def segments_mask(segments: Segments, sq: int, sk: int, device: torch.device | s
     """``(len(segments), 1, sq, sk)`` boolean: query ``i`` of the tile attends key ``j`` (the dense equivalent of
     ``segments``, for the reference kernel and for tests; a query is in one segment, which lays a key at most once,
     so laid keys have one too). Raises ``ValueError`` for segments that break the contract. Built once per
-    arguments on ``device`` (every layer calls with the same segments: no copy per call); do not write to it."""
-    return _segments_mask(segments, sq, sk, None if device is None else torch.device(device))
+    arguments on ``device`` and kept while the cache's budget allows (every layer calls with the same segments: no
+    copy per call; Note [Varlen plan cache]); do not write to it."""
+    key = ("mask", segments, sq, sk, None if device is None else torch.device(device))
+    return CACHE.get(key, lambda: _segments_mask(*key[1:]))
 
 
-@functools.lru_cache(maxsize=64)
-def _segments_mask(segments: Segments, sq: int, sk: int, device: torch.device | None) -> Tensor:
+def _segments_mask(segments: Segments, sq: int, sk: int, device: torch.device | None) -> Built:
     _check_segments(segments, len(segments), sq, sk)
-    mask = torch.zeros(len(segments), 1, sq, sk, dtype=torch.bool)
+    mask = host_empty((len(segments), 1, sq, sk), torch.bool, device or torch.device("cpu")).zero_()
     for b, segs in enumerate(segments):
         for seg in segs:
             q0, q1, keys, left, right = laid(seg)
@@ -256,7 +267,8 @@ def _segments_mask(segments: Segments, sq: int, sk: int, device: torch.device | 
             if right >= 0:
                 seen &= j <= offset + right
             mask[b, 0, q0:q1, torch.cat([torch.arange(k0, k1) for k0, k1 in keys])] = seen
-    return mask if device is None else mask.to(device)
+    mask, ready = (mask, None) if device is None else upload(mask, device)
+    return mask, [mask], ready
 
 
 def plan_for(q: Tensor, k: Tensor, segments: Segments, causal: bool) -> VarlenPlan:
