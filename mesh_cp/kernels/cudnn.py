@@ -44,13 +44,13 @@ strides, and the graph cache key holds K's and V's dims apart from Q's), ``trans
 attention_backward.cu`` (``_cudnn_attention_backward``: ``dk = at::empty_like(key)``, ``dv =
 at::empty_like(value)``), ``transformers/cuda/sdp_utils.cpp`` (``can_use_cudnn_attention``'s dense constraints:
 ``check_batch_size_and_num_heads_dense<supports_gqa=true, requires_same_num_heads=false>``, pytorch/pytorch#150337:
-"cuDNN attention doesn't require key and value tensors to have the same number of heads"), all on main of 2025-26,
-and from torch 2.13's meta functions (``torch/_meta_registrations.py``: the backward's ``grad_k =
-torch.empty_like(key)``); cuDNN's graph API has taken grouped K/V heads in the forward and the backward since 8.9
-(pytorch/pytorch#139586, 2024: the op "does not reject nheads being different as long as they are valid
-factors"). No 2.11 or 2.12 source was at hand, so the native call is gated on the PyTorch this kernel was run
-with on a GPU and after (:data:`NATIVE_GQA_TORCH`, 2.11, whose schemas are 2.13's); an older PyTorch gets the
-heads expanded here and the gradients summed back, as before.
+"cuDNN attention doesn't require key and value tensors to have the same number of heads"), at main commits of
+2025 (``MHA.cpp`` 02a4a0f, ``attention_backward.cu`` 00afd8f, ``sdp_utils.cpp`` 001f694); from torch 2.13's meta
+functions (``torch/_meta_registrations.py``: the backward's ``grad_k = torch.empty_like(key)``); and from
+pytorch/pytorch#139586 (2024-11, a maintainer of the op: "we do not reject nheads being different as long as they
+are valid factors"). No 2.11 or 2.12 source was at hand, so the native call is gated on the PyTorch this kernel was
+run with on a GPU and later ones (:data:`NATIVE_GQA_TORCH`, 2.11, whose schemas are 2.13's); an older PyTorch gets
+the heads expanded here and the gradients summed back, as before. Not yet run on a GPU with GQA unexpanded.
 """
 
 from __future__ import annotations
