@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from mesh_cp.core import document_calls
 from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, first_writes
 from mesh_cp.core.layout import local_positions
 
@@ -154,6 +155,9 @@ def _cached(plan, key, build):
 def _collective(plan, rank: int, mode: KernelMode) -> Program:
     slots = {x: i for i, x in enumerate(plan.tiling.q_group(rank))}
     cols = {y: j for j, y in enumerate(plan.tiling.kv_group(rank))}
+    if document_calls.applies(plan, mode):  # Note [Documents in global order]
+        layout, specs = document_calls.document_calls(plan, rank, mode, slots, cols)
+        return _assemble(plan, layout, specs, slots, cols, first=True)
     return _program(plan, units(plan, rank, mode), slots, cols, mode, first=True)
 
 
@@ -170,7 +174,6 @@ def _run(plan, rank: int, phase: str, t: int, mode: KernelMode) -> tuple[int, Pr
 
 
 def _program(plan, todo, slots, cols, mode: KernelMode, *, first: bool) -> Program:
-    seq = plan.mesh_shape.seq_local
     chunks = [u for u in todo if isinstance(u, ChunkCall)]
     layout = _Layout(plan, cols, [_windows(plan, c) for c in chunks], mode)
     specs, c = [], 0
@@ -180,11 +183,17 @@ def _program(plan, todo, slots, cols, mode: KernelMode, *, first: bool) -> Progr
             c += 1
         else:
             specs += _block_specs(plan, u, mode, cols[u.y])
-    n_q = len(slots)
+    return _assemble(plan, layout.laid, specs, slots, cols, first=first)
+
+
+def _assemble(plan, layout: tuple, specs: list[dict], slots: dict, cols: dict, *, first: bool) -> Program:
+    """The program of call ``specs`` over ``layout``, with their first writes (``first``: decided here; else left to
+    the executor, as ``False``)."""
+    seq = plan.mesh_shape.seq_local
     q_writes = [(slots[s["x"]], s["q_rows"]) for s in specs]
     kv_writes = [(col, rows) for s in specs for col, _, rows, _ in s["pieces"]]
     if first:
-        first_q, q_complete = first_writes(q_writes, n_q, seq)
+        first_q, q_complete = first_writes(q_writes, len(slots), seq)
         first_kv, kv_complete = first_writes(kv_writes, len(cols), seq)
     else:
         first_q, q_complete, first_kv, kv_complete = (False,) * len(specs), False, (False,) * len(kv_writes), False
@@ -193,7 +202,7 @@ def _program(plan, todo, slots, cols, mode: KernelMode, *, first: bool) -> Progr
         n = len(s["pieces"])
         calls.append(Call(slot=slots[s["x"]], first=fq, first_kv=tuple(first_kv[at : at + n]), **s))
         at += n
-    return Program(layout.laid, tuple(calls), seq, q_complete, kv_complete)
+    return Program(layout, tuple(calls), seq, q_complete, kv_complete)
 
 
 Unit = tuple[int, Rows]
