@@ -26,7 +26,37 @@ from mesh_cp.core import AttentionMask, Tiling, make_plan
 from mesh_cp.testing.copies import COPY_OPS, WrittenBytes
 
 TILES = {4: (2, 2), 16: (4, 4)}
-KERNELS = ("cpu_flash", "reference")
+KERNELS = ("cpu_flash", "segments")
+
+
+class FlashStyleKernel:
+    """The flash kernels' call structure on CPU: masked tiles and chunk calls as varlen ``segments`` (the rows between
+    sequences read in place where the runtime knows of that, ``Capabilities.gaps``), computed by the reference kernel
+    on their dense mask. Its own work is the kernel's, so it does not count."""
+
+    name = "segments"
+
+    def __init__(self) -> None:
+        from mesh_cp.kernels import Capabilities
+        from mesh_cp.kernels.reference import ReferenceKernel
+
+        gaps = {"gaps": True} if "gaps" in Capabilities.__dataclass_fields__ else {}
+        self.capabilities = Capabilities(keywords={"segments", "softcap"}, **gaps)
+        self.reference = ReferenceKernel()
+
+    def _mask(self, q, k, segments):
+        from mesh_cp.kernels.varlen import segments_mask
+
+        return None if segments is None else segments_mask(segments, q.shape[1], k.shape[1])
+
+    def forward(self, q, k, v, *, causal, scale, segments=None, softcap=None):
+        mask = self._mask(q, k, segments)
+        return self.reference.forward(q, k, v, causal=causal, scale=scale, mask=mask, softcap=softcap)
+
+    def backward(self, do, q, k, v, lse, delta, *, causal, scale, lse_grad=False, segments=None, softcap=None):
+        mask = self._mask(q, k, segments)
+        options = {"causal": causal, "scale": scale, "lse_grad": lse_grad, "mask": mask, "softcap": softcap}
+        return self.reference.backward(do, q, k, v, lse, delta, **options)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,8 +105,9 @@ def measure(world, rank, kv_heads, kernel, schedule, mask_name, args) -> dict:
     q = torch.randn(*shape, args.heads, args.head_dim, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(*shape, kv_heads, args.head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
     mask = packed(world, args.seq_local) if mask_name == "packed" else None
-    options = {"mesh": mesh, "causal": True, "kernel": kernel, "schedule": schedule, "mask": mask}
-    forward, backward = WrittenBytes(), WrittenBytes()
+    block_kernel = FlashStyleKernel() if kernel == "segments" else kernel
+    options = {"mesh": mesh, "causal": True, "kernel": block_kernel, "schedule": schedule, "mask": mask}
+    forward, backward = WrittenBytes((FlashStyleKernel,)), WrittenBytes((FlashStyleKernel,))
     with forward:
         out = mesh_cp.mesh_attn_func(q, k, v, **options)
     grad = torch.ones_like(out)

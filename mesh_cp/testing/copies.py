@@ -93,8 +93,10 @@ class WrittenBytes(TorchDispatchMode):
     """Bytes written outside the kernels and the communication while active (Note [Bytes outside the kernels]), per
     op (:attr:`by_op`) and in all (:attr:`total`); kernel calls per direction in :attr:`calls`."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: tuple[type, ...] = ()) -> None:
+        """``kernels``: kernel classes beyond those of ``mesh_cp.kernels`` whose calls are the kernels' too."""
         super().__init__()
+        self.kernels = kernels
         self.by_op: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
         self._patched: list[tuple[type, str, object]] = []
@@ -121,7 +123,7 @@ class WrittenBytes(TorchDispatchMode):
         from mesh_cp.kernels.fused import Fused
 
         self._patch(Fused, "__call__", self._one_pass(Fused.__call__))
-        for cls in _kernel_classes():
+        for cls in (*_kernel_classes(), *self.kernels):
             for method in ("forward", "backward"):
                 original = cls.__dict__.get(method)
                 if original is not None:
