@@ -265,7 +265,7 @@ class AttentionInputs:
 # ----------------------------------------------------------------------------------------------------
 
 # Kernels that take fp16/bf16 only, and the library each optional kernel imports.
-HALF_ONLY = {"flash_attn", "cuda_flash", "cuda_cudnn", "flash_attn3"}
+HALF_ONLY = {"flash_attn", "cuda_flash", "cuda_cudnn", "flash_attn3", "flash_attn4"}
 LIBRARIES = {"flash_attn": "flash_attn", "flash_attn3": "flash_attn_interface"}
 
 

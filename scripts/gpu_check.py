@@ -10,7 +10,7 @@ Every case is isolated: an exception is that case's FAIL and the rest still run.
 run in spawned process groups; a process that dies or hangs in a case makes that case a FAIL (with the
 signal, or the timeout) and the group is started again for the cases after it.
 
-kernels   every block kernel of mesh_cp.kernels that runs on this device (flash_attn3, cuda_cudnn, flash_attn,
+kernels   every block kernel of mesh_cp.kernels that runs on this device (flash_attn4, flash_attn3, cuda_cudnn, flash_attn,
           cuda_flash, cuda_sdpa, reference; cpu_flash on CPU) and ``"auto"`` with the kernel it chose, forward and
           backward against fp64 (out, lse, dq, dk, dv): causal and full, MHA 4:4 and GQA 8:2, head dims
           64, 128 and 72, 250 tokens (50 on CPU: lengths no block size divides), a case whose loss also depends
@@ -98,7 +98,7 @@ from _gpu_check_worker import (  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("kernels", "mesh-nccl", "mesh-gloo", "hf", "examples")
 # The kernels the check expects on CUDA, whether or not they are registered yet (unregistered: SKIP).
-CUDA_KERNELS = ("flash_attn3", "cuda_cudnn", "flash_attn", "cuda_flash", "cuda_sdpa")
+CUDA_KERNELS = ("flash_attn4", "flash_attn3", "cuda_cudnn", "flash_attn", "cuda_flash", "cuda_sdpa")
 CPU_KERNELS = ("cpu_flash",)
 # (label, heads, kv_heads, head_dim) of the kernel cases.
 KERNEL_SHAPES = (("4:4 d64", 4, 4, 64), ("8:2 d64", 8, 2, 64), ("4:4 d128", 4, 4, 128), ("8:2 d72", 8, 2, 72))
