@@ -209,6 +209,7 @@ class CudaFlashKernel(CudaOnlyKernel):
         dtypes=DTYPES,
         head_dim_multiple=HEAD_DIM_MULTIPLE,
         max_head_dim=MAX_HEAD_DIM,
+        gaps=True,  # rows between sequences read in place (Note [Sequences without queries])
     )
     """``forward`` and ``backward`` take ``segments`` (a masked tile as varlen sequences,
     :mod:`mesh_cp.kernels.varlen`; then ``causal=False``)."""

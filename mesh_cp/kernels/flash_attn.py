@@ -177,6 +177,7 @@ class FlashAttnKernel:
         dtypes=DTYPES,
         head_dim_multiple=HEAD_DIM_MULTIPLE,
         max_head_dim=MAX_HEAD_DIM,
+        gaps=True,  # rows between sequences read in place (Note [Sequences without queries])
     )
 
     def __init__(self, *, check_device: bool = True) -> None:

@@ -68,6 +68,7 @@ from torch import Tensor
 
 from mesh_cp.core.segments import LaidSegment, Segment, key_count, laid
 from mesh_cp.kernels.plan_cache import CACHE, Built, host_empty, upload
+from mesh_cp.kernels.varlen_groups import one_causal_group, with_fillers
 
 Segments = tuple[tuple[Segment | LaidSegment, ...], ...]
 """One tuple of segments per batch row, or one tuple for every row (:data:`~mesh_cp.core.segments.Segment`: module
@@ -189,6 +190,7 @@ def _build_plan(segments: Segments, sq: int, sk: int, device: torch.device, batc
     for b, segs in enumerate(rows):
         for seg in segs:
             groups.setdefault(canonical_window(seg), []).append((b, seg))
+    groups = with_fillers(one_causal_group(groups), len(rows), sk)
     q_parts, k_parts, shapes = [], [], []
     for window, members in groups.items():
         lengths = [(s[1] - s[0], key_count(s)) for _, s in members]

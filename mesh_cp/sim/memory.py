@@ -77,8 +77,10 @@ FOOTPRINTS: dict[str, KernelFootprint] = {
     "reference": KernelFootprint(_mode({"mask", "segments", "softcap"})),
     "cpu_flash": KernelFootprint(_mode({"mask"})),
     "cuda_sdpa": KernelFootprint(_mode({"mask"}), backward_rows=6),
-    "cuda_flash": KernelFootprint(_mode({"segments"}), native_gqa=True, gathers=True, backward_rows=6),
-    "flash_attn": KernelFootprint(_mode({"segments", "softcap"}), native_gqa=True, gathers=True, backward_rows=6),
+    "cuda_flash": KernelFootprint(_mode({"segments"}, gaps=True), native_gqa=True, gathers=True, backward_rows=6),
+    "flash_attn": KernelFootprint(
+        _mode({"segments", "softcap"}, gaps=True), native_gqa=True, gathers=True, backward_rows=6
+    ),
     "cuda_cudnn": KernelFootprint(_mode(set()), native_gqa=True, backward_rows=6),
     "flash_attn3": KernelFootprint(_mode(set()), native_gqa=True, backward_rows=6),
     "flash_attn4": KernelFootprint(_mode({"segments", "softcap"}, gaps=True), native_gqa=True, backward_rows=6),

@@ -131,6 +131,25 @@ def test_calls_give_the_segments_mask_under_the_windows_the_cpp_applies() -> Non
     assert torch.equal(_plan_mask(plan, 2), window_rule(FIXED, SQ, SK))
 
 
+def test_rows_between_sequences_are_read_in_place() -> None:
+    """Plain sequences of one window with keys between them (a chunk call's row groups over the layout's sections):
+    one call reading every key in order, no gather, through sequences of no queries over the rows between and after
+    them (Note [Sequences without queries]); a one-row sequence joins the causal ones. The calls give the rule, and
+    the cuda_flash kernel on the emulated ops is exact on them."""
+    segments = ((0, 3, 2, 5, -1, 0), (3, 6, 7, 10, -1, 0), (6, 7, 10, 11, -1, 0)), ((1, 4, 0, 4, -1, 0),)
+    plan = varlen_plan(segments, SQ, SK, CPU)
+    assert plan.whole == (False, True) and len(plan.calls) == 1
+    (call,) = plan.calls
+    assert call.cu_seqlens_q.tolist() == [0, 0, 3, 3, 6, 7, 10, 10]
+    assert call.cu_seqlens_k.tolist() == [0, 2, 5, 7, 10, 11, 15, 22]
+    assert torch.equal(_plan_mask(plan, 2), window_rule(segments, SQ, SK))
+    kernel = CudaFlashKernel.without_device_check()
+    with EmulatedCudaAttention():
+        for lse_grad in (False, True):
+            case = make_case(4, 2, 64, seed=3, lse_grad=lse_grad)
+            check_segments_kernel(kernel, torch.bfloat16, case, segments, lse_grad=lse_grad)
+
+
 def test_laid_keys_give_the_rule_on_their_order_and_sum_the_gradients_of_a_key() -> None:
     """Laid segments: the dense mask and the plan's calls (the windows the C++ makes of them) give the window rule
     read on the laid keys; a key laid three times has three gather rows, the others point at the row of zeros."""
