@@ -50,10 +50,18 @@ _FA3_MAJOR = 9
 _CUDNN_FIRST = ((9, 0), (10, 0), (10, 3))
 KERNEL_NAMES: tuple[str, ...] = get_args(KernelName)
 _CACHE: dict[str, BlockKernel] = {}
-# (device, dtype, head_dim) -> (kernel name, reason), decided and logged once.
-_AUTO: dict[tuple[torch.device, torch.dtype, int | None, tuple[str, ...]], tuple[str, str]] = {}
-# (name, device, dtype, head_dim) -> every reason that kernel cannot run such inputs (empty: it can).
-_WHY: dict[tuple[str, torch.device, torch.dtype, int | None], tuple[str, ...]] = {}
+# (device, dtype, head_dim, needs, flash impl) -> (kernel name, reason), decided and logged once.
+_AUTO: dict[tuple, tuple[str, str]] = {}
+# (name, device, dtype, head_dim, flash impl) -> every reason that kernel cannot run such inputs (empty: it can).
+_WHY: dict[tuple, tuple[str, ...]] = {}
+
+
+def _flash_impl() -> str | None:
+    """The flash implementation activated in PyTorch's dispatcher (``torch.nn.attention.current_flash_attention_impl``,
+    ``None`` for the default): the kernel decisions are made per implementation, as ``cuda_flash`` cannot run under
+    an activated one (Note [Activated flash implementations] in :mod:`mesh_cp.kernels.cuda_flash`)."""
+    current = getattr(getattr(torch.nn, "attention", None), "current_flash_attention_impl", None)
+    return None if current is None else current()
 
 
 def _kernel_class(name: str) -> type:
@@ -75,7 +83,7 @@ def not_supported_reasons(
 ) -> tuple[str, ...]:
     """Every reason kernel ``name`` cannot run ``dtype`` inputs of ``head_dim`` on ``device`` (empty: it can;
     ``head_dim=None`` leaves head-dim limits unchecked). Decided once per arguments."""
-    key = (name, device, dtype, head_dim)
+    key = (name, device, dtype, head_dim, _flash_impl())
     if key not in _WHY:
         _WHY[key] = tuple(_kernel_class(name).not_supported_reasons(device, dtype, head_dim))
     return _WHY[key]
@@ -155,7 +163,7 @@ def choose(
     reference kernel), for a softcap the reference kernel (a kernel that does not softcap runs every block on it). Decided once per ``(device, dtype,
     head_dim, needs)`` and logged then (logger ``mesh_cp``, with every reason each better candidate was passed over:
     ``name: reason; reason``, candidates apart by `` | ``); never raises because a preferred kernel is unusable."""
-    key = (device, dtype, head_dim, tuple(needs))
+    key = (device, dtype, head_dim, tuple(needs), _flash_impl())
     if key not in _AUTO:
         runnable, passed = [], []
         for name in candidates(device, dtype):

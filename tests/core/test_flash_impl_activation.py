@@ -77,6 +77,19 @@ def test_cuda_flash_refuses_before_calling_an_op_when_activated_after_it_was_cho
     assert mode.ran == []
 
 
+def test_choices_made_before_an_activation_are_made_again_under_it(monkeypatch) -> None:
+    """'auto' and the refusal reasons are decided per activated implementation: a choice of cuda_flash made before
+    FA4 was activated does not stand under it, and stands again once restored."""
+    emulate_cuda(monkeypatch, (8, 0))
+    assert kernels.choose(CUDA0, torch.bfloat16, 128, needs=("mask|segments",))[0] in ("flash_attn", "cuda_flash")
+    assert not kernels.not_supported_reasons("cuda_flash", CUDA0, torch.bfloat16, 128)
+    activate(monkeypatch, "FA4")
+    assert kernels.not_supported_reasons("cuda_flash", CUDA0, torch.bfloat16, 128)
+    assert kernels.choose(CUDA0, torch.bfloat16, 128, needs=("mask|segments",))[0] != "cuda_flash"
+    torch.nn.attention.restore_flash_attention_impl()
+    assert not kernels.not_supported_reasons("cuda_flash", CUDA0, torch.bfloat16, 128)
+
+
 def test_cuda_flash_refuses_fa3_with_the_kernel_to_use_instead(monkeypatch) -> None:
     emulate_cuda(monkeypatch, (9, 0))
     activate(monkeypatch, "FA3")
