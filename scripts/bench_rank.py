@@ -1,22 +1,35 @@
 """Per-rank speed: one rank's work of a ``P``-rank plan on one device, against one kernel call of the same FLOPs.
 
-Training rows. For a ``P``-rank plan (tile :func:`mesh_cp.core.most_square_tile`, zig-zag layout, causal) of
-batch 1, ``L`` tokens per rank and ``H:Hkv`` heads, random Q chunks (``a``) and stacked K, V chunks (``b``) stand
-on the device for the chunks rank 0 gathers (no communication). Forward and backward run rank 0's kernel calls
-with the code :class:`~mesh_cp.runtime.executors.CollectiveExecutor` runs between its collectives
-(:func:`~mesh_cp.runtime.executors.forward_blocks`, :func:`~mesh_cp.runtime.executors.backward_blocks`: the unmasked
-blocks of a Q chunk as one call, Note [One call per Q chunk]), backward with the rows' lse and delta from that
-forward. The baseline is one call of the same kernel,
-causal over ``n`` tokens with ``n (n + 1) / 2`` closest to rank 0's pairs (``plan.pairs(0)``), timed the same way.
-With ``4 D`` FLOP per query-key pair and head forward and ``2.5`` times that backward (the usual flash
-accounting)::
+Training rows, one per schedule of ``--schedules`` (default ``collective,overlap``). For a ``P``-rank plan (tile
+:func:`mesh_cp.core.most_square_tile`, zig-zag layout, causal) of batch 1, ``L`` tokens per rank and ``H:Hkv``
+heads, random Q chunks (``a``) and stacked K, V chunks (``b``) stand on the device for the chunks rank 0 gathers or
+receives (no communication); both schedules run on the same chunks.
+
+- ``collective``: rank 0's kernel calls with the code :class:`~mesh_cp.runtime.executors.CollectiveExecutor` runs
+  between its collectives (:func:`~mesh_cp.runtime.executors.forward_blocks`,
+  :func:`~mesh_cp.runtime.executors.backward_blocks`: the unmasked blocks of a Q chunk as one call, Note [One call
+  per Q chunk]), backward with the rows' lse and delta from rank 0's partial rows. The reduce to the rows' owners
+  (all-to-all, then merges or sums) is not timed.
+- ``overlap`` (the default schedule of ``mesh_attn_func``): rank 0's
+  :class:`~mesh_cp.runtime.phases.ForwardPhase` and :class:`~mesh_cp.runtime.phases.BackwardPhase` replayed with
+  the communication taken out (:class:`Replay`, Note [Replayed overlapped schedule]): the phase's own loop over the
+  schedule's actions, its kernel calls (runs of blocks of one Q offset, Note [Rows of the overlapped schedule]),
+  accumulators, and the merges (forward) and sums (backward) of the partials its reduce steps land, which are
+  prepared before timing like the chunks of every ring offset. Backward from the saved output of the replayed
+  forward; the chunks of the other offsets carry the lse and delta of the collective rows.
+
+The baseline is one call of the same kernel, causal over ``n`` tokens with ``n (n + 1) / 2`` closest to rank 0's
+pairs (``plan.pairs(0)``), timed the same way and shared by the schedules' rows. With ``4 D`` FLOP per query-key
+pair and head forward and ``2.5`` times that backward (the usual flash accounting)::
 
     TFLOP/s = pairs * B * H * 4 D * 3.5 / (t_forward + t_backward)      fraction = rank's / single call's
 
 Masks: ``causal``, and packed rows of documents drawn uniformly from ``long`` (8K-32K tokens), ``mixed``
 (1K-8K) and ``short`` (256-2K) over ``S = P L`` (seeded; lengths divided by ``--doc-scale``, by default 1 on
 CUDA and 16 on CPU, where ``L`` is 16 times smaller). ``kernel calls`` counts the kernel's forward calls in
-rank 0's forward (masked blocks run tile by tile, or run by run on kernels that take ``segments``). ``--balance``
+rank 0's forward in that schedule (masked blocks run tile by tile, or run by run on kernels that take ``segments``);
+the JSON's ``plan_kernel_calls`` is what the plan's programs hold (collective: ``call.kernel_calls(0)``; overlapped:
+the calls of the programs of its runs) and ``units`` the collective blocks and chunk calls, or the overlapped runs. ``--balance``
 adds each packed row in the order that balances the ranks (``packed long balanced``, ...; Note [Balanced packing]
 in ``mesh_cp/core/balance.py``) and a table of every packed row's busiest rank's pairs over the mean; ``--split`` with
 it adds each packed row split over the ranks (``packed long split``, ...; Note [Split documents]).
@@ -28,10 +41,15 @@ local step]; then a ``merge_`` in fp32 standing for the combine; its all-gather 
 timed), against the same form over the whole cache in one process (on a GPU, a single-process flash decode); and
 the rank's part in the positions form (the local step), for comparison.
 
+Memory (CUDA): the peak allocated beyond the chunks, and for the collective rows
+:func:`mesh_cp.sim.memory.compute_bytes` (it models that schedule only; an overlapped row's moves put prepared chunks
+and allocate nothing, so its peak holds its accumulators, received partials, kernel temporaries and the chunks a
+phase stacks for offset 0, not the chunks a real rank receives).
+
 Times are the best of ``--repeats`` runs after one warm-up, with ``torch.cuda.synchronize()`` around each on CUDA.
 
     .venv/bin/python scripts/bench_rank.py --device cpu --lengths 256,512 --json rank.json
-    .venv/bin/python scripts/bench_rank.py --device cuda --lengths 2048,8192,32768
+    .venv/bin/python scripts/bench_rank.py --device cuda --lengths 2048,8192,32768 --schedules overlap
 """
 
 from __future__ import annotations
@@ -44,13 +62,15 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from mesh_cp.core import AttentionMask, AttentionShape, MaskKind, Tiling, make_plan, most_square_tile
 from mesh_cp.core.balance import balance_documents, rank_pairs
 from mesh_cp.core.numerics import acc_dtype, attention_delta, document_ids, merge_
+from mesh_cp.core.schedule import RingStep
 from mesh_cp.core.split import split_documents
 from mesh_cp.kernels import capabilities_of, resolve_kernel
-from mesh_cp.runtime.call import AttentionCall
+from mesh_cp.runtime.call import AttentionCall, Saved
 from mesh_cp.runtime.decode import (
     cache_slots,
     decode_kernel,
@@ -59,12 +79,14 @@ from mesh_cp.runtime.decode import (
     local_attention,
 )
 from mesh_cp.runtime.executors import backward_blocks, forward_blocks
+from mesh_cp.runtime.phases import BackwardPhase, ForwardPhase
 from mesh_cp.sim.memory import compute_bytes
 
 MIXES = {"long": (8192, 32768), "mixed": (1024, 8192), "short": (256, 2048)}
 """Document lengths (tokens) of the packed mixes, before ``--doc-scale``."""
 FWD_BWD = 3.5
 """Forward + backward FLOPs in units of the forward's ``4 D`` per pair and head."""
+SCHEDULES = ("collective", "overlap")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -81,6 +103,123 @@ class CountingKernel:
 
     def backward(self, *args, **kwargs):
         return self.inner.backward(*args, **kwargs)
+
+
+class NoMesh:
+    """The mesh a replayed phase reads: rank 0, and no groups (only ``post`` would use them)."""
+
+    mesh_rank, q_group, kv_group = 0, None, None
+
+
+class Replay:
+    """A phase of the overlapped schedule on rank 0 with its communication taken out (mixed in before
+    :class:`~mesh_cp.runtime.phases.ForwardPhase` or :class:`~mesh_cp.runtime.phases.BackwardPhase`).
+
+    Note [Replayed overlapped schedule]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+    The phase runs its own loop over the schedule's actions (``run``), so its host work, kernel calls, row
+    accumulators and merges are timed as a real rank runs them. Only the ring steps change: ``post`` posts
+    nothing; a move puts the chunks of the offset it brings, prepared on the device before timing, where the
+    receive would have written them (a view, no copy, when the phase does not keep its chunks); a reduce step
+    allocates its receive buffer as a real one does but lands the partial prepared for that step instead, so the
+    merges (forward) and sums (backward) of received partials run. A landed partial the phase holds as an
+    accumulator is written by later calls, as a received buffer is; its values drift over repeats but stay finite.
+    """
+
+    ready: dict[str, list[Tensor]]
+    """Per ring, per chunk the phase holds at an offset: ``(n, ...)``, the chunk of every offset."""
+    partials: dict[str, list[Tensor]]
+    """Per ring, the partial that reduce step ``s`` receives (``n - 1`` of them)."""
+
+    def post(self, step: RingStep, sends: list[Tensor], recvs: list[Tensor]) -> tuple[list, list[Tensor]]:
+        """No works; a reduce step's last tensor is its prepared partial (what ``land`` takes)."""
+        landed = [self.partials[step.ring][step.index]] if step.kind == "reduce" else recvs
+        return [], sends + landed
+
+    def move(self, step: RingStep) -> tuple[list, list[Tensor]]:
+        for held, ready in zip(self.chunks[step.ring], self.ready[step.ring], strict=True):
+            held.put(step.index, ready[step.index])
+        return [], []
+
+
+class ForwardReplay(Replay, ForwardPhase):
+    """Rank 0's forward of the overlapped schedule without communication (Note [Replayed overlapped schedule])."""
+
+    def __init__(self, call: AttentionCall, ready: dict[str, list[Tensor]], partials: dict[str, list[Tensor]]):
+        self.ready, self.partials = ready, partials
+        k, v = ready["kv"][0][0]
+        super().__init__(call, ready["q"][0][0], k, v)
+
+
+class BackwardReplay(Replay, BackwardPhase):
+    """Rank 0's backward of the overlapped schedule without communication (Note [Replayed overlapped schedule])."""
+
+    def __init__(
+        self, call: AttentionCall, do: Tensor, saved: Saved, ready: dict[str, list[Tensor]], partials: dict
+    ) -> None:
+        self.ready, self.partials = ready, partials
+        super().__init__(call, do, None, saved)
+
+
+def offsets(members: tuple[int, ...], rank: int = 0) -> list[int]:
+    """Positions in ``members`` (a group, as gathered) of the chunks at ring offsets ``0, 1, ...`` on ``rank``:
+    offset ``i`` is the chunk that started ``i`` ring positions before it."""
+    me, n = members.index(rank), len(members)
+    return [(me - i) % n for i in range(n)]
+
+
+def replay_inputs(call: AttentionCall, data: dict[str, Tensor], gen: torch.Generator) -> dict:
+    """The chunks of every ring offset of rank 0 and the partials its reduce steps receive, from the gathered
+    chunks ``data`` (``q``, ``do``, ``kv``, ``stats``: the collective rows' layout), on their device. Received
+    forward partials hold random rows with the lse of the rows they stand for; backward ones random gradients."""
+    plan = call.plan
+    qi, ki = offsets(plan.tiling.q_group(0)), offsets(plan.tiling.kv_group(0))
+    q, do, kv, stats = data["q"][qi], data["do"][qi], data["kv"][ki], data["stats"][qi]
+    acc, (a, b) = stats.dtype, (len(qi), len(ki))
+
+    def randn(shape):
+        return torch.randn(shape, generator=gen, device=q.device, dtype=acc)
+
+    rows = [torch.cat((randn(q.shape[1:]).flatten(), stats[(s + 2) % a, 0].flatten())) for s in range(a - 1)]
+    q_side = torch.stack((q, do), dim=1) if plan.backward == "regather" else do
+    return {
+        "q": q,
+        "do": do,
+        "kv": kv,
+        "forward": ({"q": [q], "kv": [kv]}, {"q": rows}),
+        "backward": (
+            {"q": [q_side, stats], "kv": [kv] if plan.backward == "regather" else []},
+            {"q": [randn(q.shape[1:]) for _ in range(a - 1)], "kv": [randn(kv.shape[1:]) for _ in range(b - 1)]},
+        ),
+    }
+
+
+def replay_forward(call: AttentionCall, inputs: dict) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
+    """Rank 0's forward of the overlapped schedule: ``(out, lse, gathered)`` as
+    :meth:`~mesh_cp.runtime.executors.OverlapExecutor.forward` returns them."""
+    phase = ForwardReplay(call, *inputs["forward"])
+    phase.run()
+    return (*phase.result(), phase.gathered())
+
+
+def replay_backward(call: AttentionCall, inputs: dict, saved: Saved) -> tuple[Tensor, Tensor]:
+    """Rank 0's backward of the overlapped schedule given its forward's ``saved``: ``dq`` and stacked ``dk, dv`` in
+    the accumulator dtype."""
+    phase = BackwardReplay(call, inputs["do"][0], saved, *inputs["backward"])
+    phase.run()
+    return phase.result("q"), phase.result("kv")
+
+
+def saved_of(inputs: dict, out: Tensor, lse: Tensor, gathered: tuple[Tensor, ...]) -> Saved:
+    """What rank 0's forward keeps for backward, from its output."""
+    k, v = inputs["kv"][0]
+    out = out.to(inputs["q"].dtype, copy=True)  # not a view of a row buffer a later run writes
+    return Saved(q=inputs["q"][0], k=k, v=v, out=out, lse=lse, gathered=gathered)
+
+
+def overlap_kernel_calls(call: AttentionCall, phase: str = "forward") -> int:
+    """Kernel calls of rank 0's ``phase`` in the overlapped schedule: the calls of the programs of its runs."""
+    return sum(len(call.run(0, phase, t)[1].calls) for t in call.plan.overlap_calls(0, phase))
 
 
 def peak_allocated(fn: Callable[[], object], device: torch.device) -> tuple[object, int | None]:
@@ -168,66 +307,111 @@ def flops(pairs: int, heads: int, head_dim: int) -> float:
     return pairs * heads * 4 * head_dim * FWD_BWD
 
 
-def rank_row(args, kernel, L: int, heads: int, kv_heads: int, mask_name: str, mask) -> dict:
-    """Time rank 0's blocks forward and backward, and the single call of the same FLOPs."""
+def train_rows(args, kernel, L: int, heads: int, kv_heads: int, mask_name: str, mask) -> list[dict]:
+    """Rank 0's forward and backward in each schedule of ``args.schedules`` on the same chunks, and the single call of
+    the same FLOPs (timed once, shared by the rows)."""
     device, dtype, dim = args.device, args.dtype, args.head_dim
-    backend = "nccl" if device.type == "cuda" else "gloo"  # the memory model's GPU or CPU kernel share
     a, b = most_square_tile(args.world)
     shape = AttentionShape(batch=1, seq_local=L, heads=heads, kv_heads=kv_heads, head_dim=dim, itemsize=dtype.itemsize)
-    plan = make_plan(Tiling(args.world, a, b), shape, causal=True, layout="zigzag", schedule="collective", mask=mask)
     counting = CountingKernel(kernel)
-    doc_ids = None if mask is None else document_ids(mask, 1, plan.seq_len, device)
-    call = AttentionCall(mesh=None, plan=plan, kernel=counting, scale=dim**-0.5, doc_ids=doc_ids)
-    blocks = plan.blocks(0)
+    doc_ids = None if mask is None else document_ids(mask, 1, shape.seq_local * args.world, device)
+    calls = {}
+    for schedule in ("collective", *args.schedules):
+        plan = make_plan(Tiling(args.world, a, b), shape, causal=True, layout="zigzag", schedule=schedule, mask=mask)
+        calls[schedule] = AttentionCall(mesh=NoMesh(), plan=plan, kernel=counting, scale=dim**-0.5, doc_ids=doc_ids)
     gen = torch.Generator(device).manual_seed(args.seed)
-    q_all = torch.randn((a, 1, L, heads, dim), generator=gen, device=device, dtype=dtype)
-    do_all = torch.randn((a, 1, L, heads, dim), generator=gen, device=device, dtype=dtype)
-    kv_all = torch.randn((b, 2, 1, L, kv_heads, dim), generator=gen, device=device, dtype=dtype)
-
-    def forward():
-        return forward_blocks(call, 0, q_all, kv_all)
-
-    def backward(stats):
-        return backward_blocks(call, 0, q_all, do_all, stats, kv_all)
-
+    data = {
+        "q": torch.randn((a, 1, L, heads, dim), generator=gen, device=device, dtype=dtype),
+        "do": torch.randn((a, 1, L, heads, dim), generator=gen, device=device, dtype=dtype),
+        "kv": torch.randn((b, 2, 1, L, kv_heads, dim), generator=gen, device=device, dtype=dtype),
+    }
+    plan = calls["collective"].plan
     with torch.no_grad():
-        counting.calls = 0
-        (o_acc, lse_acc), peak_fwd = peak_allocated(forward, device)
-        calls = counting.calls
-        t_fwd, _ = timed(forward, args.repeats, device)
-        delta = torch.stack([attention_delta(do_all[i], o_acc[i]) for i in range(a)])
-        stats = torch.stack((lse_acc, delta), dim=1)  # (a, 2, B, H, L)
-        del o_acc, lse_acc
-        _, peak_bwd = peak_allocated(lambda: backward(stats), device)
-        t_bwd, _ = timed(lambda: backward(stats), args.repeats, device)
+        # the rows' lse and delta from rank 0's partials: what backward reads (collective) or the ring brings (overlap)
+        o_acc, lse_acc = forward_blocks(calls["collective"], 0, data["q"], data["kv"])
+        delta = torch.stack([attention_delta(data["do"][i], o_acc[i]) for i in range(a)])
+        data["stats"] = torch.stack((lse_acc, delta), dim=1)  # (a, 2, B, H, L)
+        del o_acc, lse_acc, delta
         pairs = plan.pairs(0)
         single = single_call(args, kernel, heads, kv_heads, pairs)
-        if args.profile:
-            print(f"L {L:,} {heads}:{kv_heads} {mask_name}: rank 0 forward + backward")
-            print(profile_table(lambda: (forward(), backward(stats)), device))
-    seconds = t_fwd + t_bwd
-    rate = flops(pairs, heads, dim) / seconds / 1e12
+        rows = []
+        for schedule in args.schedules:
+            if args.profile:
+                print(f"L {L:,} {heads}:{kv_heads} {mask_name} {schedule}: rank 0 forward + backward")
+            times = (collective_times if schedule == "collective" else overlap_times)(args, calls[schedule], data)
+            seconds = (times["ms_fwd"] + times["ms_bwd"]) / 1e3
+            rate = flops(pairs, heads, dim) / seconds / 1e12
+            blocks = plan.blocks(0)
+            rows.append(
+                {
+                    "kind": "train",
+                    "schedule": schedule,
+                    "L": L,
+                    "heads": heads,
+                    "kv_heads": kv_heads,
+                    "mask": mask_name,
+                    "tile": f"{a}x{b}",
+                    "blocks": len(blocks),
+                    "masked_blocks": sum(w.kind is MaskKind.MASKED for w in blocks),
+                    **times,
+                    "pairs": pairs,
+                    "ms": seconds * 1e3,
+                    "tflops": rate,
+                    **single,
+                    "fraction": rate / single["single_tflops"],
+                }
+            )
+    return rows
+
+
+def measure(args, call: AttentionCall, forward: Callable[[], object], backward: Callable[[], object]) -> dict:
+    """Kernel calls of one ``forward()``, peak memory and best times of ``forward()`` and ``backward()``."""
+    device, counting = args.device, call.kernel
+    counting.calls = 0
+    _, peak_fwd = peak_allocated(forward, device)
+    calls = counting.calls
+    t_fwd, _ = timed(forward, args.repeats, device)
+    _, peak_bwd = peak_allocated(backward, device)
+    t_bwd, _ = timed(backward, args.repeats, device)
+    if args.profile:
+        print(profile_table(lambda: (forward(), backward()), device))
     return {
-        "kind": "train",
-        "L": L,
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "mask": mask_name,
-        "tile": f"{a}x{b}",
-        "blocks": len(blocks),
-        "masked_blocks": sum(w.kind is MaskKind.MASKED for w in blocks),
         "kernel_calls": calls,
-        "plan_kernel_calls": call.kernel_calls(0),
-        "units": len(call.units(0)),
-        "pairs": pairs,
         "peak_mib": [None if p is None else p / 2**20 for p in (peak_fwd, peak_bwd)],
-        "model_mib": [compute_bytes(plan, phase, backend=backend) / 2**20 for phase in ("forward", "backward")],
         "ms_fwd": t_fwd * 1e3,
         "ms_bwd": t_bwd * 1e3,
-        "ms": seconds * 1e3,
-        "tflops": rate,
-        **single,
-        "fraction": rate / single["single_tflops"],
+    }
+
+
+def collective_times(args, call: AttentionCall, data: dict[str, Tensor]) -> dict:
+    """The collective schedule's compute on rank 0: its calls on the gathered chunks (no collectives)."""
+    q_all, do_all, kv_all, stats = data["q"], data["do"], data["kv"], data["stats"]
+    backend = "nccl" if args.device.type == "cuda" else "gloo"  # the memory model's GPU or CPU kernel share
+    times = measure(
+        args,
+        call,
+        lambda: forward_blocks(call, 0, q_all, kv_all),
+        lambda: backward_blocks(call, 0, q_all, do_all, stats, kv_all),
+    )
+    return {
+        **times,
+        "plan_kernel_calls": call.kernel_calls(0),
+        "units": len(call.units(0)),
+        "model_mib": [compute_bytes(call.plan, phase, backend=backend) / 2**20 for phase in ("forward", "backward")],
+    }
+
+
+def overlap_times(args, call: AttentionCall, data: dict[str, Tensor]) -> dict:
+    """The overlapped schedule on rank 0, replayed without communication (Note [Replayed overlapped schedule]);
+    backward from the saved output of one forward."""
+    inputs = replay_inputs(call, data, torch.Generator(args.device).manual_seed(args.seed + 3))
+    saved = saved_of(inputs, *replay_forward(call, inputs))
+    times = measure(args, call, lambda: replay_forward(call, inputs), lambda: replay_backward(call, inputs, saved))
+    return {
+        **times,
+        "plan_kernel_calls": overlap_kernel_calls(call),
+        "units": len(call.plan.overlap_calls(0, "forward")),
+        "model_mib": [None, None],  # mesh_cp.sim.memory.compute_bytes models the collective schedule only
     }
 
 
@@ -300,6 +484,11 @@ def decode_row(args, L: int, heads: int, kv_heads: int) -> dict:
     }
 
 
+def mib(value: float | None) -> str:
+    """A model's MiB, or ``-`` where none models the row."""
+    return "-" if value is None else f"{value:.0f}"
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     train = [r for r in rows if r["kind"] == "train"]
     decode = [r for r in rows if r["kind"] == "decode"]
@@ -308,27 +497,28 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"kernel {meta['kernel']}, threads {meta['threads']}, document lengths / {meta['doc_scale']}, "
         f"best of {meta['repeats']}",
         "",
-        "| L | heads | mask | blocks (masked) | kernel calls | fwd ms | bwd ms | TFLOP/s | single call: tokens | "
-        "ms | TFLOP/s | fraction |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| L | heads | mask | schedule | blocks (masked) | kernel calls | fwd ms | bwd ms | TFLOP/s | "
+        "single call: tokens | ms | TFLOP/s | fraction |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in train:
         lines.append(
-            f"| {r['L']:,} | {r['heads']}:{r['kv_heads']} | {r['mask']} | {r['blocks']} ({r['masked_blocks']}) | "
-            f"{r['kernel_calls']} | {r['ms_fwd']:.2f} | {r['ms_bwd']:.2f} | {r['tflops']:.4g} | "
+            f"| {r['L']:,} | {r['heads']}:{r['kv_heads']} | {r['mask']} | {r['schedule']} | {r['blocks']} "
+            f"({r['masked_blocks']}) | {r['kernel_calls']} | {r['ms_fwd']:.2f} | {r['ms_bwd']:.2f} | {r['tflops']:.4g} | "
             f"{r['single_tokens']:,} | {r['single_ms']:.2f} | {r['single_tflops']:.4g} | {r['fraction']:.2f} |"
         )
     measured = [r for r in train if r["peak_mib"][0] is not None]
     if measured:
         lines += ["", "Memory beyond the chunks (MiB): measured peak, and `mesh_cp.sim.memory.compute_bytes`", ""]
         lines += [
-            "| L | heads | mask | fwd measured | fwd model | bwd measured | bwd model |",
-            "|---|---|---|---|---|---|---|",
+            "| L | heads | mask | schedule | fwd measured | fwd model | bwd measured | bwd model |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in measured:
-            (pf, pb), (mf, mb) = r["peak_mib"], r["model_mib"]
+            (pf, pb), (mf, mb) = r["peak_mib"], (mib(m) for m in r["model_mib"])
             lines.append(
-                f"| {r['L']:,} | {r['heads']}:{r['kv_heads']} | {r['mask']} | {pf:.0f} | {mf:.0f} | {pb:.0f} | {mb:.0f} |"
+                f"| {r['L']:,} | {r['heads']}:{r['kv_heads']} | {r['mask']} | {r['schedule']} | {pf:.0f} | {mf} | "
+                f"{pb:.0f} | {mb} |"
             )
     lines += [
         "",
@@ -361,6 +551,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch threads on CPU (default: torch's)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--split", action="store_true", help="with --balance: also each packed row split over the ranks")
+    p.add_argument(
+        "--schedules", default=",".join(SCHEDULES), help="comma-separated: collective, overlap (default: both)"
+    )
     p.add_argument("--masks", help="only these rows, comma-separated (causal, packed long, ...; default: all)")
     p.add_argument("--profile", action="store_true", help="print each row's operators by device time")
     p.add_argument("--quick", action="store_true", help="smoke: L = 128, 4 heads, 3 repeats")
@@ -376,6 +569,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype = DTYPES[args.dtype or ("bf16" if cuda else "fp32")]
     args.doc_scale = args.doc_scale or (1 if cuda else 16)
     args.device = torch.device(args.device)
+    args.schedules = tuple(args.schedules.split(","))
+    bad = [s for s in args.schedules if s not in SCHEDULES]
+    if bad or not args.schedules:
+        p.error(f"--schedules {','.join(bad)}: each must be one of {', '.join(SCHEDULES)}")
     return args
 
 
@@ -394,7 +591,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for name, mask in masks(args.world * L, args.doc_scale, args.seed, balance_world, args.split).items():
                 if args.masks and name not in args.masks.split(","):
                     continue
-                rows.append(rank_row(args, kernel if mask is None else masked_kernel, L, h, hkv, name, mask))
+                rows += train_rows(args, kernel if mask is None else masked_kernel, L, h, hkv, name, mask)
         for h, hkv in heads:
             rows.append(decode_row(args, L, h, hkv))
     a, b = most_square_tile(args.world)
@@ -410,6 +607,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "doc_scale": args.doc_scale,
         "repeats": args.repeats,
         "seed": args.seed,
+        "schedules": list(args.schedules),
     }
     print(markdown(meta, rows) + (imbalance_table(args) if args.balance else ""))
     if args.json:
