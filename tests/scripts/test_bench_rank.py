@@ -103,9 +103,11 @@ def test_bench_rank_schedules_option() -> None:
         bench.parse_args(["--device", "cpu", "--schedules", "ring"])
 
 
-@pytest.mark.parametrize("world", [8, 16])
-@pytest.mark.parametrize("packed", [False, True])
-def test_overlap_replay_against_collective(world: int, packed: bool) -> None:
+@pytest.mark.parametrize(
+    ("world", "packed", "backward"),
+    [(8, False, "regather"), (8, True, "regather"), (16, False, "regather"), (16, True, "reuse")],
+)
+def test_overlap_replay_against_collective(world: int, packed: bool, backward: str) -> None:
     bench = load_script()
     seq_local, heads, kv_heads, dim = 32, 2, 1, 16
     a, b = most_square_tile(world)
@@ -117,10 +119,11 @@ def test_overlap_replay_against_collective(world: int, packed: bool) -> None:
         resolve_kernel("auto", torch.device("cpu"), torch.float32, dim, needs=("mask|segments",))
     )
     doc_ids = None if mask is None else document_ids(mask, 1, world * seq_local, torch.device("cpu"))
+    opts = {"causal": True, "layout": "zigzag", "mask": mask, "backward": backward}
     calls = {
         s: AttentionCall(
             mesh=bench.NoMesh(),
-            plan=make_plan(Tiling(world, a, b), shape, causal=True, layout="zigzag", schedule=s, mask=mask),
+            plan=make_plan(Tiling(world, a, b), shape, schedule=s, **opts),
             kernel=kernel,
             scale=dim**-0.5,
             doc_ids=doc_ids,
