@@ -243,29 +243,19 @@ class _Layout:
     def __init__(self, plan, cols: dict[int, int], windows: list[list[tuple[list[Unit], bool]]], mode: KernelMode):
         self.cols = cols
         per_group = mode.by_segments and mode.gaps
-        shared: dict[int, list[Unit]] = {}
-        for call in windows:
-            for g, (units, _) in enumerate(call):
-                shared.setdefault(g if per_group else 0, []).extend(units)
         apart: set[int] = set()
         while True:  # a call whose group is not one run of its section gets sections of its own
+            shared = _shared(windows, apart, per_group)
             sections = {s: sorted(set(u), key=lambda x: _start(plan, x)) for s, u in shared.items()}
             bad = {
                 c
                 for c, call in enumerate(windows)
                 if c not in apart
-                and not all(
-                    _run_of(units, sections[g if per_group else 0]) is not None for g, (units, _) in enumerate(call)
-                )
+                and any(_run_of(units, sections[g if per_group else 0]) is None for g, (units, _) in enumerate(call))
             }
             if not bad:
                 break
             apart |= bad
-            shared = {}
-            for c, call in enumerate(windows):
-                for g, (units, _) in enumerate(call):
-                    if c not in apart:
-                        shared.setdefault(g if per_group else 0, []).extend(units)
         order = [sections[s] for s in sorted(sections)]
         where = {}
         for c in sorted(apart):
@@ -293,6 +283,16 @@ class _Layout:
             out.append((self.cols[y], y, (k0, k1), offset))
             offset += k1 - k0
         return out
+
+
+def _shared(windows, apart: set[int], per_group: bool) -> dict[int, list[Unit]]:
+    """The units of every section shared by the calls not in ``apart``: one section, or one per group index."""
+    shared: dict[int, list[Unit]] = {}
+    for c, call in enumerate(windows):
+        for g, (units, _) in enumerate(call):
+            if c not in apart:
+                shared.setdefault(g if per_group else 0, []).extend(units)
+    return shared
 
 
 def _run_of(units: list[Unit], section: list[Unit]) -> int | None:
