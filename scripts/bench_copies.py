@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import mesh_cp
 from mesh_cp.core import AttentionMask, Tiling, make_plan
-from mesh_cp.testing.copies import COPY_OPS, WrittenBytes
+from mesh_cp.testing.copies import WrittenBytes
 
 TILES = {4: (2, 2), 16: (4, 4)}
 KERNELS = ("cpu_flash", "segments")
@@ -152,14 +152,8 @@ def line(row: dict, old: dict | None) -> str:
     )
     if old is None:
         return text
-    old_copied = sum(n for op, n in {**_ops(old, "forward"), **{}}.items() if op in COPY_OPS)
-    old_copied += sum(n for op, n in _ops(old, "backward").items() if op in COPY_OPS)
-    old_written = old["forward"] + old["backward"]
+    old_copied, old_written = (old[f"forward{s}"] + old[f"backward{s}"] for s in ("_copied", ""))
     return text + f"       {copied / old_copied:.3f}, {written / old_written:.3f} ({old['calls_per_q_chunk']:.2f})"
-
-
-def _ops(row: dict, phase: str) -> dict:
-    return row[f"{phase}_by_op"]
 
 
 def key(row: dict) -> tuple:

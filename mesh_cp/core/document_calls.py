@@ -50,31 +50,24 @@ def document_calls(plan, rank: int, mode, slots: dict[int, int], cols: dict[int,
     halves = ((0, seq // 2), (seq // 2, seq)) if plan.layout == "zigzag" else ((0, seq),)
     positions = {x: local_positions(seq_len, world, x, plan.layout) for x in slots}
     units = sorted(
-        (positions_of(seq_len, world, y, plan.layout)[r0], col, (r0, r1))
+        (local_positions(seq_len, world, y, plan.layout)[r0], col, (r0, r1))
         for y, col in cols.items()
         for r0, r1 in halves
     )
     sections, layout, at = [], [], 0
     for _, r1 in halves:
         last = max(positions[x][r1 - 1] for x in slots)
-        chosen = [u for u in units if u[0] <= last] if plan.causal else units
-        sections.append(
-            [
-                (start, col, rows, at + sum(b - a for _, _, (a, b) in chosen[:i]))
-                for i, (start, col, rows) in enumerate(chosen)
-            ]
-        )
-        at += sum(b - a for _, _, (a, b) in chosen)
-        layout += [(col, rows) for _, col, rows in chosen]
+        section = []
+        for start, col, rows in (u for u in units if u[0] <= last or not plan.causal):
+            section.append((start, col, rows, at))
+            layout.append((col, rows))
+            at += rows[1] - rows[0]
+        sections.append(section)
     ys = {col: y for y, col in cols.items()}
     todo = sorted({w.x for w in plan.blocks(rank)}, key=lambda x: slots[x])
     extra = {} if mode.softcap is None else {"softcap": mode.softcap}
     specs = [_call(plan, x, positions[x], halves, sections, ys, extra) for x in todo]
     return tuple(layout), [s for s in specs if s is not None]
-
-
-def positions_of(seq_len: int, world: int, chunk: int, layout: str) -> list[int]:
-    return local_positions(seq_len, world, chunk, layout)
 
 
 def _call(plan, x: int, pos: list[int], halves, sections, ys: dict[int, int], extra: dict) -> dict | None:

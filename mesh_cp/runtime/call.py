@@ -22,7 +22,7 @@ from mesh_cp.core.layout import local_positions
 from mesh_cp.core.numerics import visibility
 from mesh_cp.core.plan import AttentionPlan
 from mesh_cp.core.program import Call, KernelMode, Program, rank_program, run_program, units
-from mesh_cp.kernels import capabilities_of, takes
+from mesh_cp.kernels import capabilities_of
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.kernels.fused import merge_
 from mesh_cp.kernels.reference import ReferenceKernel
@@ -122,7 +122,7 @@ def by_segments(kernel: BlockKernel) -> bool:
     and a masked block one call of its documents or its runs. A kernel that also takes masks (the reference kernel)
     runs chunk calls group by group with its own causal flag and masked tiles with masks it builds on the device from
     :attr:`AttentionCall.doc_ids`, so no dense mask is built from segments on the host."""
-    return takes(kernel, "segments") and not takes(kernel, "mask")
+    return KernelMode(capabilities_of(kernel).keywords).by_segments
 
 
 def write_rows(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor, first: bool) -> None:

@@ -107,6 +107,14 @@ def test_keys_are_laid_once_per_phase(tile, keywords, gaps) -> None:
         assert len(r["forward"]) <= limit * r["q_chunks"], (rank, r["forward"])
 
 
+def test_program_takes_the_reference_kernels_keywords() -> None:
+    """Core routes tiles to the reference kernel by the keywords it takes, written there without importing kernels."""
+    from mesh_cp.core.program import REFERENCE_KEYWORDS
+    from mesh_cp.kernels.reference import ReferenceKernel
+
+    assert ReferenceKernel.capabilities.keywords == REFERENCE_KEYWORDS
+
+
 def test_causal_calls_of_a_kernel_without_segments() -> None:
     """Without segments a zig-zag chunk is its two halves, and the diagonal a call of its own: at most 2 calls per Q
     chunk and 2 more for the chunk holding the diagonal, against 4 blocks per chunk at tile 4x4."""
