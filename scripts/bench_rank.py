@@ -199,15 +199,15 @@ def replay_forward(call: AttentionCall, inputs: dict) -> tuple[Tensor, Tensor, t
     :meth:`~mesh_cp.runtime.executors.OverlapExecutor.forward` returns them."""
     phase = ForwardReplay(call, *inputs["forward"])
     phase.run()
-    return (*phase.result(), phase.gathered())
+    return (*phase.result(inputs["q"].dtype), phase.gathered())
 
 
 def replay_backward(call: AttentionCall, inputs: dict, saved: Saved) -> tuple[Tensor, Tensor]:
     """Rank 0's backward of the overlapped schedule given its forward's ``saved``: ``dq`` and stacked ``dk, dv`` in
-    the accumulator dtype."""
+    the input dtype."""
     phase = BackwardReplay(call, inputs["do"][0], saved, *inputs["backward"])
     phase.run()
-    return phase.result("q"), phase.result("kv")
+    return phase.result("q", saved.q.dtype), phase.result("kv", saved.k.dtype)
 
 
 def saved_of(inputs: dict, out: Tensor, lse: Tensor, gathered: tuple[Tensor, ...]) -> Saved:

@@ -69,14 +69,19 @@ def merge_(o_acc: Tensor, lse_acc: Tensor, o_new: Tensor, lse_new: Tensor) -> No
     lse_acc.copy_(lse)
 
 
-def merged(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
-    """The LSE merge (Note [LSE merge]) of two partials into new tensors ``(o, lse)``, in the dtypes of ``o1`` and
-    ``lse1``: what :func:`merge_` leaves in ``o1, lse1``, without writing them (nor a copy of them first)."""
+def merged(
+    o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """The LSE merge (Note [LSE merge]) of two partials into new tensors ``(o, lse)``, computed in the dtype of
+    ``lse1``: what :func:`merge_` leaves in ``o1, lse1``, without writing them (nor a copy of them first). ``o`` is
+    written in ``dtype`` (default: the one it is computed in), rounded once: a final output straight in the input
+    dtype."""
     lse2 = lse2.to(lse1.dtype)
     lse = torch.logaddexp(lse1, lse2)
     finite = torch.nan_to_num(lse, nan=math.nan, posinf=0.0, neginf=0.0)  # infinities as 0
     w1, w2 = torch.exp(torch.stack((lse1, lse2)) - finite).transpose(2, 3).unsqueeze(-1)
-    return o1 * w1 + widened(o2, o1.dtype, lse1.dtype) * w2, lse
+    o = widened(o1, lse1.dtype, lse1.dtype) * w1 + widened(o2, lse1.dtype, lse1.dtype) * w2
+    return (o if dtype is None or dtype == o.dtype else o.to(dtype)), lse
 
 
 def expand_kv(x: Tensor, heads: int) -> Tensor:

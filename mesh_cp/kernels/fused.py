@@ -1,9 +1,11 @@
-"""One pass each for the elementwise work around the kernel calls: the LSE merge and ``out_for_delta``.
+"""One pass each for the elementwise work around the kernel calls: the LSE merge, the rows' ``delta`` and
+``out_for_delta``.
 
 Note [Fused passes]
 ~~~~~~~~~~~~~~~~~~~
 The LSE merge (Note [LSE merge], :func:`mesh_cp.core.numerics.merge_`) reads and rewrites a row's fp32
-accumulators for every partial merged in, and ``out_for_delta`` (construction 1 of Note [Gradient of the lse],
+accumulators for every partial merged in (the last one writing the output in the input dtype), the rows' ``delta =
+rowsum(dO * O)`` widens ``dO`` and ``O`` to fp32 before it multiplies them, and ``out_for_delta`` (construction 1 of Note [Gradient of the lse],
 :func:`mesh_cp.kernels.base.out_for_delta`) builds the ``out`` a fused backward takes, once per backward call.
 Eager, each is a chain of about ten elementwise ops and row reductions, every one a kernel that reads and writes
 the rows: about 18 bytes per element for the merge and 50 for ``out_for_delta``, against 10 and 4 in one pass.
@@ -111,3 +113,7 @@ merge_ = Fused(numerics.merge_)
 
 merged = Fused(numerics.merged)
 """:func:`mesh_cp.core.numerics.merged` in one pass where it compiles (Note [Fused passes])."""
+
+attention_delta = Fused(numerics.attention_delta)
+""":func:`mesh_cp.core.numerics.attention_delta` (``rowsum(dO * O) - dlse`` in fp32) in one pass where it compiles: it
+reads ``dO`` and ``O`` once and writes the rows' ``delta``, with no widened copies of them (Note [Fused passes])."""

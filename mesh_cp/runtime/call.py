@@ -74,22 +74,22 @@ class AttentionCall:
         """Kernel ``forward`` calls of ``rank``'s forward in the collective schedule (each phase makes as many)."""
         return len(self.program(rank).calls)
 
-    def forward(self, c: Call, q: Tensor, kv: Tensor) -> tuple[Tensor, Tensor]:
-        """``(o, lse)`` of call ``c`` from its whole Q chunk ``q (B, L, H, D)`` and its key source ``kv (2, B, N,
-        Hkv, D)`` (the phase's layout, or its KV chunk)."""
+    def forward(self, c: Call, q: Tensor, kv: Pair) -> tuple[Tensor, Tensor]:
+        """``(o, lse)`` of call ``c`` from its whole Q chunk ``q (B, L, H, D)`` and its key source ``kv``, K and V
+        ``(B, N, Hkv, D)`` (the phase's layout, or its KV chunk)."""
         (q0, q1), (k0, k1) = c.q_rows, c.keys
         kernel = _REFERENCE if c.reference else self.kernel
-        keys = kv[:, :, k0:k1]
-        return kernel.forward(q[:, q0:q1], keys[0], keys[1], causal=c.causal, scale=self.scale, **self._extra(c))
+        k, v = rows(kv, 1, k0, k1)
+        return kernel.forward(q[:, q0:q1], k, v, causal=c.causal, scale=self.scale, **self._extra(c))
 
-    def backward(self, c: Call, q: Tensor, do: Tensor, stats: Tensor, kv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``dq`` of its rows and ``dk, dv`` of its keys for call ``c``; ``stats (2, B, H, L)`` the rows' lse and
-        delta."""
+    def backward(self, c: Call, q: Tensor, do: Tensor, stats: Pair, kv: Pair) -> tuple[Tensor, Tensor, Tensor]:
+        """``dq`` of its rows and ``dk, dv`` of its keys for call ``c``; ``stats`` the rows' lse and delta ``(B, H,
+        L)``."""
         (q0, q1), (k0, k1) = c.q_rows, c.keys
         kernel = _REFERENCE if c.reference else self.kernel
-        keys, st = kv[:, :, k0:k1], stats[:, :, :, q0:q1]
+        (k, v), (lse, delta) = rows(kv, 1, k0, k1), rows(stats, 2, q0, q1)
         options = {"causal": c.causal, "scale": self.scale, "lse_grad": self.lse_grad}
-        return kernel.backward(do[:, q0:q1], q[:, q0:q1], keys[0], keys[1], st[0], st[1], **options, **self._extra(c))
+        return kernel.backward(do[:, q0:q1], q[:, q0:q1], k, v, lse, delta, **options, **self._extra(c))
 
     def _extra(self, c: Call) -> dict:
         """The keywords of call ``c``: its program's, and a tile's mask, built now from the document ids."""
@@ -154,17 +154,28 @@ def accumulator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     )
 
 
-def lay(kv_of: Callable[[int], Tensor], prog: Program) -> Tensor | None:
-    """The keys of ``prog``'s layout (rows of the stacked K, V chunks ``kv_of(col) (2, B, L, Hkv, D)``) laid end to
-    end once for the phase: ``(2, B, N, Hkv, D)``, a view when they are one run of one chunk (``None`` for none;
+Pair = Tensor | tuple[Tensor, Tensor]
+"""Two tensors of one shape read as ``pair[0]``, ``pair[1]`` (K and V, lse and delta): a tuple, or a ``(2, ...)`` tensor
+(stacked, or a view of two parts gathered into one buffer, :func:`mesh_cp.runtime.comm.all_gather_stacked`)."""
+
+
+def rows(pair: Pair, dim: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """The rows ``start:stop`` along ``dim`` of both tensors of ``pair``."""
+    return pair[0].narrow(dim, start, stop - start), pair[1].narrow(dim, start, stop - start)
+
+
+def lay(kv_of: Callable[[int], Pair], prog: Program) -> Pair | None:
+    """The keys of ``prog``'s layout (rows of the K, V chunks ``kv_of(col)``, ``(B, L, Hkv, D)`` each) laid end to end
+    once for the phase: K and V ``(B, N, Hkv, D)``, views when they are one run of one chunk (``None`` for none;
     Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
     runs = prog.runs
     if not runs:
         return None
     if len(runs) == 1:
         col, k0, k1 = runs[0]
-        return kv_of(col)[:, :, k0:k1]
-    return torch.cat([kv_of(col)[:, :, k0:k1] for col, k0, k1 in runs], dim=2)
+        return rows(kv_of(col), 1, k0, k1)
+    pieces = [rows(kv_of(col), 1, k0, k1) for col, k0, k1 in runs]
+    return tuple(torch.cat([piece[i] for piece in pieces], dim=1) for i in (0, 1))
 
 
 def add_key_grads(dkv_of: Callable[[int], Tensor], c: Call, dk: Tensor, dv: Tensor, first: tuple[bool, ...]) -> None:
@@ -176,7 +187,7 @@ def add_key_grads(dkv_of: Callable[[int], Tensor], c: Call, dk: Tensor, dv: Tens
         accumulate(acc[1, :, k0:k1], dv[:, at : at + k1 - k0], f)
 
 
-def source(c: Call, laid: Tensor | None, kv_of: Callable[[int], Tensor]) -> Tensor:
+def source(c: Call, laid: Pair | None, kv_of: Callable[[int], Pair]) -> Pair:
     """The keys call ``c`` reads a view of: the phase's layout, or its KV chunk."""
     return laid if c.laid else kv_of(c.pieces[0][0])
 

@@ -22,6 +22,33 @@ def all_gather(x: Tensor, group: ProcessGroup) -> Tensor:
     return out.view(n, *x.shape)
 
 
+def all_gather_parts(xs: tuple[Tensor, ...], group: ProcessGroup) -> tuple[Tensor, ...]:
+    """:func:`all_gather` of each of ``xs`` (tensors of one shape and dtype): ``(n, *shape)`` each, gathered into the
+    parts of one buffer, so that no part is copied next to the others first; with one member, ``xs`` as they are."""
+    if dist.get_world_size(group) == 1:
+        return tuple(x.unsqueeze(0) for x in xs)
+    return tuple(_gathered_parts(xs, group))
+
+
+def all_gather_stacked(xs: tuple[Tensor, ...], group: ProcessGroup) -> Tensor:
+    """``all_gather(torch.stack(xs))`` ``(n, len(xs), *shape)`` without the stack: a view of the buffer each of ``xs``
+    is gathered into a part of (:func:`all_gather_parts`). With one member the stack is the one copy."""
+    if dist.get_world_size(group) == 1 or len({x.dtype for x in xs}) > 1:
+        return all_gather(torch.stack(xs), group)
+    return _gathered_parts(xs, group).transpose(0, 1)
+
+
+def _gathered_parts(xs: tuple[Tensor, ...], group: ProcessGroup) -> Tensor:
+    """``(len(xs), n, *shape)``: part ``i`` the flat all-gather of ``xs[i]``, one collective each."""
+    n, shape = dist.get_world_size(group), xs[0].shape
+    if any(x.shape != shape or x.dtype != xs[0].dtype for x in xs):
+        raise AssertionError(f"gathered parts differ: {[(tuple(x.shape), x.dtype) for x in xs]}")
+    out = torch.empty((len(xs), n * shape[0], *shape[1:]), dtype=xs[0].dtype, device=xs[0].device)
+    for part, x in zip(out, xs, strict=True):
+        _all_gather_flat(part, x.contiguous(), group=group)
+    return out.view(len(xs), n, *shape)
+
+
 def all_to_all(x: Tensor, group: ProcessGroup) -> Tensor:
     """Send ``x[i]`` to group rank ``i``; return ``y`` with ``y[j]`` received from group rank ``j``."""
     n = dist.get_world_size(group)

@@ -13,7 +13,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from mesh_cp.core.numerics import acc_dtype, attention_delta
+from mesh_cp.core.numerics import acc_dtype
+from mesh_cp.kernels.fused import attention_delta as fused_delta
 from mesh_cp.kernels.fused import merge_, merged
 from mesh_cp.runtime.call import (
     AttentionCall,
@@ -25,7 +26,7 @@ from mesh_cp.runtime.call import (
     source,
     write_rows,
 )
-from mesh_cp.runtime.comm import all_gather, all_to_all
+from mesh_cp.runtime.comm import all_gather, all_gather_parts, all_gather_stacked, all_to_all
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.phases import BackwardPhase, ForwardPhase
 
@@ -36,8 +37,8 @@ class Executor(Protocol):
     def forward(
         self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
-        """Return this rank's final ``out (B, L, Hq, D)`` and ``lse (B, Hq, L)`` in the accumulator dtype, and
-        :attr:`Saved.gathered`."""
+        """Return this rank's final ``out (B, L, Hq, D)`` in the dtype of ``q`` and ``lse (B, Hq, L)`` in the
+        accumulator dtype, and :attr:`Saved.gathered`."""
         ...
 
     def backward(
@@ -66,10 +67,10 @@ class CollectiveExecutor:
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
         mesh, plan = call.mesh, call.plan
         q_all = all_gather(q, mesh.q_group)  # (a, B, L, Hq, D)
-        kv = [all_gather(torch.stack((k, v)), mesh.kv_group)]  # (b, 2, B, L, Hkv, D)
+        kv = [all_gather_stacked((k, v), mesh.kv_group)]  # (b, 2, B, L, Hkv, D)
         gathered = (q_all, kv[0]) if plan.backward == "reuse" else ()
         packed = _forward_packed(call, mesh.mesh_rank, q_all, kv)
-        out, lse = _reduce_rows_to_owners(packed, q_all.shape, mesh)
+        out, lse = _reduce_rows_to_owners(packed, q_all.shape, mesh, q.dtype)
         return out, lse, gathered
 
     def backward(
@@ -77,20 +78,19 @@ class CollectiveExecutor:
     ) -> tuple[Tensor, Tensor, Tensor]:
         mesh, plan, q, k = call.mesh, call.plan, saved.q, saved.k
         acc = acc_dtype(q.dtype)
-        delta = attention_delta(do, saved.out, dlse)
+        delta = fused_delta(do, saved.out, dlse)
         if plan.backward == "regather":
-            q_do = all_gather(torch.stack((q, do.to(q.dtype))), mesh.q_group)  # (a, 2, B, L, Hq, D)
-            q_all, do_all = q_do[:, 0], q_do[:, 1]
+            q_all, do_all = all_gather_parts((q, do.to(q.dtype)), mesh.q_group)  # (a, B, L, Hq, D) each
         else:
             q_all, kv = saved.gathered[0], [saved.gathered[1]]
             do_all = all_gather(do.to(q.dtype), mesh.q_group)
-        stats = all_gather(torch.stack((saved.lse.to(acc), delta)), mesh.q_group)  # (a, 2, B, Hq, L)
+        stats = all_gather_stacked((saved.lse.to(acc), delta), mesh.q_group)  # (a, 2, B, Hq, L)
         if plan.backward == "regather":
-            kv = [all_gather(torch.stack((k, saved.v)), mesh.kv_group)]  # (b, 2, B, L, Hkv, D)
+            kv = [all_gather_stacked((k, saved.v), mesh.kv_group)]  # (b, 2, B, L, Hkv, D)
         dq_acc, dkv_acc = _backward_accumulators(call, mesh.mesh_rank, q_all, do_all, stats, kv)
         dq = _sum_into(all_to_all(dq_acc, mesh.q_group), q.dtype)
-        dkv = _sum_into(all_to_all(dkv_acc, mesh.kv_group), k.dtype if k.dtype == saved.v.dtype else dkv_acc.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(saved.v.dtype)
+        dkv = _sum_into(all_to_all(dkv_acc, mesh.kv_group), k.dtype)
+        return dq, dkv[0], dkv[1]
 
 
 def _sum_into(parts: Tensor, dtype: torch.dtype) -> Tensor:
@@ -168,17 +168,24 @@ def _backward_accumulators(call, rank: int, q_all, do_all, stats, kv: list[Tenso
     return dq_acc, dkv_acc
 
 
-def _reduce_rows_to_owners(packed: Tensor, shape: torch.Size, mesh: CPMesh) -> tuple[Tensor, Tensor]:
+def _reduce_rows_to_owners(
+    packed: Tensor, shape: torch.Size, mesh: CPMesh, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """Row partials in one buffer (:func:`_forward_packed`, ``shape`` the gathered Q chunks') -> this rank's merged
-    row, by one all-to-all of the buffer: the first two partials received merged into new tensors, the rest into
-    them (what is returned holds none of the buffers)."""
-    if shape[0] == 1:
+    row, ``out`` in ``dtype``, by one all-to-all of the buffer: the first two partials received merged into new
+    tensors, the next ones into them, and the last one merged into ``out`` written in ``dtype`` (what is returned
+    holds none of the buffers)."""
+    a = shape[0]
+    if a == 1:
         o_acc, lse_acc = _unpack(packed, shape)
-        return o_acc[0], lse_acc[0].clone()
+        return o_acc[0].to(dtype), lse_acc[0].clone()
     o_parts, lse_parts = _unpack(all_to_all(packed, mesh.q_group), shape)
-    out, lse = merged(o_parts[0], lse_parts[0], o_parts[1], lse_parts[1])
-    for j in range(2, shape[0]):
-        merge_(out, lse, o_parts[j], lse_parts[j])
+    out, lse = o_parts[0], lse_parts[0]
+    for j in range(1, a):
+        if j == 1 or j == a - 1:
+            out, lse = merged(out, lse, o_parts[j], lse_parts[j], dtype if j == a - 1 else None)
+        else:
+            merge_(out, lse, o_parts[j], lse_parts[j])
     return out, lse
 
 
@@ -199,15 +206,15 @@ class OverlapExecutor:
     ) -> tuple[Tensor, Tensor, tuple[Tensor, ...]]:
         phase = ForwardPhase(call, q, k, v)
         phase.run()
-        return (*phase.result(), phase.gathered())
+        return (*phase.result(q.dtype), phase.gathered())
 
     def backward(
         self, call: AttentionCall, do: Tensor, dlse: Tensor | None, saved: Saved
     ) -> tuple[Tensor, Tensor, Tensor]:
         phase = BackwardPhase(call, do, dlse, saved)
         phase.run()
-        dq, dkv = phase.result("q"), phase.result("kv")
-        return dq.to(saved.q.dtype), dkv[0].to(saved.k.dtype), dkv[1].to(saved.v.dtype)
+        dkv = phase.result("kv", saved.k.dtype)
+        return phase.result("q", saved.q.dtype), dkv[0], dkv[1]
 
 
 EXECUTORS: dict[str, Executor] = {e.name: e for e in (OverlapExecutor(), CollectiveExecutor())}

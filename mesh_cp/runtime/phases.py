@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from mesh_cp.core.numerics import acc_dtype, attention_delta
+from mesh_cp.core.numerics import acc_dtype
 from mesh_cp.core.program import Program
 from mesh_cp.core.schedule import RingStep
-from mesh_cp.kernels.fused import merge_
+from mesh_cp.kernels.fused import attention_delta, merge_, merged
 from mesh_cp.runtime.call import accumulate, add_key_grads, lay, source, write_rows
 from mesh_cp.runtime.comm import ring_step
 
@@ -24,31 +24,40 @@ if TYPE_CHECKING:
 class _Chunks:
     """Chunks held per ring offset, dropped after their last use unless kept for backward.
 
-    With ``keep`` the chunks live in one preallocated ``(n, ...)`` tensor (what backward reuses);
-    otherwise each offset gets its own buffer, freed after the action that last needs it.
+    A chunk is one tensor, or a tuple of parts of one shape (K and V; q and dO; lse and delta) that travel as one
+    message each, so that the rank's own parts are sent as they are, never stacked first. A received chunk of parts
+    is one ``(parts, ...)`` buffer. With ``keep`` the chunks live in one preallocated ``(n, ...)`` tensor (what
+    backward reuses); otherwise each offset gets its own buffer, freed after the action that last needs it.
     """
 
-    def __init__(self, first: Tensor, n: int, keep: bool, last_use: dict[int, int]) -> None:
-        self.keep, self.last_use = keep, last_use
-        self.shape, self.dtype, self.device = first.shape, first.dtype, first.device
-        self.store = torch.empty((n, *first.shape), dtype=first.dtype, device=first.device) if keep else None
-        self.held: dict[int, Tensor] = {}
+    def __init__(self, first: Tensor | tuple[Tensor, ...], n: int, keep: bool, last_use: dict[int, int]) -> None:
+        self.keep, self.last_use, self.parts = keep, last_use, isinstance(first, tuple)
+        one = first[0] if self.parts else first
+        self.shape = (len(first), *one.shape) if self.parts else one.shape
+        self.dtype, self.device = one.dtype, one.device
+        self.store = torch.empty((n, *self.shape), dtype=self.dtype, device=self.device) if keep else None
+        self.held: dict[int, Tensor | tuple[Tensor, ...]] = {}
         self.put(0, first)
 
-    def put(self, offset: int, value: Tensor | None = None) -> Tensor:
+    def put(self, offset: int, value: Tensor | tuple[Tensor, ...] | None = None) -> Tensor | tuple[Tensor, ...]:
         """Hold ``value`` at ``offset`` (or an empty receive buffer shaped like offset 0); return it."""
         if self.store is not None:
             buf = self.store[offset]
             if value is not None:
-                buf.copy_(value)
+                for part, x in zip(self.messages(buf), self.messages(value), strict=True):
+                    part.copy_(x)
         elif value is not None:
-            buf = value.contiguous()
+            buf = tuple(x.contiguous() for x in value) if isinstance(value, tuple) else value.contiguous()
         else:
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self.held[offset] = buf
         return buf
 
-    def __getitem__(self, offset: int) -> Tensor:
+    def messages(self, chunk: Tensor | tuple[Tensor, ...]) -> list[Tensor]:
+        """What a ring step sends or receives of ``chunk``: its parts, or the tensor."""
+        return list(chunk) if self.parts else [chunk]
+
+    def __getitem__(self, offset: int) -> Tensor | tuple[Tensor, ...]:
         return self.held[offset]
 
     def release(self, action: int) -> None:
@@ -81,7 +90,8 @@ class OverlapPhase:
     def move(self, step: RingStep) -> tuple[list, list[Tensor]]:
         """Pass the chunks of offset ``index - 1`` on and receive those of offset ``index``."""
         held = self.chunks[step.ring]
-        return self.post(step, [c[step.index - 1] for c in held], [c.put(step.index) for c in held])
+        sends = [m for c in held for m in c.messages(c[step.index - 1])]
+        return self.post(step, sends, [m for c in held for m in c.messages(c.put(step.index))])
 
     def run(self) -> None:
         """Run the actions: post moves and reduce steps, wait for them (landing received partials), compute
@@ -188,10 +198,12 @@ class ForwardPhase(OverlapPhase):
         super().__init__(call, "forward")
         keep = call.plan.backward == "reuse"
         self.chunks["q"] = [_Chunks(q, self.sizes["q"], keep, self.sched.last_use("q"))]
-        self.chunks["kv"] = [_Chunks(torch.stack((k, v)), self.sizes["kv"], keep, self.sched.last_use("kv"))]
+        self.chunks["kv"] = [_Chunks((k, v), self.sizes["kv"], keep, self.sched.last_use("kv"))]
         self.shape, self.acc, self.device = q.shape, acc_dtype(q.dtype), q.device
         self.rows: dict[int, _Acc] = {}
         """Partial (o, lse) per row offset, created on first use and dropped once sent on."""
+        self.arrived: Tensor | None = None
+        """The partial of this rank's own rows from the rest of the ring, merged with its own at the end."""
 
     def _views(self, flat: Tensor) -> tuple[Tensor, Tensor]:
         batch, seq, heads, dim = self.shape
@@ -205,11 +217,16 @@ class ForwardPhase(OverlapPhase):
             self.rows[i] = _Acc(flat, self._views(flat), (1, 2), (0.0, float("-inf")))
         return self.rows[i]
 
-    def result(self) -> tuple[Tensor, Tensor]:
-        """This rank's own rows, merged: ``(o, lse)`` (the lse a tensor of its own, so that keeping it for backward
-        does not keep the fp32 rows)."""
+    def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """This rank's own rows, merged: ``(o, lse)``, ``o`` written in ``dtype`` by the last merge (the lse a tensor
+        of its own, so that keeping it for backward does not keep the fp32 rows)."""
+        if self.arrived is not None and 0 not in self.rows:  # no block of its own rows is computed here
+            o, lse = self._views(self.arrived)
+            return o.to(dtype), lse.clone()
         o, lse = self._views(self.row(0).finish())
-        return o, lse.clone()
+        if self.arrived is None:
+            return o.to(dtype), lse.clone()
+        return merged(o, lse, *self._views(self.arrived), dtype)
 
     def reduce(self, step: RingStep) -> tuple[list, list[Tensor]]:
         """Send row offset ``s + 1``, receive offset ``s + 2``."""
@@ -219,7 +236,9 @@ class ForwardPhase(OverlapPhase):
 
     def land(self, step: RingStep, recv: Tensor) -> None:
         target = (step.index + 2) % self.sizes["q"]
-        if target in self.rows:
+        if target == 0:
+            self.arrived = recv
+        elif target in self.rows:
             row = self.rows[target]
             row.finish()
             merge_(*row.views, *self._views(recv))
@@ -250,17 +269,19 @@ class BackwardPhase(OverlapPhase):
         super().__init__(call, "backward")
         q, k = saved.q, saved.k
         acc = acc_dtype(q.dtype)
-        stats = torch.stack((saved.lse.to(acc), attention_delta(do, saved.out, dlse)))  # (2, B, Hq, L)
+        stats = (saved.lse.to(acc), attention_delta(do, saved.out, dlse))  # (B, Hq, L) each
         self.regather = call.plan.backward == "regather"
-        q_side = torch.stack((q, do.to(q.dtype))) if self.regather else do.to(q.dtype).contiguous()
+        q_side = (q, do.to(q.dtype)) if self.regather else do.to(q.dtype).contiguous()
         last_q, last_kv = self.sched.last_use("q"), self.sched.last_use("kv")
         self.chunks["q"] = [_Chunks(t, self.sizes["q"], False, last_q) for t in (q_side, stats)]
         if self.regather:
-            self.chunks["kv"] = [_Chunks(torch.stack((k, saved.v)), self.sizes["kv"], False, last_kv)]
+            self.chunks["kv"] = [_Chunks((k, saved.v), self.sizes["kv"], False, last_kv)]
         self.gathered = saved.gathered
         self.shapes, self.acc, self.device = {"q": q.shape, "kv": (2, *k.shape)}, acc, q.device
         self.grads: dict[str, dict[int, _Acc]] = {"q": {}, "kv": {}}
         """Partial dq per row offset and dk, dv per column offset, created on first use, dropped once sent on."""
+        self.arrived: dict[str, Tensor] = {}
+        """Per ring, the partial of this rank's own rows or columns from the rest of the ring, added at the end."""
 
     def grad(self, ring: str, offset: int) -> _Acc:
         if offset not in self.grads[ring]:
@@ -268,9 +289,16 @@ class BackwardPhase(OverlapPhase):
             self.grads[ring][offset] = _Acc(flat, (flat,), (1 if ring == "q" else 2,), (0.0,))
         return self.grads[ring][offset]
 
-    def result(self, ring: str) -> Tensor:
-        """This rank's own ``dq`` (``ring="q"``) or stacked ``dk, dv`` (``"kv"``), summed."""
-        return self.grad(ring, 0).finish()
+    def result(self, ring: str, dtype: torch.dtype) -> Tensor:
+        """This rank's own ``dq`` (``ring="q"``) or stacked ``dk, dv`` (``"kv"``), summed and written once in
+        ``dtype``."""
+        arrived = self.arrived.get(ring)
+        if arrived is not None and 0 not in self.grads[ring]:  # no block of its own rows or columns is computed here
+            return arrived.to(dtype)
+        own = self.grad(ring, 0).finish()
+        if arrived is None:
+            return own.to(dtype)
+        return torch.add(own, arrived, out=torch.empty(own.shape, dtype=dtype, device=own.device))
 
     def reduce(self, step: RingStep) -> tuple[list, list[Tensor]]:
         """Send offset ``s + 1``'s partial, receive ``s + 2``'s."""
@@ -281,7 +309,9 @@ class BackwardPhase(OverlapPhase):
     def land(self, step: RingStep, recv: Tensor) -> None:
         target = (step.index + 2) % self.sizes[step.ring]
         grads = self.grads[step.ring]
-        if target in grads:
+        if target == 0:
+            self.arrived[step.ring] = recv
+        elif target in grads:
             grads[target].finish().add_(recv)
         else:
             grads[target] = _Acc.written(recv, (recv,), (1 if step.ring == "q" else 2,))
