@@ -210,6 +210,29 @@ def first_writes(writes: Sequence[tuple[int, tuple[int, int]]], slots: int, size
     return tuple(first), complete and all(_covers(spans, 0, size) for spans in touched)
 
 
+def unwritten(
+    writes: Sequence[tuple[int, tuple[int, int]]], first: Sequence[bool], slots: int, size: int
+) -> tuple[tuple[int, int, int], ...]:
+    """The rows ``(slot, start, stop)`` of an accumulator of ``slots`` slots of ``size`` rows that no first write of
+    ``writes`` covers (``first`` as :func:`first_writes` returns it): the only rows that need the identity before the
+    writes run (Note [First writes]). A row a first write covers is written by it before any other write reaches it:
+    a write touching that row earlier would have made it no first write."""
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(slots)]
+    for (slot, rows), fresh in zip(writes, first, strict=True):
+        if fresh:
+            spans[slot].append(rows)
+    gaps = []
+    for slot, written in enumerate(spans):
+        at = 0
+        for s0, s1 in sorted(written):
+            if s0 > at:
+                gaps.append((slot, at, s0))
+            at = max(at, s1)
+        if at < size:
+            gaps.append((slot, at, size))
+    return tuple(gaps)
+
+
 def _covers(spans: list[tuple[int, int]], start: int, stop: int) -> bool:
     """The ``spans`` (overlapping or not) cover ``[start, stop)``."""
     at = start

@@ -38,7 +38,7 @@ import functools
 from dataclasses import dataclass, field
 
 from mesh_cp.core import document_calls
-from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, first_writes
+from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, first_writes, unwritten
 from mesh_cp.core.layout import local_positions
 
 Rows = tuple[int, int]
@@ -104,9 +104,11 @@ class Program:
     calls: tuple[Call, ...]
     seq: int
     """Rows of a chunk."""
-    q_complete: bool
-    """The first writes cover every row of every Q slot (its accumulators need no fill)."""
-    kv_complete: bool
+    q_fills: tuple[tuple[int, int, int], ...]
+    """``(slot, start, stop)``: the Q rows no first write covers, filled with the identity before the calls run (empty:
+    the accumulators need no fill)."""
+    kv_fills: tuple[tuple[int, int, int], ...]
+    """The same for the key rows of every column."""
 
     @property
     def laid_rows(self) -> int:
@@ -193,16 +195,16 @@ def _assemble(plan, layout: tuple, specs: list[dict], slots: dict, cols: dict, *
     q_writes = [(slots[s["x"]], s["q_rows"]) for s in specs]
     kv_writes = [(col, rows) for s in specs for col, _, rows, _ in s["pieces"]]
     if first:
-        first_q, q_complete = first_writes(q_writes, len(slots), seq)
-        first_kv, kv_complete = first_writes(kv_writes, len(cols), seq)
+        first_q, first_kv = first_writes(q_writes, len(slots), seq)[0], first_writes(kv_writes, len(cols), seq)[0]
     else:
-        first_q, q_complete, first_kv, kv_complete = (False,) * len(specs), False, (False,) * len(kv_writes), False
+        first_q, first_kv = (False,) * len(specs), (False,) * len(kv_writes)
+    q_fills, kv_fills = unwritten(q_writes, first_q, len(slots), seq), unwritten(kv_writes, first_kv, len(cols), seq)
     calls, at = [], 0
     for s, fq in zip(specs, first_q, strict=True):
         n = len(s["pieces"])
         calls.append(Call(slot=slots[s["x"]], first=fq, first_kv=tuple(first_kv[at : at + n]), **s))
         at += n
-    return Program(layout, tuple(calls), seq, q_complete, kv_complete)
+    return Program(layout, tuple(calls), seq, q_fills, kv_fills)
 
 
 Unit = tuple[int, Rows]

@@ -143,15 +143,18 @@ def accumulate(acc: Tensor, x: Tensor, first: bool) -> None:
         acc.add_(x)
 
 
-def accumulator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, complete: bool, fill: float = 0.0):
-    """An accumulator: without values when its first writes cover it (``complete``), else filled with ``fill``."""
-    if complete:
-        return torch.empty(shape, dtype=dtype, device=device)
-    return (
-        torch.zeros(shape, dtype=dtype, device=device)
-        if fill == 0
-        else torch.full(shape, fill, dtype=dtype, device=device)
-    )
+def fill_unwritten(
+    views: tuple[tuple[Tensor, int, float], ...], fills: tuple[tuple[int, int, int], ...] | None
+) -> None:
+    """Fill the rows of accumulators allocated without values that no first write covers (Note [First writes]):
+    ``views`` ``(acc, dim, identity)``, ``acc`` indexed by slot, its rows along ``dim`` of a slot; ``fills`` the
+    program's ``(slot, start, stop)`` (``None``: every row, for chunks that are not the plan's)."""
+    for acc, dim, identity in views:
+        if fills is None:
+            acc.fill_(identity)
+            continue
+        for slot, start, stop in fills:
+            acc[slot].narrow(dim, start, stop - start).fill_(identity)
 
 
 Pair = Tensor | tuple[Tensor, Tensor]

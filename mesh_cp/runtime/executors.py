@@ -20,8 +20,8 @@ from mesh_cp.runtime.call import (
     AttentionCall,
     Saved,
     accumulate,
-    accumulator,
     add_key_grads,
+    fill_unwritten,
     lay,
     source,
     write_rows,
@@ -122,11 +122,10 @@ def _forward_packed(call: AttentionCall, rank: int, q_all: Tensor, kv: list[Tens
     prog = call.program(rank)
     laid, kv_all = _laid_keys(prog, kv)
     a, batch, seq, heads, dim = q_all.shape
-    complete = prog.q_complete and seq == prog.seq  # the chunks are the plan's
-    packed = accumulator((a, batch * seq * heads * (dim + 1)), acc_dtype(q_all.dtype), q_all.device, complete)
+    packed = torch.empty((a, batch * seq * heads * (dim + 1)), dtype=acc_dtype(q_all.dtype), device=q_all.device)
     o_acc, lse_acc = _unpack(packed, q_all.shape)
-    if not complete:
-        lse_acc.fill_(float("-inf"))
+    fills = prog.q_fills if seq == prog.seq else None  # the chunks are the plan's
+    fill_unwritten(((o_acc, 1, 0.0), (lse_acc, 2, float("-inf"))), fills)
     for c in prog.calls:
         o, lse = call.forward(c, q_all[c.slot], source(c, laid, lambda j: kv_all[j]))
         (q0, q1) = c.q_rows
@@ -156,9 +155,11 @@ def _backward_accumulators(call, rank: int, q_all, do_all, stats, kv: list[Tenso
     prog = call.program(rank)
     acc, kv_shape = acc_dtype(q_all.dtype), kv[0].shape
     fits = q_all.shape[2] == prog.seq == kv_shape[3]  # the chunks are the plan's
-    dq_acc = accumulator(q_all.shape, acc, q_all.device, prog.q_complete and fits)
+    dq_acc = torch.empty(q_all.shape, dtype=acc, device=q_all.device)
+    fill_unwritten(((dq_acc, 1, 0.0),), prog.q_fills if fits else None)
     laid, kv_all = _laid_keys(prog, kv)
-    dkv_acc = accumulator(kv_shape, acc, q_all.device, prog.kv_complete and fits)
+    dkv_acc = torch.empty(kv_shape, dtype=acc, device=q_all.device)
+    fill_unwritten(((dkv_acc, 2, 0.0),), prog.kv_fills if fits else None)
     for c in prog.calls:
         i, (q0, q1) = c.slot, c.q_rows
         dq, dk, dv = call.backward(c, q_all[i], do_all[i], stats[i], source(c, laid, lambda j: kv_all[j]))

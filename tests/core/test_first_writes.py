@@ -7,10 +7,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesh_cp.core.blocks import first_writes
+from mesh_cp.core.blocks import first_writes, unwritten
 from mesh_cp.kernels.varlen import _key_rows, _stacked
 
 SIZE = 12
+
+WRITES = st.integers(1, 3).flatmap(
+    lambda slots: st.tuples(
+        st.just(slots),
+        st.lists(
+            st.tuples(
+                st.integers(0, slots - 1),
+                st.integers(0, SIZE - 1).flatmap(lambda a: st.tuples(st.just(a), st.integers(a + 1, SIZE))),
+            ),
+            max_size=8,
+        ),
+    )
+)
+"""``(slots, writes)``: up to 8 writes ``(slot, (start, stop))`` into ``slots`` slots of ``SIZE`` rows."""
 
 
 def replay(writes, slots: int, size: int) -> tuple[tuple[bool, ...], bool]:
@@ -30,23 +44,36 @@ def replay(writes, slots: int, size: int) -> tuple[tuple[bool, ...], bool]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    st.integers(1, 3).flatmap(
-        lambda slots: st.tuples(
-            st.just(slots),
-            st.lists(
-                st.tuples(
-                    st.integers(0, slots - 1),
-                    st.integers(0, SIZE - 1).flatmap(lambda a: st.tuples(st.just(a), st.integers(a + 1, SIZE))),
-                ),
-                max_size=8,
-            ),
-        )
-    )
-)
+@given(WRITES)
 def test_first_writes_match_a_replay(case) -> None:  # fmt: skip
     slots, writes = case
     assert first_writes(writes, slots, SIZE) == replay(writes, slots, SIZE)
+
+
+@settings(max_examples=300, deadline=None)
+@given(WRITES)
+def test_filling_the_unwritten_rows_gives_the_sums_from_zero(case) -> None:  # fmt: skip
+    """Rows allocated as NaN, the rows :func:`unwritten` names filled with 0, then every write a copy when first and an
+    add otherwise: the sums of the writes from a buffer of zeros, every row finite."""
+    slots, writes = case
+    first, _ = first_writes(writes, slots, SIZE)
+    acc, expected = torch.full((slots, SIZE), float("nan")), torch.zeros(slots, SIZE)
+    for slot, start, stop in unwritten(writes, first, slots, SIZE):
+        acc[slot, start:stop] = 0.0
+    for i, ((slot, (start, stop)), fresh) in enumerate(zip(writes, first, strict=True)):
+        value = torch.arange(start, stop, dtype=torch.float32) + 100.0 * (i + 1)
+        expected[slot, start:stop] += value
+        if fresh:
+            acc[slot, start:stop] = value
+        else:
+            acc[slot, start:stop] += value
+    torch.testing.assert_close(acc, expected, rtol=0, atol=0)
+
+
+def test_unwritten_examples() -> None:
+    writes = [(0, (0, 4)), (0, (2, 8)), (1, (3, 5))]
+    assert unwritten(writes, first_writes(writes, 2, 12)[0], 2, 12) == ((0, 4, 12), (1, 0, 3), (1, 5, 12))
+    assert unwritten([(0, (0, 12))], (True,), 1, 12) == ()
 
 
 def test_first_writes_examples() -> None:
