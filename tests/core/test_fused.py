@@ -40,7 +40,7 @@ def compiled(monkeypatch):
     if shutil.which(compiler) is None:  # CUDA compiles with Triton; Inductor's CPU code needs a C++ compiler
         pytest.skip(f"compiling on CPU needs a C++ compiler for Inductor: {compiler!r} (or $CXX) is not installed")
     monkeypatch.setenv(fused.ENV, "1")
-    for f in (fused.merge_, _out_for_delta):
+    for f in (fused.merge_, fused.merged, fused.attention_delta, _out_for_delta):
         monkeypatch.setattr(f, "compiled", None)
         monkeypatch.setattr(f, "failed", None)
     torch._dynamo.reset()
@@ -71,7 +71,19 @@ def test_compiled_passes_equal_the_eager_ones(compiled) -> None:
         assert got.dtype == want.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=0)  # one bf16 rounding apart at most
         torch.testing.assert_close(numerics.attention_delta(do, got), delta, rtol=2e-2, atol=1e-5)
-    assert 2 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])  # one per function (+1: B = 1)
+        out, dlse = torch.randn(do.shape, generator=gen).bfloat16(), torch.randn(delta.shape, generator=gen)
+        for lse_grad in (None, dlse):  # the rows' delta, with and without a gradient of the lse
+            got = fused.attention_delta(do, out, lse_grad)
+            assert fused.attention_delta.failed is None and fused.attention_delta.compiled is not None
+            torch.testing.assert_close(got, numerics.attention_delta(do, out, lse_grad), rtol=1e-5, atol=1e-5)
+        o_acc, lse_acc, o_new, lse_new = merge_case(batch, rows, seed + 10)
+        o1, lse1 = o_acc[:, 2 : 2 + rows], lse_acc[:, :, 2 : 2 + rows]
+        got_o, got_lse = fused.merged(o1, lse1, o_new, lse_new, torch.bfloat16)  # a final output, in bf16
+        want_o, want_lse = numerics.merged(o1, lse1, o_new, lse_new)
+        assert fused.merged.failed is None and fused.merged.compiled is not None and got_o.dtype == torch.bfloat16
+        torch.testing.assert_close(got_o.float(), want_o, rtol=1e-2, atol=1e-6)  # one bf16 rounding apart
+        torch.testing.assert_close(got_lse, want_lse, rtol=1e-6, atol=1e-6)
+    assert 4 <= counters["stats"]["unique_graphs"] <= 10, dict(counters["stats"])  # one or two per function and dlse
 
 
 def test_eager_on_cpu_by_default_and_a_bad_setting_is_refused(monkeypatch) -> None:
