@@ -47,7 +47,7 @@ class _Chunks:
                 for part, x in zip(self.messages(buf), self.messages(value), strict=True):
                     part.copy_(x)
         elif value is not None:
-            buf = tuple(x.contiguous() for x in value) if isinstance(value, tuple) else value.contiguous()
+            buf = value  # as it is: a ring step sends a contiguous copy only of what is not
         else:
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         self.held[offset] = buf
@@ -90,7 +90,7 @@ class OverlapPhase:
     def move(self, step: RingStep) -> tuple[list, list[Tensor]]:
         """Pass the chunks of offset ``index - 1`` on and receive those of offset ``index``."""
         held = self.chunks[step.ring]
-        sends = [m for c in held for m in c.messages(c[step.index - 1])]
+        sends = [m.contiguous() for c in held for m in c.messages(c[step.index - 1])]
         return self.post(step, sends, [m for c in held for m in c.messages(c.put(step.index))])
 
     def run(self) -> None:

@@ -32,8 +32,9 @@ def peak_bytes(
     and the reduce buffers together, and on ``backend="gloo"`` a flat copy of each all-gather's output while it
     runs. With ``head_parallel > 1``, plus the head-layout copies the head exchange holds at its peak: forward
     all it moves (q, k, v, held while the mesh computes, and out and lse, exchanged while they are still held);
-    backward what it moves *in* (dO and the lse's gradient): dq, dk, dv are exchanged after the mesh has freed its
-    buffers and stay below the mesh's peak (measured within the tolerance of tests/runtime/test_memory.py).
+    backward what it moves *in* (dO and the lse's gradient), and dq, dk, dv exchanged out after the mesh has freed its
+    buffers: four copies of them (theirs, their rows in exchange order, the packed send and the receive buffer)
+    where they exceed the mesh's peak (measured within the tolerance of tests/runtime/test_memory.py).
 
     The calls are read from the rank's program for ``kernel`` (:data:`FOOTPRINTS`; ``None``: the backend's
     :data:`DEFAULT_KERNEL`): the keys it lays once per phase and each call's share (Note [Rank programs] in
@@ -45,7 +46,11 @@ def peak_bytes(
         mesh = _collective_peak(plan, phase, rank, staged=backend == "gloo", fp=fp)
     else:
         mesh = _overlap_peak(plan, phase, rank, fp)
-    return mesh + sum(t.piece_bytes * t.group_size for t in plan.all_to_alls(phase) if t.what in HELD)
+    held = sum(t.piece_bytes * t.group_size for t in plan.all_to_alls(phase) if t.what in HELD)
+    # The exchange out of dq, dk, dv: the mesh's gradients, their rows in exchange order, the packed send buffer
+    # and the received one (heads.grads_from_heads), after the mesh has freed its buffers.
+    out = sum(4 * t.piece_bytes * t.group_size for t in plan.all_to_alls(phase) if t.what == "dq,dk,dv")
+    return max(mesh, out) + held
 
 
 HELD = ("q,k,v", "out", "lse", "dout", "dlse")
@@ -160,7 +165,8 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool,
         # gloo stages an all-gather through a flat copy of its output (NCCL gathers in place)
         stages = [
             a * u["q"] * (2 if a > 1 else 1),  # the all-gather of Q
-            gathered + u["kv"] + (b * u["kv"] if b > 1 else 0),  # the all-gather of the stacked K, V
+            # K and V gathered into the parts of one buffer, one at a time (with one member: stacked)
+            gathered + (b * u["kv"] // 2 if b > 1 else u["kv"]),
             gathered + laid,  # the keys laid
             gathered - freed + compute,  # block compute
             gathered - freed + 2 * rows if a > 1 else 0,  # the partials sent and received (merged into the first)
@@ -209,7 +215,7 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootpr
         alive = {"q": sched.partials_alive("q", sent_at="wait")}
         inflight_bytes = dict(partial)
         fixed = 0
-        q_unit, kv_unit, q0_input = u["q"], u["kv"], not keep
+        q_unit, kv_unit, own_input = u["q"], u["kv"], not keep
         if keep:  # the chunk stores are allocated whole
             fixed += a * u["q"] + b * u["kv"]
             q_unit = kv_unit = 0
@@ -220,8 +226,10 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootpr
         inflight_bytes = dict(partial)
         fixed = u["stats"]  # delta
         q_unit = (u["q"] if keep else 2 * u["q"]) + 2 * u["stats"]  # (dO) or (q, dO), with lse and delta
-        kv_unit, q0_input = (0, True) if keep else (u["kv"], False)  # reuse: offset 0's dO is the input
-    last_q = sched.last_use("q")
+        kv_unit, own_input = (0 if keep else u["kv"]), True
+    # Offset 0 holds the rank's own chunks as they are (q, k, v, dO, the lse and delta: parts never stacked), nothing
+    # beyond them, unless forward keeps its chunks in stores.
+    last = {ring: sched.last_use(ring).get(0, -1) for ring in ("q", "kv")}
     units = {}  # what the run of every compute action holds (Note [Rows of the overlapped schedule])
     for start in plan.overlap_calls(rank, phase):
         end, prog = run_program(plan, rank, phase, start, fp.mode)
@@ -232,7 +240,8 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootpr
     for t, (act, (nq, nkv)) in enumerate(zip(sched.actions, sched.chunks_alive(), strict=True)):
         if act.op == "launch" and act.step.kind == "reduce":
             inflight[act.step.ring] = inflight_bytes[act.step.ring]
-        held = nq * q_unit + nkv * kv_unit - (u["q"] if q0_input and last_q.get(0, -1) >= t else 0)
+        own = (q_unit if last["q"] >= t else 0) + (kv_unit if last["kv"] >= t else 0) if own_input else 0
+        held = nq * q_unit + nkv * kv_unit - own
         partials = sum(alive[ring][t] * partial[ring] for ring in partial)
         kernel = units[t] if act.op == "compute" else 0
         now = fixed + held + partials + sum(inflight.values()) + kernel
