@@ -32,7 +32,8 @@ KERNELS = ("cpu_flash", "segments")
 class FlashStyleKernel:
     """The flash kernels' call structure on CPU: masked tiles and chunk calls as varlen ``segments`` (the rows between
     sequences read in place where the runtime knows of that, ``Capabilities.gaps``), computed by the reference kernel
-    on their dense mask. Its own work is the kernel's, so it does not count."""
+    on their dense mask, with outputs as the flash kernels return them: contiguous, and gradients in the input dtype
+    (``Capabilities.dq_in_input_dtype``). Its own work is the kernel's, so it does not count."""
 
     name = "segments"
 
@@ -40,8 +41,9 @@ class FlashStyleKernel:
         from mesh_cp.kernels import Capabilities
         from mesh_cp.kernels.reference import ReferenceKernel
 
-        gaps = {"gaps": True} if "gaps" in Capabilities.__dataclass_fields__ else {}
-        self.capabilities = Capabilities(keywords={"segments", "softcap"}, **gaps)
+        fields = Capabilities.__dataclass_fields__  # an earlier runtime has fewer of them
+        flags = {name: True for name in ("gaps", "dq_in_input_dtype") if name in fields}
+        self.capabilities = Capabilities(keywords={"segments", "softcap"}, **flags)
         self.reference = ReferenceKernel()
 
     def _mask(self, q, k, segments):
@@ -51,12 +53,13 @@ class FlashStyleKernel:
 
     def forward(self, q, k, v, *, causal, scale, segments=None, softcap=None):
         mask = self._mask(q, k, segments)
-        return self.reference.forward(q, k, v, causal=causal, scale=scale, mask=mask, softcap=softcap)
+        out, lse = self.reference.forward(q, k, v, causal=causal, scale=scale, mask=mask, softcap=softcap)
+        return out.contiguous(), lse.contiguous()
 
     def backward(self, do, q, k, v, lse, delta, *, causal, scale, lse_grad=False, segments=None, softcap=None):
         mask = self._mask(q, k, segments)
         options = {"causal": causal, "scale": scale, "lse_grad": lse_grad, "mask": mask, "softcap": softcap}
-        return self.reference.backward(do, q, k, v, lse, delta, **options)
+        return tuple(g.to(q.dtype).contiguous() for g in self.reference.backward(do, q, k, v, lse, delta, **options))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -5,6 +5,7 @@
     layout    how the global sequence is laid out over the CP ranks   "zigzag" | "contiguous"
     schedule  how the plan is executed                                 "overlap" | "collective"
     backward  what backward gathers again                              "regather" | "reuse"
+    partials  the dtype the collective schedule sends row partials in  "accumulator" | "input"
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ Layout = Literal["contiguous", "zigzag"]
 Schedule = Literal["overlap", "collective"]
 Backward = Literal["regather", "reuse"]
 Phase = Literal["forward", "backward"]
+Partials = Literal["accumulator", "input"]
 
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 BACKWARD_MODES: tuple[str, ...] = get_args(Backward)
 PHASES: tuple[str, ...] = get_args(Phase)
+PARTIALS: tuple[str, ...] = get_args(Partials)
 
-_ALLOWED = {"layout": LAYOUTS, "schedule": SCHEDULES, "backward": BACKWARD_MODES, "phase": PHASES}
+_ALLOWED = {"layout": LAYOUTS, "schedule": SCHEDULES, "backward": BACKWARD_MODES, "phase": PHASES, "partials": PARTIALS}
 
 
 def check_option(name: str, value: object) -> str:
     """Return ``value`` when it is one of the values of option ``name`` (``"layout"``, ``"schedule"``,
-    ``"backward"``, ``"phase"``); otherwise raise ``ValueError`` naming it and the allowed values."""
+    ``"backward"``, ``"phase"``, ``"partials"``); otherwise raise ``ValueError`` naming it and the allowed values."""
     allowed = _ALLOWED[name]
     if value not in allowed:
         raise ValueError(f"{name} {value!r} is not supported; choose one of {sorted(allowed)}")

@@ -16,7 +16,7 @@ from typing import Literal
 from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, block_work, chunk_calls
 from mesh_cp.core.head_parallel import check_head_parallel, mesh_shape
 from mesh_cp.core.masks import NO_MASK, AttentionMask, Tile, block_tiles, rectangle_pairs
-from mesh_cp.core.options import Backward, Layout, Phase, Schedule, check_option, positive_or_none
+from mesh_cp.core.options import Backward, Layout, Partials, Phase, Schedule, check_option, positive_or_none
 from mesh_cp.core.schedule import OverlapSchedule, build_overlap_schedule
 from mesh_cp.core.segments import block_segments, tile_segments
 from mesh_cp.core.shape import AttentionShape
@@ -80,11 +80,18 @@ class AttentionPlan:
     return_lse: bool = False
     """The call returns the lse: with ``u > 1`` it travels back through the head exchange, and its gradient in when
     a loss reads it (``lse_grad`` of the byte methods; autograd hands none otherwise, and none is sent)."""
+    partials: Partials = "accumulator"
+    """The dtype the collective schedule sends a rank's row partials in to their owners (``o`` in forward, ``dq`` in
+    backward): ``"accumulator"`` (fp32), or ``"input"`` when every rank computes each of its Q chunks in one kernel
+    call that returns them in the input dtype, where an fp32 accumulator would hold exactly the same values (Note
+    [Partials as computed] in :mod:`mesh_cp.core.program`). The overlapped schedule's partials, merged on their way
+    along the ring, always travel in fp32."""
 
     def __post_init__(self) -> None:
         check_option("layout", self.layout)
         check_option("backward", self.backward)
         check_option("schedule", self.schedule)
+        check_option("partials", self.partials)
         check_head_parallel(self.world, self.head_parallel, self.shape)
         if self.layout == "zigzag" and self.shape.seq_local % 2:
             raise ValueError(
@@ -162,13 +169,14 @@ class AttentionPlan:
         :meth:`all_to_alls`); groups of size 1 move nothing."""
         s, a, b = self.mesh_shape, self.tiling.a, self.tiling.b
         item, acc = s.itemsize, s.acc_itemsize
+        rows = s.chunk_elems * (item if self.partials == "input" else acc)  # a row partial, o or dq
         q_bytes, kv_bytes = self.chunk_bytes()
         stats_bytes = s.stats_elems * acc
         if phase == "forward":
             steps = [
                 ("q", "all_gather", "q", a, q_bytes),
                 ("kv", "all_gather", "k,v", b, kv_bytes),
-                ("q", "all_to_all", "o,lse", a, s.chunk_elems * acc + stats_bytes),
+                ("q", "all_to_all", "o,lse", a, rows + stats_bytes),
             ]
         elif phase == "backward":
             regather = self.backward == "regather"
@@ -176,7 +184,7 @@ class AttentionPlan:
                 ("q", "all_gather", "q,do" if regather else "do", a, (2 if regather else 1) * q_bytes),
                 ("q", "all_gather", "lse,delta", a, 2 * stats_bytes),
                 *([("kv", "all_gather", "k,v", b, kv_bytes)] if regather else []),
-                ("q", "all_to_all", "dq", a, s.chunk_elems * acc),
+                ("q", "all_to_all", "dq", a, rows),
                 ("kv", "all_to_all", "dk,dv", b, kv_bytes // item * acc),
             ]
         else:
@@ -340,8 +348,8 @@ class AttentionPlan:
         """The traffic formula of docs/ALGORITHMS.md in units of ``C`` (lse/delta left out).
 
         It counts every transfer at the input's element size; since partial outputs and gradients
-        travel in fp32, ``traffic_units * C * itemsize`` equals the bytes sent (less the statistics)
-        for fp32 inputs only — :meth:`bytes_sent` is exact for every dtype.
+        travel in fp32 (but for the rows of :attr:`partials` ``"input"``), ``traffic_units * C * itemsize`` equals
+        the bytes sent (less the statistics) for fp32 inputs only — :meth:`bytes_sent` is exact for every dtype.
 
         forward ``2(a-1) + 2r(b-1)``; backward ``3(a-1) + 4r(b-1)`` with re-gather and
         ``2(a-1) + 2r(b-1)`` when the forward's chunks are reused; ``r`` is the mesh's K/V ratio. With
@@ -375,6 +383,7 @@ def make_plan(
     mask: AttentionMask | None = None,
     head_parallel: int = 1,
     return_lse: bool = False,
+    partials: Partials = "accumulator",
 ) -> AttentionPlan:
     """Cached :class:`AttentionPlan` constructor (plans are immutable and reused across layers and steps)."""
     return AttentionPlan(
@@ -389,4 +398,5 @@ def make_plan(
         mask=mask,
         head_parallel=head_parallel,
         return_lse=return_lse,
+        partials=partials,
     )

@@ -18,7 +18,7 @@ class CpuFlashKernel:
     """``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (fp16/bf16/fp32/fp64, any head dim)."""
 
     name = "cpu_flash"
-    capabilities = Capabilities(keywords={"mask"}, devices=("cpu",), dtypes=SUPPORTED_DTYPES)
+    capabilities = Capabilities(keywords={"mask"}, devices=("cpu",), dtypes=SUPPORTED_DTYPES, dq_in_input_dtype=True)
     """``forward`` and ``backward`` take a boolean ``mask`` (blocks a :class:`~mesh_cp.core.AttentionMask` cuts)."""
 
     @classmethod

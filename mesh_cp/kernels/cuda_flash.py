@@ -210,6 +210,7 @@ class CudaFlashKernel(CudaOnlyKernel):
         head_dim_multiple=HEAD_DIM_MULTIPLE,
         max_head_dim=MAX_HEAD_DIM,
         gaps=True,  # rows between sequences read in place (Note [Sequences without queries])
+        dq_in_input_dtype=True,
     )
     """``forward`` and ``backward`` take ``segments`` (a masked tile as varlen sequences,
     :mod:`mesh_cp.kernels.varlen`; then ``causal=False``)."""

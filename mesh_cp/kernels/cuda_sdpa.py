@@ -62,7 +62,7 @@ class CudaSdpaKernel(CudaOnlyKernel):
 
     name = "cuda_sdpa"
     capabilities = Capabilities(
-        keywords={"mask"}, devices=("cuda",), dtypes=DTYPES, head_dim_multiple=HEAD_DIM_MULTIPLE
+        keywords={"mask"}, devices=("cuda",), dtypes=DTYPES, head_dim_multiple=HEAD_DIM_MULTIPLE, dq_in_input_dtype=True
     )
     """``forward`` and ``backward`` take a boolean ``mask`` (Note [Masked tiles in the memory-efficient kernel])."""
 

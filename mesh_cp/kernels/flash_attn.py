@@ -178,6 +178,7 @@ class FlashAttnKernel:
         head_dim_multiple=HEAD_DIM_MULTIPLE,
         max_head_dim=MAX_HEAD_DIM,
         gaps=True,  # rows between sequences read in place (Note [Sequences without queries])
+        dq_in_input_dtype=True,
     )
 
     def __init__(self, *, check_device: bool = True) -> None:

@@ -181,7 +181,11 @@ class FlashAttn3Kernel:
 
     name = "flash_attn3"
     capabilities = Capabilities(
-        devices=("cuda",), dtypes=DTYPES, head_dim_multiple=HEAD_DIM_MULTIPLE, max_head_dim=MAX_HEAD_DIM
+        devices=("cuda",),
+        dtypes=DTYPES,
+        head_dim_multiple=HEAD_DIM_MULTIPLE,
+        max_head_dim=MAX_HEAD_DIM,
+        dq_in_input_dtype=True,
     )
     """No optional keyword: masked tiles go to the reference kernel; a softcap with this kernel named is refused."""
 

@@ -266,6 +266,7 @@ class FlashAttn4Kernel:
         head_dim_multiple=HEAD_DIM_MULTIPLE,
         max_head_dim=MAX_HEAD_DIM,
         gaps=True,
+        dq_in_input_dtype=True,
     )
     """Plain segments with rows between them are read in place (``gaps``; Note [FA4 segments in place])."""
 

@@ -16,7 +16,7 @@ from mesh_cp.core.options import Backward, Layout, Schedule, check_option, posit
 from mesh_cp.core.plan import make_plan
 from mesh_cp.core.shape import AttentionShape
 from mesh_cp.kernels import BlockKernel, KernelName, resolve_kernel, takes
-from mesh_cp.runtime.call import AttentionCall, Saved, by_segments
+from mesh_cp.runtime.call import AttentionCall, Saved, by_segments, row_partials
 from mesh_cp.runtime.check import check_same, check_same_call
 from mesh_cp.runtime.executors import EXECUTORS
 from mesh_cp.runtime.heads import grads_from_heads, grads_to_heads, inputs_to_heads, outputs_from_heads
@@ -271,19 +271,21 @@ def _prepare_call(q: Tensor, k: Tensor, v: Tensor, mesh: CPMesh, options: CallOp
     check_same_call(mesh.check_group, signature, debug=mesh.debug)
     if kernel_error is not None:
         raise kernel_error
-    plan = make_plan(
-        mesh.tiling,
-        attention_shape(q, k, v),
-        causal=options.causal,
-        layout=options.layout,
-        backward=options.backward,
-        schedule=options.schedule,
-        link_cost=mesh.link_cost,
-        buffer_budget=options.buffer_budget,
-        mask=options.mask,
-        head_parallel=mesh.head_parallel,
-        return_lse=options.return_lse,
-    )
+    plan_options = {
+        "causal": options.causal,
+        "layout": options.layout,
+        "backward": options.backward,
+        "schedule": options.schedule,
+        "link_cost": mesh.link_cost,
+        "buffer_budget": options.buffer_budget,
+        "mask": options.mask,
+        "head_parallel": mesh.head_parallel,
+        "return_lse": options.return_lse,
+    }
+    plan = make_plan(mesh.tiling, attention_shape(q, k, v), **plan_options)
+    partials = row_partials(plan, block_kernel, options.softcap)
+    if partials != plan.partials:  # the same blocks and calls, other bytes on the wire
+        plan = make_plan(mesh.tiling, attention_shape(q, k, v), **plan_options, partials=partials)
     mask = options.mask
     # Dense masks are built from document ids on the device; a kernel that takes segments (and softcaps, if asked)
     # gets every masked block as varlen sequences and needs none: no copy to the device per packing.

@@ -21,7 +21,7 @@ from torch import Tensor
 from mesh_cp.core.layout import local_positions
 from mesh_cp.core.numerics import visibility
 from mesh_cp.core.plan import AttentionPlan
-from mesh_cp.core.program import Call, KernelMode, Program, rank_program, run_program, units
+from mesh_cp.core.program import Call, KernelMode, Program, rank_program, rows_as_computed, run_program, units
 from mesh_cp.kernels import capabilities_of
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.kernels.fused import merge_
@@ -123,6 +123,17 @@ def by_segments(kernel: BlockKernel) -> bool:
     runs chunk calls group by group with its own causal flag and masked tiles with masks it builds on the device from
     :attr:`AttentionCall.doc_ids`, so no dense mask is built from segments on the host."""
     return KernelMode(capabilities_of(kernel).keywords).by_segments
+
+
+def row_partials(plan: AttentionPlan, kernel: BlockKernel, softcap: float | None) -> str:
+    """The plan's ``partials`` for ``kernel``: ``"input"`` where the collective schedule sends row partials as the
+    kernel returns them (Note [Partials as computed] in :mod:`mesh_cp.core.program`): every rank computes each Q chunk
+    in one call of a kernel that returns ``dq`` in the input dtype, and no gradient reaches the lse (whose exact path
+    may return ``dq`` wider)."""
+    caps = capabilities_of(kernel)
+    if plan.schedule != "collective" or not caps.dq_in_input_dtype or plan.return_lse:
+        return "accumulator"
+    return "input" if rows_as_computed(plan, KernelMode(caps.keywords, softcap, caps.gaps)) else "accumulator"
 
 
 def write_rows(o_acc: Tensor, lse_acc: Tensor, o: Tensor, lse: Tensor, first: bool) -> None:

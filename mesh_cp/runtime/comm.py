@@ -62,6 +62,19 @@ def all_to_all(x: Tensor, group: ProcessGroup) -> Tensor:
     return out
 
 
+def all_to_all_parts(xs: list[Tensor], group: ProcessGroup) -> Tensor:
+    """:func:`all_to_all` of ``n`` tensors of one shape and dtype, sent as they are (no buffer packed first): ``y (n,
+    ...)`` with ``y[j]`` received from group rank ``j``."""
+    n = dist.get_world_size(group)
+    if len(xs) != n:
+        raise AssertionError(f"all_to_all has {len(xs)} pieces for a group of {n}")
+    if n == 1:
+        return xs[0].unsqueeze(0)
+    out = torch.empty((n, *xs[0].shape), dtype=xs[0].dtype, device=xs[0].device)
+    dist.all_to_all(list(out), [x.contiguous() for x in xs], group=group)
+    return out
+
+
 def ring_step(sends: list[Tensor], recvs: list[Tensor], group: ProcessGroup, *, tag: int) -> list:
     """Post one ring step: send ``sends`` to the next group rank, receive ``recvs`` from the previous.
 

@@ -26,7 +26,7 @@ from mesh_cp.runtime.call import (
     source,
     write_rows,
 )
-from mesh_cp.runtime.comm import all_gather, all_gather_parts, all_gather_stacked, all_to_all
+from mesh_cp.runtime.comm import all_gather, all_gather_parts, all_gather_stacked, all_to_all, all_to_all_parts
 from mesh_cp.runtime.mesh import CPMesh
 from mesh_cp.runtime.phases import BackwardPhase, ForwardPhase
 
@@ -69,6 +69,10 @@ class CollectiveExecutor:
         q_all = all_gather(q, mesh.q_group)  # (a, B, L, Hq, D)
         kv = [all_gather_stacked((k, v), mesh.kv_group)]  # (b, 2, B, L, Hkv, D)
         gathered = (q_all, kv[0]) if plan.backward == "reuse" else ()
+        if plan.partials == "input":  # Note [Partials as computed]
+            o, lse = _forward_as_computed(call, mesh.mesh_rank, q_all, kv)
+            out, lse = _merged_parts(all_to_all_parts(o, mesh.q_group), all_to_all_parts(lse, mesh.q_group), q.dtype)
+            return out, lse, gathered
         packed = _forward_packed(call, mesh.mesh_rank, q_all, kv)
         out, lse = _reduce_rows_to_owners(packed, q_all.shape, mesh, q.dtype)
         return out, lse, gathered
@@ -87,8 +91,9 @@ class CollectiveExecutor:
         stats = all_gather_stacked((saved.lse.to(acc), delta), mesh.q_group)  # (a, 2, B, Hq, L)
         if plan.backward == "regather":
             kv = [all_gather_stacked((k, saved.v), mesh.kv_group)]  # (b, 2, B, L, Hkv, D)
-        dq_acc, dkv_acc = _backward_accumulators(call, mesh.mesh_rank, q_all, do_all, stats, kv)
-        dq = _sum_into(all_to_all(dq_acc, mesh.q_group), q.dtype)
+        as_computed = plan.partials == "input"  # Note [Partials as computed]
+        dq_acc, dkv_acc = _backward_accumulators(call, mesh.mesh_rank, q_all, do_all, stats, kv, as_computed)
+        dq = _sum_into((all_to_all_parts if as_computed else all_to_all)(dq_acc, mesh.q_group), q.dtype)
         dkv = _sum_into(all_to_all(dkv_acc, mesh.kv_group), k.dtype)
         return dq, dkv[0], dkv[1]
 
@@ -134,6 +139,38 @@ def _forward_packed(call: AttentionCall, rank: int, q_all: Tensor, kv: list[Tens
     return packed
 
 
+def _forward_as_computed(call: AttentionCall, rank: int, q_all: Tensor, kv: list[Tensor]) -> tuple[list, list]:
+    """The row partials of a program of one call per Q chunk (Note [Partials as computed]): each chunk's ``o`` and
+    ``lse`` as the kernel returns them; a chunk no call reaches gets ``(0, -inf)``."""
+    prog = call.program(rank)
+    laid, kv_all = _laid_keys(prog, kv)
+    a, batch, seq, heads, _ = q_all.shape
+    o: list[Tensor | None] = [None] * a
+    lse: list[Tensor | None] = [None] * a
+    acc = acc_dtype(q_all.dtype)
+    for c in prog.calls:
+        o_c, lse_c = call.forward(c, q_all[c.slot], source(c, laid, lambda j: kv_all[j]))
+        o[c.slot] = _whole_rows(o_c, c.q_rows, 1, 0.0, q_all.shape[1:], q_all.dtype)
+        lse[c.slot] = _whole_rows(lse_c, c.q_rows, 2, float("-inf"), (batch, heads, seq), acc)
+    for i in (i for i in range(a) if o[i] is None):
+        o[i] = torch.zeros_like(q_all[i])
+        lse[i] = torch.full((batch, heads, seq), float("-inf"), dtype=acc, device=q_all.device)
+    return o, lse
+
+
+def _whole_rows(x: Tensor, rows: tuple[int, int], dim: int, identity: float, shape, dtype: torch.dtype) -> Tensor:
+    """A call's output over ``rows`` of a chunk, as the chunk's: itself when it covers every row, else written into
+    a chunk of ``dtype`` whose other rows hold ``identity``."""
+    start, stop = rows
+    if (start, stop) == (0, shape[dim]):
+        return x
+    whole = torch.empty(shape, dtype=dtype, device=x.device)
+    whole.narrow(dim, 0, start).fill_(identity)
+    whole.narrow(dim, stop, shape[dim] - stop).fill_(identity)
+    whole.narrow(dim, start, stop - start).copy_(x)
+    return whole
+
+
 def _unpack(packed: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
     """The ``o (a, B, L, H, D)`` and ``lse (a, B, H, L)`` views of one ``(a, B L H (D + 1))`` buffer."""
     a, batch, seq, heads, dim = shape
@@ -151,36 +188,64 @@ def backward_blocks(
     return _backward_accumulators(call, rank, q_all, do_all, stats, [kv_all])
 
 
-def _backward_accumulators(call, rank: int, q_all, do_all, stats, kv: list[Tensor]) -> tuple[Tensor, Tensor]:
+def _backward_accumulators(
+    call, rank: int, q_all, do_all, stats, kv: list[Tensor], as_computed: bool = False
+) -> tuple[Tensor | list[Tensor], Tensor]:
+    """:func:`backward_blocks`; with ``as_computed`` (Note [Partials as computed]) ``dq`` is the list of every Q chunk's
+    ``dq`` as its one call returns it (zeros for a chunk no call reaches)."""
     prog = call.program(rank)
     acc, kv_shape = acc_dtype(q_all.dtype), kv[0].shape
     fits = q_all.shape[2] == prog.seq == kv_shape[3]  # the chunks are the plan's
-    dq_acc = torch.empty(q_all.shape, dtype=acc, device=q_all.device)
-    fill_unwritten(((dq_acc, 1, 0.0),), prog.q_fills if fits else None)
+    if as_computed:
+        dq_acc: Tensor | list = [None] * q_all.shape[0]
+    else:
+        dq_acc = torch.empty(q_all.shape, dtype=acc, device=q_all.device)
+        fill_unwritten(((dq_acc, 1, 0.0),), prog.q_fills if fits else None)
     laid, kv_all = _laid_keys(prog, kv)
     dkv_acc = torch.empty(kv_shape, dtype=acc, device=q_all.device)
     fill_unwritten(((dkv_acc, 2, 0.0),), prog.kv_fills if fits else None)
     for c in prog.calls:
         i, (q0, q1) = c.slot, c.q_rows
         dq, dk, dv = call.backward(c, q_all[i], do_all[i], stats[i], source(c, laid, lambda j: kv_all[j]))
-        accumulate(dq_acc[i, :, q0:q1], dq, c.first)
+        if as_computed:
+            dq_acc[i] = _whole_rows(_as_computed(dq, q_all.dtype, call), c.q_rows, 1, 0.0, q_all.shape[1:], q_all.dtype)
+        else:
+            accumulate(dq_acc[i, :, q0:q1], dq, c.first)
         add_key_grads(lambda j: dkv_acc[j], c, dk, dv, c.first_kv)
         del dq, dk, dv
+    if as_computed:
+        dq_acc = [torch.zeros_like(q_all[i]) if g is None else g for i, g in enumerate(dq_acc)]
     return dq_acc, dkv_acc
+
+
+def _as_computed(dq: Tensor, dtype: torch.dtype, call: AttentionCall) -> Tensor:
+    """A call's ``dq`` sent as it is: in the input dtype, as the kernel declares (``dq_in_input_dtype``)."""
+    if dq.dtype != dtype:
+        raise RuntimeError(
+            f"kernel {call.kernel.name!r} declares dq_in_input_dtype but returned dq in {dq.dtype} for {dtype} "
+            f"inputs; fix its capabilities (dq_in_input_dtype=False sends dq in fp32)"
+        )
+    return dq
 
 
 def _reduce_rows_to_owners(
     packed: Tensor, shape: torch.Size, mesh: CPMesh, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
     """Row partials in one buffer (:func:`_forward_packed`, ``shape`` the gathered Q chunks') -> this rank's merged
-    row, ``out`` in ``dtype``, by one all-to-all of the buffer: the first two partials received merged into new
-    tensors, the next ones into them, and the last one merged into ``out`` written in ``dtype`` (what is returned
-    holds none of the buffers)."""
-    a = shape[0]
-    if a == 1:
+    row, ``out`` in ``dtype``, by one all-to-all of the buffer (:func:`_merged_parts`)."""
+    if shape[0] == 1:
         o_acc, lse_acc = _unpack(packed, shape)
         return o_acc[0].to(dtype), lse_acc[0].clone()
-    o_parts, lse_parts = _unpack(all_to_all(packed, mesh.q_group), shape)
+    return _merged_parts(*_unpack(all_to_all(packed, mesh.q_group), shape), dtype)
+
+
+def _merged_parts(o_parts: Tensor, lse_parts: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The row partials ``o_parts (a, ...)``, ``lse_parts`` received from the Q-group merged: the first two into new
+    tensors, the next ones into them, and the last one into ``out`` written in ``dtype`` (what is returned holds none
+    of the buffers)."""
+    a = o_parts.shape[0]
+    if a == 1:
+        return o_parts[0].to(dtype), lse_parts[0].clone()
     out, lse = o_parts[0], lse_parts[0]
     for j in range(1, a):
         if j == 1 or j == a - 1:

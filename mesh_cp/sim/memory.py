@@ -27,7 +27,7 @@ def peak_bytes(
 
     The mesh's peak, on ``plan.mesh_shape``: what the schedule holds — gathered Q/KV chunks (all of them for
     ``backward="reuse"``, which keeps them from forward to backward), fp32 accumulators of partial outputs and
-    gradients, transfer buffers — plus one block's kernel outputs and temporaries. The overlapped schedule frees
+    gradients (the kernels' own outputs for the rows of ``plan.partials="input"``), transfer buffers — plus one block's kernel outputs and temporaries. The overlapped schedule frees
     a chunk after its last use, so its peak follows its path; the collective schedule holds every gathered chunk
     and the reduce buffers together, and on ``backend="gloo"`` a flat copy of each all-gather's output while it
     runs. With ``head_parallel > 1``, plus the head-layout copies the head exchange holds at its peak: forward
@@ -147,6 +147,9 @@ def _units(plan: AttentionPlan) -> dict[str, int]:
         "q": q_bytes,
         "kv": kv_bytes,
         "acc": acc,
+        # the collective schedule's row partial of o or dq: fp32, or the kernel's own output (Note [Partials as
+        # computed] in mesh_cp.core.program)
+        "row": q_bytes if plan.partials == "input" else acc,
         "kv_acc": kv_bytes // s.itemsize * s.acc_itemsize,
         "stats": s.stats_elems * s.acc_itemsize,
     }
@@ -160,7 +163,7 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool,
     # the gathered K, V are freed once laid when every call reads the layout and backward does not reuse them
     freed = b * u["kv"] if laid and plan.backward == "regather" and all(c.laid for c in prog.calls) else 0
     if phase == "forward":
-        rows = a * (u["acc"] + u["stats"])
+        rows = a * (u["row"] + u["stats"])
         gathered = a * u["q"] + b * u["kv"]
         # gloo stages an all-gather through a flat copy of its output (NCCL gathers in place)
         stages = [
@@ -175,8 +178,8 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool,
     regather = plan.backward == "regather"
     gathered = (a * 2 * u["q"] + b * u["kv"]) if regather else a * u["q"]
     stats = (2 * a + 3) * u["stats"]
-    grads = 2 * (a * u["acc"] + b * u["kv_acc"]) + u["acc"] + u["kv_acc"]
-    return gathered + stats + max(grads - freed, compute - freed, laid + a * u["acc"])
+    grads = 2 * (a * u["row"] + b * u["kv_acc"]) + u["row"] + u["kv_acc"]
+    return gathered + stats + max(grads - freed, compute - freed, laid + a * u["row"])
 
 
 def _laid_bytes(plan: AttentionPlan, prog: Program) -> int:
@@ -188,8 +191,8 @@ def compute_bytes(
     plan: AttentionPlan, phase: Phase, rank: int = 0, *, backend: Backend = "gloo", kernel: str | None = None
 ) -> int:
     """What the collective schedule allocates around its kernel calls on mesh rank ``rank``, beyond the gathered
-    chunks and the rows' statistics: the fp32 row (forward) or gradient (backward) accumulators and the largest
-    call's share (the block-compute stage of :func:`peak_bytes`, which a one-device benchmark measures alone)."""
+    chunks and the rows' statistics: the row (forward) or gradient (backward) accumulators (fp32, or for
+    ``plan.partials="input"`` the kernel's outputs) and the largest call's share (the block-compute stage of :func:`peak_bytes`, which a one-device benchmark measures alone)."""
     check_option("phase", phase)
     fp = footprint(kernel, backend)
     if plan.schedule != "collective":
@@ -201,8 +204,8 @@ def _compute_stage(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootp
     u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
     kernel = _program_bytes(plan, rank_program(plan, rank, fp.mode), phase, fp)
     if phase == "forward":
-        return a * (u["acc"] + u["stats"]) + kernel
-    return a * u["acc"] + b * u["kv_acc"] + kernel
+        return a * (u["row"] + u["stats"]) + kernel
+    return a * u["row"] + b * u["kv_acc"] + kernel
 
 
 def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootprint) -> int:
