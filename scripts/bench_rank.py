@@ -203,7 +203,7 @@ def replay_forward(call: AttentionCall, inputs: dict) -> tuple[Tensor, Tensor, t
 
 
 def replay_backward(call: AttentionCall, inputs: dict, saved: Saved) -> tuple[Tensor, Tensor]:
-    """Rank 0's backward of the overlapped schedule given its forward's ``saved``: ``dq`` and stacked ``dk, dv`` in
+    """Rank 0's backward of the overlapped schedule given its forward's ``saved``: ``dq`` and the pair ``dk, dv`` in
     the input dtype."""
     phase = BackwardReplay(call, inputs["do"][0], saved, *inputs["backward"])
     phase.run()

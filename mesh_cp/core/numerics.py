@@ -84,6 +84,14 @@ def merged(
     return (o if dtype is None or dtype == o.dtype else o.to(dtype)), lse
 
 
+def added(x: Tensor, y: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``x + y`` computed in the accumulator dtype of the two (fp32 for bf16 and fp16: a sum of partial gradients), and
+    written in ``dtype`` (default: the one it is computed in)."""
+    acc = acc_dtype(torch.promote_types(x.dtype, y.dtype))
+    out = widened(x, acc, y.dtype) + widened(y, acc, x.dtype)
+    return out if dtype is None or dtype == out.dtype else out.to(dtype)
+
+
 def expand_kv(x: Tensor, heads: int) -> Tensor:
     """Repeat KV heads for GQA/MQA: ``(B, S, Hkv, D) -> (B, S, heads, D)``; q head ``h`` reads kv head
     ``h // (heads // Hkv)`` (the convention of Hugging Face's ``repeat_kv`` and flash-attn)."""

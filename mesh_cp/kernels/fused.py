@@ -114,6 +114,9 @@ merge_ = Fused(numerics.merge_)
 merged = Fused(numerics.merged)
 """:func:`mesh_cp.core.numerics.merged` in one pass where it compiles (Note [Fused passes])."""
 
+added = Fused(numerics.added)
+""":func:`mesh_cp.core.numerics.added` (two partial gradients summed in fp32) in one pass where it compiles."""
+
 attention_delta = Fused(numerics.attention_delta)
 """:func:`mesh_cp.core.numerics.attention_delta` (``rowsum(dO * O) - dlse`` in fp32) in one pass where it compiles: it
 reads ``dO`` and ``O`` once and writes the rows' ``delta``, with no widened copies of them (Note [Fused passes])."""

@@ -5,6 +5,7 @@ reduced along the rings, and the one loop over the schedule's actions (Note [Ove
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,9 +14,10 @@ from torch import Tensor
 from mesh_cp.core.numerics import acc_dtype
 from mesh_cp.core.program import Program
 from mesh_cp.core.schedule import RingStep
-from mesh_cp.kernels.fused import attention_delta, merge_, merged
-from mesh_cp.runtime.call import accumulate, add_key_grads, lay, source, write_rows
+from mesh_cp.kernels.fused import added, attention_delta, merged
+from mesh_cp.runtime.call import lay, source
 from mesh_cp.runtime.comm import ring_step
+from mesh_cp.runtime.partials import Partial
 
 if TYPE_CHECKING:
     from mesh_cp.runtime.call import AttentionCall, Saved
@@ -132,67 +134,17 @@ class OverlapPhase:
         (:func:`mesh_cp.core.program.run_program`), so the memory model counts the calls that run. Only kernels that
         take blocks by segments (the flash kernels) run a row as one call; on the others a chunk call is one call per
         row group and diagonal, which saves nothing over the blocks. Softcapped logits on a kernel that cannot
-        softcap stay single (tile by tile, reference kernel). Every call writes straight into the phase's
-        accumulator of its ring offset (:class:`_Acc`).
+        softcap stay single (tile by tile, reference kernel). Every call's outputs go to the partial of its ring offset
+        (:class:`~mesh_cp.runtime.partials.Partial`).
         """
         end, prog = self.call.run(self.call.mesh.mesh_rank, self.phase, t)
         self.compute(prog)
         return end
 
 
-class _Acc:
-    """The partial results of one ring offset: tensors allocated without values, and the rows written so far, so that
-    a first write is a copy, a later one a merge or a sum, and only rows nothing wrote are filled (Note [First
-    writes] in :mod:`mesh_cp.core.blocks`). ``views`` of ``flat`` hold their rows along ``dims``, filled with
-    ``fills``."""
-
-    def __init__(self, flat: Tensor, views: tuple[Tensor, ...], dims: tuple[int, ...], fills: tuple[float, ...]):
-        self.flat, self.views, self.dims, self.fills = flat, views, dims, fills
-        self.size = views[0].shape[dims[0]]
-        self.spans: list[tuple[int, int]] = []
-
-    @classmethod
-    def written(cls, flat: Tensor, views: tuple[Tensor, ...], dims: tuple[int, ...]) -> _Acc:
-        """An accumulator whose every row holds values (a partial received whole)."""
-        acc = cls(flat, views, dims, (0.0,) * len(views))
-        acc.spans = [(0, acc.size)]
-        return acc
-
-    def prepare(self, rows: tuple[int, int]) -> bool:
-        """Before writing ``rows``: whether it is a first write (none of them written); otherwise the rows among them
-        nothing wrote are filled with the identity, and the write merges or adds."""
-        start, stop = rows
-        if all(stop <= s0 or s1 <= start for s0, s1 in self.spans):
-            self.spans.append(rows)
-            return True
-        self._fill(start, stop)
-        return False
-
-    def finish(self) -> Tensor:
-        """Fill every row nothing wrote; return the whole buffer."""
-        self._fill(0, self.size)
-        return self.flat
-
-    def _fill(self, start: int, stop: int) -> None:
-        at = start
-        for s0, s1 in sorted(self.spans):
-            if s1 <= at or s0 >= stop:
-                continue
-            if s0 > at:
-                self._fill_rows(at, s0)
-            at = max(at, s1)
-        if at < stop:
-            self._fill_rows(at, stop)
-        self.spans.append((start, stop))
-
-    def _fill_rows(self, start: int, stop: int) -> None:
-        for view, dim, fill in zip(self.views, self.dims, self.fills, strict=True):
-            view.narrow(dim, start, stop - start).fill_(fill)
-
-
 class ForwardPhase(OverlapPhase):
-    """Forward: Q and stacked K, V chunks move; partial ``(o, lse)`` of rows travel along the Q ring (one buffer each,
-    sent as it is) and are merged on the way."""
+    """Forward: Q and K, V chunks move; partial ``(o, lse)`` of rows travel along the Q ring (one buffer each, sent as
+    it is) and are merged on the way (Note [Partials as pieces] in :mod:`mesh_cp.runtime.partials`)."""
 
     def __init__(self, call: AttentionCall, q: Tensor, k: Tensor, v: Tensor) -> None:
         super().__init__(call, "forward")
@@ -200,37 +152,41 @@ class ForwardPhase(OverlapPhase):
         self.chunks["q"] = [_Chunks(q, self.sizes["q"], keep, self.sched.last_use("q"))]
         self.chunks["kv"] = [_Chunks((k, v), self.sizes["kv"], keep, self.sched.last_use("kv"))]
         self.shape, self.acc, self.device = q.shape, acc_dtype(q.dtype), q.device
-        self.rows: dict[int, _Acc] = {}
+        self.rows: dict[int, Partial] = {}
         """Partial (o, lse) per row offset, created on first use and dropped once sent on."""
         self.arrived: Tensor | None = None
         """The partial of this rank's own rows from the rest of the ring, merged with its own at the end."""
 
     def _views(self, flat: Tensor) -> tuple[Tensor, Tensor]:
-        batch, seq, heads, dim = self.shape
-        n_o = batch * seq * heads * dim
-        return flat[:n_o].view(batch, seq, heads, dim), flat[n_o:].view(batch, heads, seq)
+        return _row_views(self.shape, flat)
 
-    def row(self, i: int) -> _Acc:
+    def row(self, i: int) -> Partial:
         if i not in self.rows:
-            batch, seq, heads, dim = self.shape
-            flat = torch.empty(batch * seq * heads * (dim + 1), dtype=self.acc, device=self.device)
-            self.rows[i] = _Acc(flat, self._views(flat), (1, 2), (0.0, float("-inf")))
+            alloc = functools.partial(_row_buffer, self.shape, self.acc, self.device)  # no cycle through the phase
+            self.rows[i] = Partial("merge", alloc, (1, 2), (0.0, float("-inf")), self.shape[1])
         return self.rows[i]
 
     def result(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """This rank's own rows, merged: ``(o, lse)``, ``o`` written in ``dtype`` by the last merge (the lse a tensor
         of its own, so that keeping it for backward does not keep the fp32 rows)."""
-        if self.arrived is not None and 0 not in self.rows:  # no block of its own rows is computed here
-            o, lse = self._views(self.arrived)
+        own = self.rows.get(0)
+        if self.arrived is None:  # no ring, or every row its own (a row no call reaches holds the identity)
+            own = self.row(0)
+            o, lse = own.whole_piece() or self._views(own.buffer())
             return o.to(dtype), lse.clone()
-        o, lse = self._views(self.row(0).finish())
-        if self.arrived is None:
+        arrived = self._views(self.arrived)
+        if own is None:  # no block of its own rows is computed here
+            return arrived[0].to(dtype), arrived[1].clone()
+        piece = own.whole_piece()
+        if piece is None:
+            own.land(self.arrived, arrived)
+            o, lse = own.views
             return o.to(dtype), lse.clone()
-        return merged(o, lse, *self._views(self.arrived), dtype)
+        return merged(*piece, *arrived, dtype)
 
     def reduce(self, step: RingStep) -> tuple[list, list[Tensor]]:
         """Send row offset ``s + 1``, receive offset ``s + 2``."""
-        flat = self.row(step.index + 1).finish()
+        flat = self.row(step.index + 1).buffer()
         del self.rows[step.index + 1]
         return self.post(step, [flat], [torch.empty_like(flat)])
 
@@ -239,21 +195,17 @@ class ForwardPhase(OverlapPhase):
         if target == 0:
             self.arrived = recv
         elif target in self.rows:
-            row = self.rows[target]
-            row.finish()
-            merge_(*row.views, *self._views(recv))
+            self.rows[target].land(recv, self._views(recv))
         else:
-            self.rows[target] = _Acc.written(recv, self._views(recv), (1, 2))
+            self.row(target).adopt(recv, self._views(recv))
 
     def compute(self, prog: Program) -> None:
         kv = self.chunks["kv"][0]
         laid = lay(kv.__getitem__, prog)
         for c in prog.calls:
             o, lse = self.call.forward(c, self.chunks["q"][0][c.slot], source(c, laid, kv.__getitem__))
-            row, (q0, q1) = self.row(c.slot), c.q_rows
-            o_acc, lse_acc = row.views
-            write_rows(o_acc[:, q0:q1], lse_acc[:, :, q0:q1], o, lse, row.prepare(c.q_rows))
-            del o, lse  # before the next call's outputs exist
+            self.row(c.slot).write(c.q_rows, (o, lse))
+            del o, lse  # before the next call's outputs exist (unless held as a piece)
 
     def gathered(self) -> tuple[Tensor, ...]:
         keep = self.call.plan.backward == "reuse"
@@ -263,7 +215,7 @@ class ForwardPhase(OverlapPhase):
 class BackwardPhase(OverlapPhase):
     """Backward: a Q move carries q and dO (or only dO when q is kept from forward) with the rows' lse and
     delta, a KV move K and V (regather only); ``dq`` travels along the Q ring and ``dk, dv`` along the KV
-    ring, summed in fp32 on the way."""
+    ring, summed in fp32 on the way (Note [Partials as pieces] in :mod:`mesh_cp.runtime.partials`)."""
 
     def __init__(self, call: AttentionCall, do: Tensor, dlse: Tensor | None, saved: Saved) -> None:
         super().__init__(call, "backward")
@@ -271,50 +223,56 @@ class BackwardPhase(OverlapPhase):
         acc = acc_dtype(q.dtype)
         stats = (saved.lse.to(acc), attention_delta(do, saved.out, dlse))  # (B, Hq, L) each
         self.regather = call.plan.backward == "regather"
-        q_side = (q, do.to(q.dtype)) if self.regather else do.to(q.dtype).contiguous()
+        q_side = (q, do.to(q.dtype)) if self.regather else do.to(q.dtype)
         last_q, last_kv = self.sched.last_use("q"), self.sched.last_use("kv")
         self.chunks["q"] = [_Chunks(t, self.sizes["q"], False, last_q) for t in (q_side, stats)]
         if self.regather:
             self.chunks["kv"] = [_Chunks((k, saved.v), self.sizes["kv"], False, last_kv)]
         self.gathered = saved.gathered
         self.shapes, self.acc, self.device = {"q": q.shape, "kv": (2, *k.shape)}, acc, q.device
-        self.grads: dict[str, dict[int, _Acc]] = {"q": {}, "kv": {}}
+        self.grads: dict[str, dict[int, Partial]] = {"q": {}, "kv": {}}
         """Partial dq per row offset and dk, dv per column offset, created on first use, dropped once sent on."""
         self.arrived: dict[str, Tensor] = {}
         """Per ring, the partial of this rank's own rows or columns from the rest of the ring, added at the end."""
 
-    def grad(self, ring: str, offset: int) -> _Acc:
+    def _views(self, ring: str, flat: Tensor) -> tuple[Tensor, ...]:
+        return _grad_views(ring, flat)
+
+    def grad(self, ring: str, offset: int) -> Partial:
         if offset not in self.grads[ring]:
-            flat = torch.empty(self.shapes[ring], dtype=self.acc, device=self.device)
-            self.grads[ring][offset] = _Acc(flat, (flat,), (1 if ring == "q" else 2,), (0.0,))
+            alloc = functools.partial(_grad_buffer, ring, self.shapes[ring], self.acc, self.device)
+            views = 1 if ring == "q" else 2
+            self.grads[ring][offset] = Partial("sum", alloc, (1,) * views, (0.0,) * views, self.shapes["q"][1])
         return self.grads[ring][offset]
 
-    def result(self, ring: str, dtype: torch.dtype) -> Tensor:
-        """This rank's own ``dq`` (``ring="q"``) or stacked ``dk, dv`` (``"kv"``), summed and written once in
-        ``dtype``."""
-        arrived = self.arrived.get(ring)
-        if arrived is not None and 0 not in self.grads[ring]:  # no block of its own rows or columns is computed here
-            return arrived.to(dtype)
-        own = self.grad(ring, 0).finish()
-        if arrived is None:
-            return own.to(dtype)
-        return torch.add(own, arrived, out=torch.empty(own.shape, dtype=dtype, device=own.device))
+    def result(self, ring: str, dtype: torch.dtype) -> Tensor | tuple[Tensor, ...]:
+        """This rank's own ``dq`` (``ring="q"``) or ``dk, dv`` (``"kv"``), summed and written once in ``dtype``."""
+        own, arrived = self.grads[ring].get(0), self.arrived.get(ring)
+        if arrived is None or own is None:  # one side only (a row no call reaches holds zeros)
+            own = self.grad(ring, 0) if arrived is None else None
+            values = self._views(ring, arrived) if own is None else own.whole_piece()
+            values = values or self._views(ring, own.buffer())
+            return _one(tuple(v.to(dtype) for v in values))
+        piece = own.whole_piece()
+        if piece is None:
+            own.land(arrived, self._views(ring, arrived))
+            return _one(tuple(v.to(dtype) for v in own.views))
+        return _one(tuple(added(x, y, dtype) for x, y in zip(piece, self._views(ring, arrived), strict=True)))
 
     def reduce(self, step: RingStep) -> tuple[list, list[Tensor]]:
         """Send offset ``s + 1``'s partial, receive ``s + 2``'s."""
-        send = self.grad(step.ring, step.index + 1).finish()
+        send = self.grad(step.ring, step.index + 1).buffer()
         del self.grads[step.ring][step.index + 1]
         return self.post(step, [send], [torch.empty_like(send)])
 
     def land(self, step: RingStep, recv: Tensor) -> None:
         target = (step.index + 2) % self.sizes[step.ring]
-        grads = self.grads[step.ring]
         if target == 0:
             self.arrived[step.ring] = recv
-        elif target in grads:
-            grads[target].finish().add_(recv)
+        elif target in self.grads[step.ring]:
+            self.grads[step.ring][target].land(recv, self._views(step.ring, recv))
         else:
-            grads[target] = _Acc.written(recv, (recv,), (1 if step.ring == "q" else 2,))
+            self.grad(step.ring, target).adopt(recv, self._views(step.ring, recv))
 
     def compute(self, prog: Program) -> None:
         kv = self.chunks["kv"][0] if self.regather else self.gathered[1]
@@ -323,8 +281,35 @@ class BackwardPhase(OverlapPhase):
             main, stats = self.chunks["q"][0][c.slot], self.chunks["q"][1][c.slot]
             q_i, do_i = (main[0], main[1]) if self.regather else (self.gathered[0][c.slot], main)
             dq, dk, dv = self.call.backward(c, q_i, do_i, stats, source(c, laid, kv.__getitem__))
-            g = self.grad("q", c.slot)
-            accumulate(g.flat[:, c.q_rows[0] : c.q_rows[1]], dq, g.prepare(c.q_rows))
-            first = tuple(self.grad("kv", col).prepare(rows) for col, _, rows, _ in c.pieces)
-            add_key_grads(lambda j: self.grad("kv", j).flat, c, dk, dv, first)
+            self.grad("q", c.slot).write(c.q_rows, (dq,))
+            for col, _, (k0, k1), at in c.pieces:
+                self.grad("kv", col).write((k0, k1), (dk[:, at : at + k1 - k0], dv[:, at : at + k1 - k0]))
             del dq, dk, dv
+
+
+def _row_views(shape: torch.Size, flat: Tensor) -> tuple[Tensor, Tensor]:
+    """The ``o (B, L, H, D)`` and ``lse (B, H, L)`` views of a row partial's one buffer (sent as one message)."""
+    batch, seq, heads, dim = shape
+    n_o = batch * seq * heads * dim
+    return flat[:n_o].view(batch, seq, heads, dim), flat[n_o:].view(batch, heads, seq)
+
+
+def _row_buffer(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    batch, seq, heads, dim = shape
+    flat = torch.empty(batch * seq * heads * (dim + 1), dtype=dtype, device=device)
+    return flat, _row_views(shape, flat)
+
+
+def _grad_views(ring: str, flat: Tensor) -> tuple[Tensor, ...]:
+    """``(dq,)``, or ``(dk, dv)`` of one ``(2, ...)`` buffer."""
+    return (flat,) if ring == "q" else (flat[0], flat[1])
+
+
+def _grad_buffer(ring: str, shape: tuple, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, tuple]:
+    flat = torch.empty(shape, dtype=dtype, device=device)
+    return flat, _grad_views(ring, flat)
+
+
+def _one(values: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+    """A result of one part as the tensor, of two as the pair."""
+    return values[0] if len(values) == 1 else values

@@ -172,7 +172,10 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool,
             gathered + (b * u["kv"] // 2 if b > 1 else u["kv"]),
             gathered + laid,  # the keys laid
             gathered - freed + compute,  # block compute
-            gathered - freed + 2 * rows if a > 1 else 0,  # the partials sent and received (merged into the first)
+            # the partials sent and received (merged into the first); gloo stages a list of them through flat copies
+            gathered - freed + 2 * rows + (2 * a * u["row"] if staged and plan.partials == "input" else 0)
+            if a > 1
+            else 0,
         ]
         return max(stages)
     regather = plan.backward == "regather"
@@ -208,6 +211,43 @@ def _compute_stage(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootp
     return a * u["row"] + b * u["kv_acc"] + kernel
 
 
+def _pieces_bytes(plan: AttentionPlan, rank: int, phase: Phase, fp: KernelFootprint, partial: dict) -> dict[int, int]:
+    """Per action of the overlapped schedule, the bytes its partials held as pieces add (Note [Partials as pieces] in
+    :mod:`mesh_cp.runtime.partials`): a call whose rows meet a piece combines them into new tensors while both are
+    held, and a partial sent from pieces gets its buffer while they are held. ``partial`` the bytes of a whole one per
+    ring."""
+    seq, sched = plan.mesh_shape.seq_local, plan.overlap(phase)
+    held: dict[tuple[str, int], list[tuple[int, int]]] = {}  # pieces' rows per (ring, offset); absent: a buffer
+    made: set[tuple[str, int]] = set()  # offsets whose partial is a buffer
+    extra: dict[int, int] = {}
+    runs = {start: run_program(plan, rank, phase, start, fp.mode)[1] for start in plan.overlap_calls(rank, phase)}
+    for t, act in enumerate(sched.actions):
+        if act.op == "compute" and t in runs:
+            writes = [(("q", c.slot), c.q_rows) for c in runs[t].calls]
+            if phase == "backward":
+                writes += [(("kv", col), rows) for c in runs[t].calls for col, _, rows, _ in c.pieces]
+            for key, (start, stop) in writes:
+                if key in made:
+                    continue
+                spans = held.setdefault(key, [])
+                meet = sum(max(0, min(stop, s1) - max(start, s0)) for s0, s1 in spans)
+                # one combine at a time; in backward only a dq that is sent on, as measured on CPU (tests/runtime/
+                # test_memory.py): dk, dv and the rank's own dq combine below the peak of the calls around them
+                if phase == "forward" or (key[0] == "q" and key[1] != 0):
+                    extra[t] = max(extra.get(t, 0), partial[key[0]] * meet // seq)
+                spans.append((start, stop))
+        elif act.op == "launch" and act.step.kind == "reduce":
+            key = (act.step.ring, act.step.index + 1)
+            if held.pop(key, None) is not None:
+                extra[t] = extra.get(t, 0) + partial[act.step.ring]
+            made.discard(key)
+        elif act.op == "wait" and act.step.kind == "reduce":
+            key = (act.step.ring, (act.step.index + 2) % (plan.tiling.a if act.step.ring == "q" else plan.tiling.b))
+            held.pop(key, None)
+            made.add(key)
+    return extra
+
+
 def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootprint) -> int:
     u, a, b = _units(plan), plan.tiling.a, plan.tiling.b
     sched = plan.overlap(phase)
@@ -238,6 +278,7 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootpr
         end, prog = run_program(plan, rank, phase, start, fp.mode)
         for t in range(start, end):
             units[t] = _program_bytes(plan, prog, phase, fp)
+    pieces = _pieces_bytes(plan, rank, phase, fp, partial)
     inflight: dict[str, int] = {}
     peak = 0
     for t, (act, (nq, nkv)) in enumerate(zip(sched.actions, sched.chunks_alive(), strict=True)):
@@ -247,7 +288,7 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootpr
         held = nq * q_unit + nkv * kv_unit - own
         partials = sum(alive[ring][t] * partial[ring] for ring in partial)
         kernel = units[t] if act.op == "compute" else 0
-        now = fixed + held + partials + sum(inflight.values()) + kernel
+        now = fixed + held + partials + sum(inflight.values()) + kernel + pieces.get(t, 0)
         peak = max(peak, now)
         if act.op == "wait" and act.step.kind == "reduce":
             inflight.pop(act.step.ring, None)

@@ -17,7 +17,9 @@ import torch
 
 import mesh_cp
 from mesh_cp.core import factorizations, make_plan
+from mesh_cp.kernels import get_kernel
 from mesh_cp.runtime.attention import attention_shape
+from mesh_cp.runtime.call import row_partials
 from mesh_cp.sim.memory import peak_bytes
 from mesh_cp.testing import MemoryPeak, spawn_gloo
 
@@ -63,6 +65,8 @@ def memory_worker(rank: int, world: int) -> list[dict]:
             del out
         options = {"causal": True, "layout": "zigzag", "backward": backward, "schedule": schedule}
         plan = make_plan(mesh.tiling, attention_shape(q, k, v), head_parallel=u, **options)
+        partials = row_partials(plan, get_kernel("cpu_flash"), None)  # as the call planned it
+        plan = make_plan(mesh.tiling, attention_shape(q, k, v), head_parallel=u, partials=partials, **options)
         results.append(
             {
                 "config": (tile, schedule, backward, kv_heads) if u == 1 else (u, tile, kv_heads),
