@@ -66,8 +66,53 @@ def document_calls(plan, rank: int, mode, slots: dict[int, int], cols: dict[int,
     ys = {col: y for y, col in cols.items()}
     todo = sorted({w.x for w in plan.blocks(rank)}, key=lambda x: slots[x])
     extra = {} if mode.softcap is None else {"softcap": mode.softcap}
-    specs = [_call(plan, x, positions[x], halves, sections, ys, extra) for x in todo]
-    return tuple(layout), [s for s in specs if s is not None]
+    specs = [s for s in (_call(plan, x, positions[x], halves, sections, ys, extra) for x in todo) if s is not None]
+    return _read_only(layout, specs)
+
+
+def _read_only(layout: list, specs: list[dict]) -> tuple[tuple, list[dict]]:
+    """The layout without the pieces no call's sequences read (keys of documents no query of the rank sees, first
+    halves no second half needs), and the calls' rows in it: every sequence reads a run of pieces that stay, so its
+    window stays one run; fewer rows are laid."""
+    offsets, at = [], 0
+    for _, (r0, r1) in layout:
+        offsets.append(at)
+        at += r1 - r0
+    read = {s["keys"][0] + off for s in specs for _, _, _, off in s["pieces"]}
+    new, kept, at = {}, [], 0
+    for (col, rows), off in zip(layout, offsets, strict=True):
+        if off in read:
+            new[off] = at
+            kept.append((col, rows))
+            at += rows[1] - rows[0]
+
+    def moved(row: int) -> int:
+        """The new row of layout row ``row`` (inside a kept piece, or at its end)."""
+        off = max(o for o in new if o <= row and (o == row or row - o <= _size(layout, offsets, o)))
+        return new[off] + row - off
+
+    for spec in specs:
+        v0, v1 = spec["keys"]
+        n0 = moved(v0)
+        spec["keys"] = (n0, moved(v1 - 1) + 1)
+        spec["pieces"] = tuple((col, y, rows, new[v0 + off] - n0) for col, y, rows, off in spec["pieces"])
+        segments = spec["extra"]["segments"]
+        spec["extra"] = {
+            **spec["extra"],
+            "segments": tuple(
+                tuple(
+                    (a, b, moved(v0 + k0) - n0, moved(v0 + k1 - 1) + 1 - n0, left, right)
+                    for a, b, k0, k1, left, right in row
+                )
+                for row in segments
+            ),
+        }
+    return tuple(kept), specs
+
+
+def _size(layout: list, offsets: list[int], off: int) -> int:
+    (r0, r1) = layout[offsets.index(off)][1]
+    return r1 - r0
 
 
 def _call(plan, x: int, pos: list[int], halves, sections, ys: dict[int, int], extra: dict) -> dict | None:

@@ -141,6 +141,31 @@ def test_packed_masked_blocks_are_one_call_each_on_segment_kernels(mix) -> None:
     assert sum(len(r["forward"]) for r in tiled) > 10 * sum(len(r["forward"]) for r in segment_calls)
 
 
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("tile", [(4, 4), (2, 8), (8, 2)])
+def test_packed_layout_holds_only_rows_a_call_reads(mix, tile) -> None:
+    """Packed documents as one call per Q chunk (Note [Documents in global order]): every piece the phase lays is read
+    by a call, and every call's pieces lie in its key range."""
+    from mesh_cp.core.program import KernelMode, rank_program
+
+    shape = AttentionShape(batch=1, seq_local=L, heads=1, kv_heads=1, head_dim=8, itemsize=4)
+    plan = make_plan(Tiling(P, *tile), shape, causal=True, layout="zigzag", schedule="collective")
+    plan = make_plan(
+        plan.tiling, shape, causal=True, layout="zigzag", schedule="collective", mask=packed(*MIXES[mix], 3)
+    )
+    mode = KernelMode(frozenset({"segments"}), None, True)
+    for rank in range(P):
+        prog = rank_program(plan, rank, mode)
+        starts, at = [], 0
+        for _, (r0, r1) in prog.layout:
+            starts.append(at)
+            at += r1 - r0
+        read = {c.keys[0] + off for c in prog.calls for _, _, _, off in c.pieces}
+        assert read == set(starts), (rank, sorted(set(starts) - read))
+        for c in prog.calls:
+            assert all(0 <= off and c.keys[0] + off < c.keys[1] for _, _, _, off in c.pieces), (rank, c)
+
+
 def test_block_segments_see_exactly_the_masked_pairs() -> None:
     """Every masked block's one-call segments, drawn as a dense mask, equal the mask's visibility over the block's
     global positions (documents, padding; causal zig-zag and contiguous, and full attention; split documents, whose

@@ -37,8 +37,8 @@ def test_counter_counts_writes_outside_kernels_once_per_fused_pass() -> None:
 
 def test_fewer_bytes_and_no_more_calls_than_before(tmp_path) -> None:
     """P = 4, tile 2x2, collective and overlapped, causal and packed, MHA and GQA, for cpu_flash and the flash kernels'
-    call structure: every row writes at most 0.65 of the bytes it wrote before, copies at most 0.7 of them, and makes
-    no more calls per Q chunk. Nothing is stacked before a collective or cast after the last merge or sum."""
+    call structure: every row copies at most half the bytes it copied before, writes at most 0.55 of them, and makes
+    no more calls per Q chunk. Nothing is stacked before a collective."""
     out = tmp_path / "copies.json"
     rows = bench_copies.main(["--worlds", "4", "--json", str(out)])
     before = {
@@ -48,10 +48,9 @@ def test_fewer_bytes_and_no_more_calls_than_before(tmp_path) -> None:
     for row in rows:
         old = before[bench_copies.key(row)]
         written, copied = (row[f"forward{s}"] + row[f"backward{s}"] for s in ("", "_copied"))
-        assert written <= 0.65 * (old["forward"] + old["backward"]), row
-        assert copied <= 0.7 * (old["forward_copied"] + old["backward_copied"]), row
-        ops = {*row["forward_by_op"], *row["backward_by_op"]}
-        assert not ops & {"stack", "_to_copy", "clone"}, row
+        assert copied <= 0.5 * (old["forward_copied"] + old["backward_copied"]), row
+        assert written <= 0.55 * (old["forward"] + old["backward"]), row
+        assert "stack" not in {*row["forward_by_op"], *row["backward_by_op"]}, row
         assert row["calls_per_q_chunk"] <= old["calls_per_q_chunk"], row
         if row["schedule"] == "collective":  # the keys laid once per phase, at most 1.5 times the KV chunks held
             assert row["forward_by_op"].get("cat", 0) <= 1.5 * 2, row
