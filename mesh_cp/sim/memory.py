@@ -167,9 +167,9 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool,
         gathered = a * u["q"] + b * u["kv"]
         # gloo stages an all-gather through a flat copy of its output (NCCL gathers in place)
         stages = [
-            a * u["q"] * (2 if a > 1 else 1),  # the all-gather of Q
+            a * u["q"] * (2 if a > 1 and staged else 1),  # the all-gather of Q
             # K and V gathered into the parts of one buffer, one at a time (with one member: stacked)
-            gathered + (b * u["kv"] // 2 if b > 1 else u["kv"]),
+            gathered + ((b * u["kv"] // 2 if staged else 0) if b > 1 else u["kv"]),
             gathered + laid,  # the keys laid
             gathered - freed + compute,  # block compute
             # the partials sent and received (merged into the first); gloo stages a list of them through flat copies

@@ -92,11 +92,19 @@ def test_option_names_have_one_tuple_and_one_check() -> None:
 
 
 def test_memory_model_stages_gathers_only_on_gloo() -> None:
-    """The collective schedule's forward gathers through a flat copy on gloo; NCCL gathers in place. NCCL also means
-    the GPU kernels' share (their backward's fp32 temporaries), so the overlapped backward is larger there."""
+    """The collective schedule's forward gathers, and sends the row partials of ``partials="input"`` (a list of
+    tensors), through flat copies on gloo; NCCL moves them in place. NCCL also means the GPU kernels' share (their
+    backward's fp32 temporaries), so the overlapped backward is larger there."""
     shape = AttentionShape(batch=1, seq_local=64, heads=4, kv_heads=4, head_dim=16, itemsize=4)
     plan = make_plan(Tiling(world=4, a=2, b=2), shape, causal=True, layout="zigzag", schedule="collective")
-    assert peak_bytes(plan, "forward", backend="nccl") <= peak_bytes(plan, "forward", backend="gloo")
+    for kernel in ("cpu_flash", "cuda_flash"):  # the same kernel's share on both
+        assert peak_bytes(plan, "forward", backend="nccl", kernel=kernel) <= peak_bytes(
+            plan, "forward", backend="gloo", kernel=kernel
+        )
+    rows = make_plan(plan.tiling, shape, causal=True, layout="zigzag", schedule="collective", partials="input")
+    assert peak_bytes(rows, "forward", backend="nccl", kernel="cpu_flash") < peak_bytes(
+        rows, "forward", kernel="cpu_flash"
+    )
     overlap = make_plan(Tiling(world=4, a=2, b=2), shape, causal=True, layout="zigzag")
     assert peak_bytes(overlap, "backward", backend="nccl") > peak_bytes(overlap, "backward")
     with pytest.raises(ValueError, match=r"backend 'mpi' is not modelled; choose one of \['gloo', 'nccl'\]"):
