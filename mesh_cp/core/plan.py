@@ -81,11 +81,9 @@ class AttentionPlan:
     """The call returns the lse: with ``u > 1`` it travels back through the head exchange, and its gradient in when
     a loss reads it (``lse_grad`` of the byte methods; autograd hands none otherwise, and none is sent)."""
     partials: Partials = "accumulator"
-    """The dtype the collective schedule sends a rank's row partials in to their owners (``o`` in forward, ``dq`` in
-    backward): ``"accumulator"`` (fp32), or ``"input"`` when every rank computes each of its Q chunks in one kernel
-    call that returns them in the input dtype, where an fp32 accumulator would hold exactly the same values (Note
-    [Partials as computed] in :mod:`mesh_cp.core.program`). The overlapped schedule's partials, merged on their way
-    along the ring, always travel in fp32."""
+    """The dtype the collective schedule sends row partials (``o``, ``dq``) to their owners in: ``"accumulator"`` (fp32),
+    or ``"input"`` where each is one kernel call's output in the input dtype (Note [Partials as computed] in
+    :mod:`mesh_cp.core.row_partials`). The overlapped schedule's, merged along the ring, travel in fp32."""
 
     def __post_init__(self) -> None:
         check_option("layout", self.layout)

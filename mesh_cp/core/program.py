@@ -141,28 +141,6 @@ def run_program(plan, rank: int, phase: str, t: int, mode: KernelMode) -> tuple[
     return _cached(plan, ("overlap", rank, phase, t, mode), lambda: _run(plan, rank, phase, t, mode))
 
 
-def rows_as_computed(plan, mode: KernelMode) -> bool:
-    """Whether every mesh rank computes each of its Q chunks in at most one call of the kernel (no tile of the
-    reference kernel), in the collective schedule.
-
-    Note [Partials as computed]
-    ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-    A row partial of one kernel call is its ``o`` (forward) or ``dq`` (backward) in the input dtype: an fp32
-    accumulator would hold exactly those values. So when every partial a rank sends its rows' owners is one call's
-    (a kernel that takes segments runs a Q chunk as one call) and the kernel returns ``dq`` in the input dtype, the
-    collective schedule sends the kernel's outputs as they are (``partials="input"`` of the plan): no copy into an
-    accumulator, half the bytes of the forward's and the backward's reduce, and the owner merges or sums them in fp32
-    as before, to the same values. A call over some of the chunk's rows (a zig-zag chunk whose first half sees none
-    of the keys) is written into a chunk of the input dtype whose other rows hold the identity."""
-
-    def single(prog: Program) -> bool:
-        slots = [c.slot for c in prog.calls]
-        return len(slots) == len(set(slots)) and not any(c.reference for c in prog.calls)
-
-    world = plan.tiling.world
-    return _cached(plan, ("as computed", mode), lambda: all(single(rank_program(plan, r, mode)) for r in range(world)))
-
-
 def units(plan, rank: int, mode: KernelMode) -> tuple:
     """``rank``'s blocks and chunk calls in the collective schedule: single blocks when softcapped logits go tile by
     tile to the reference kernel."""

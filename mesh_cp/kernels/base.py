@@ -86,7 +86,7 @@ class Capabilities:
     """The largest head dim it runs, after that padding; ``None``: no limit."""
     dq_in_input_dtype: bool = False
     """Its ``backward`` returns ``dq`` in ``q.dtype`` (``lse_grad=False``), as the flash kernels do: a Q chunk's ``dq``
-    of one call may then travel as it is (Note [Partials as computed] in :mod:`mesh_cp.core.program`)."""
+    of one call may then travel as it is (Note [Partials as computed] in :mod:`mesh_cp.core.row_partials`)."""
     gaps: bool = False
     """Its ``segments`` may leave key rows between sequences that no sequence reads, and it reads them in place
     (flash-attn's ``seqused_k``) rather than gathering the rows it reads: a chunk call's row groups then read the

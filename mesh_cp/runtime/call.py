@@ -21,7 +21,8 @@ from torch import Tensor
 from mesh_cp.core.layout import local_positions
 from mesh_cp.core.numerics import visibility
 from mesh_cp.core.plan import AttentionPlan
-from mesh_cp.core.program import Call, KernelMode, Program, rank_program, rows_as_computed, run_program, units
+from mesh_cp.core.program import Call, KernelMode, Program, rank_program, run_program, units
+from mesh_cp.core.row_partials import rows_as_computed
 from mesh_cp.kernels import capabilities_of
 from mesh_cp.kernels.base import BlockKernel
 from mesh_cp.kernels.fused import merge_
@@ -127,7 +128,7 @@ def by_segments(kernel: BlockKernel) -> bool:
 
 def row_partials(plan: AttentionPlan, kernel: BlockKernel, softcap: float | None) -> str:
     """The plan's ``partials`` for ``kernel``: ``"input"`` where the collective schedule sends row partials as the
-    kernel returns them (Note [Partials as computed] in :mod:`mesh_cp.core.program`): every rank computes each Q chunk
+    kernel returns them (Note [Partials as computed] in :mod:`mesh_cp.core.row_partials`): every rank computes each Q chunk
     in one call of a kernel that returns ``dq`` in the input dtype, and no gradient reaches the lse (whose exact path
     may return ``dq`` wider)."""
     caps = capabilities_of(kernel)

@@ -44,11 +44,12 @@ def test_gpu_model_against_the_measured_peaks() -> None:
     """The H100 run (16 rows) and the H200 run (40 rows, balanced and split packed rows too). The measured runtime laid
     a chunk call's keys for each call, ran a masked block as a call of its own and merged first writes; the present
     one lays the phase's keys once, for packed rows too (Note [Documents in global order]; counted by the model: up to
-    1.77x the measured peak, packed short documents' forward at 8K) and copies first writes (less than the measured:
-    down to 0.77x): within 25% below and 80% above every measured peak."""
+    1.77x the measured peak, packed short documents' forward at 8K), lays only the pieces a packed row's sequences
+    read, copies first writes and holds a call's outputs as the pieces of its partials (less than the measured: down
+    to 0.67x, packed short documents' forward at 2K): within 35% below and 80% above every measured peak."""
     rows = ratios("docs/results/bench_rank_h100.json", False) + ratios("docs/results/bench_rank_h200.json", True)
     assert len(rows) == 2 * (16 + 40)
-    assert 0.75 <= min(rows)[0] and max(rows)[0] <= 1.8, (min(rows), max(rows))
+    assert 0.65 <= min(rows)[0] and max(rows)[0] <= 1.8, (min(rows), max(rows))
 
 
 def test_footprints_match_the_kernels() -> None:

@@ -1,4 +1,4 @@
-"""Row partials sent as the kernel returns them (Note [Partials as computed] in ``mesh_cp/core/program.py``).
+"""Row partials sent as the kernel returns them (Note [Partials as computed] in ``mesh_cp/core/row_partials.py``).
 
 Where every rank computes each Q chunk in one call of a kernel that returns ``dq`` in the input dtype, the collective
 schedule sends ``o`` and ``dq`` in the input dtype (``plan.partials == "input"``). Checked here: which programs qualify;
@@ -13,7 +13,8 @@ import torch
 
 import mesh_cp
 from mesh_cp.core import AttentionMask, AttentionShape, Tiling, factorizations, make_plan
-from mesh_cp.core.program import KernelMode, rows_as_computed
+from mesh_cp.core.program import KernelMode
+from mesh_cp.core.row_partials import rows_as_computed
 from mesh_cp.testing import spawn_gloo
 
 WORLD, SEQ = 4, 64
