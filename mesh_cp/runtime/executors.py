@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from mesh_cp.core.numerics import acc_dtype
-from mesh_cp.kernels.fused import attention_delta as fused_delta
-from mesh_cp.kernels.fused import merge_, merged
+from mesh_cp.kernels.fused import attention_delta, merge_, merged
 from mesh_cp.runtime.call import (
     AttentionCall,
     Saved,
@@ -82,7 +81,7 @@ class CollectiveExecutor:
     ) -> tuple[Tensor, Tensor, Tensor]:
         mesh, plan, q, k = call.mesh, call.plan, saved.q, saved.k
         acc = acc_dtype(q.dtype)
-        delta = fused_delta(do, saved.out, dlse)
+        delta = attention_delta(do, saved.out, dlse)
         if plan.backward == "regather":
             q_all, do_all = all_gather_parts((q, do.to(q.dtype)), mesh.q_group)  # (a, B, L, Hq, D) each
         else:
