@@ -43,8 +43,9 @@ def test_fsdp_equals_single_process(runs, case: str) -> None:
     if "eval_loss" in reference:
         assert abs(mesh["eval_loss"] - reference["eval_loss"]) <= 1e-5, (mesh["eval_loss"], reference["eval_loss"])
     if reference.get("grad_norm", [None])[0] is not None:  # logged by the Trainer cases
-        # SGD: 1e-5 of the norm; AdamW divides by the gradients' own scale, which magnifies their rounding
-        tolerance = 1e-4 if "adamw" in case or case in ("resume", "resume_sharded", "lora") else 1e-5
+        # 1e-4 of the norm: four steps of training grow the fp32 rounding of the attention's partials, which no order
+        # of merges makes the single process's (each call is exact to fp64 rounding: tests/runtime/test_exactness.py)
+        tolerance = 1e-4
         norms = zip(mesh["grad_norm"], reference["grad_norm"], strict=True)
         assert all(abs(a - b) <= tolerance * b for a, b in norms), (mesh["grad_norm"], reference["grad_norm"])
 
