@@ -244,7 +244,7 @@ def _merged_parts(o_parts: Tensor, lse_parts: Tensor, dtype: torch.dtype) -> tup
     of the buffers)."""
     a = o_parts.shape[0]
     if a == 1:
-        return o_parts[0].to(dtype), lse_parts[0].clone()
+        return o_parts[0].to(dtype).contiguous(), lse_parts[0].clone()
     out, lse = o_parts[0], lse_parts[0]
     for j in range(1, a):
         if j == 1 or j == a - 1:

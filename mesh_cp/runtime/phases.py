@@ -173,7 +173,7 @@ class ForwardPhase(OverlapPhase):
         if self.arrived is None:  # no ring, or every row its own (a row no call reaches holds the identity)
             own = self.row(0)
             o, lse = own.whole_piece() or self._views(own.buffer())
-            return o.to(dtype), lse.clone()
+            return o.to(dtype).contiguous(), lse.clone()  # a kernel's output may be a strided view
         arrived = self._views(self.arrived)
         if own is None:  # no block of its own rows is computed here
             return arrived[0].to(dtype), arrived[1].clone()
@@ -252,7 +252,7 @@ class BackwardPhase(OverlapPhase):
             own = self.grad(ring, 0) if arrived is None else None
             values = self._views(ring, arrived) if own is None else own.whole_piece()
             values = values or self._views(ring, own.buffer())
-            return _one(tuple(v.to(dtype) for v in values))
+            return _one(tuple(v.to(dtype).contiguous() for v in values))  # a kernel's output may be strided
         piece = own.whole_piece()
         if piece is None:
             own.land(arrived, self._views(ring, arrived))
