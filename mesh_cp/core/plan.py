@@ -81,8 +81,8 @@ class AttentionPlan:
     """The call returns the lse: with ``u > 1`` it travels back through the head exchange, and its gradient in when
     a loss reads it (``lse_grad`` of the byte methods; autograd hands none otherwise, and none is sent)."""
     partials: Partials = "accumulator"
-    """The dtype the collective schedule sends row partials (``o``, ``dq``) to their owners in: ``"accumulator"`` (fp32),
-    or ``"input"`` where each is one kernel call's output in the input dtype (Note [Partials as computed] in
+    """The dtype the collective schedule sends row partials (``o``, ``dq``) to their owners in: ``"accumulator"``
+    (fp32), or ``"input"`` where each is one kernel call's output in the input dtype (Note [Partials as computed] in
     :mod:`mesh_cp.core.row_partials`). The overlapped schedule's, merged along the ring, travel in fp32."""
 
     def __post_init__(self) -> None:

@@ -5,10 +5,11 @@ Note [Fused passes]
 ~~~~~~~~~~~~~~~~~~~
 The LSE merge (Note [LSE merge], :func:`mesh_cp.core.numerics.merge_`) reads and rewrites a row's fp32
 accumulators for every partial merged in (the last one writing the output in the input dtype), the rows' ``delta =
-rowsum(dO * O)`` widens ``dO`` and ``O`` to fp32 before it multiplies them, and ``out_for_delta`` (construction 1 of Note [Gradient of the lse],
-:func:`mesh_cp.kernels.base.out_for_delta`) builds the ``out`` a fused backward takes, once per backward call.
-Eager, each is a chain of about ten elementwise ops and row reductions, every one a kernel that reads and writes
-the rows: about 18 bytes per element for the merge and 50 for ``out_for_delta``, against 10 and 4 in one pass.
+rowsum(dO * O)`` widens ``dO`` and ``O`` to fp32 before it multiplies them, and ``out_for_delta`` (construction 1
+of Note [Gradient of the lse], :func:`mesh_cp.kernels.base.out_for_delta`) builds the ``out`` a fused backward
+takes, once per backward call. Eager, each is a chain of about ten elementwise ops and row reductions, every one a
+kernel that reads and writes the rows: about 18 bytes per element for the merge and 50 for ``out_for_delta``, against
+10 and 4 in one pass.
 
 On CUDA each runs as one ``torch.compile``'d function (Inductor fuses the chain), compiled once per dtype
 signature with dynamic shapes, so new row counts do not recompile; up to :data:`RECOMPILES` signatures each (the

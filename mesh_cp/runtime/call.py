@@ -128,9 +128,9 @@ def by_segments(kernel: BlockKernel) -> bool:
 
 def row_partials(plan: AttentionPlan, kernel: BlockKernel, softcap: float | None) -> str:
     """The plan's ``partials`` for ``kernel``: ``"input"`` where the collective schedule sends row partials as the
-    kernel returns them (Note [Partials as computed] in :mod:`mesh_cp.core.row_partials`): every rank computes each Q chunk
-    in one call of a kernel that returns ``dq`` in the input dtype, and no gradient reaches the lse (whose exact path
-    may return ``dq`` wider)."""
+    kernel returns them (Note [Partials as computed] in :mod:`mesh_cp.core.row_partials`): every rank computes each
+    Q chunk in one call of a kernel that returns ``dq`` in the input dtype, and no gradient reaches the lse (whose
+    exact path may return ``dq`` wider)."""
     caps = capabilities_of(kernel)
     if plan.schedule != "collective" or not caps.dq_in_input_dtype or plan.return_lse:
         return "accumulator"

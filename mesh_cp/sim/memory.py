@@ -27,7 +27,8 @@ def peak_bytes(
 
     The mesh's peak, on ``plan.mesh_shape``: what the schedule holds — gathered Q/KV chunks (all of them for
     ``backward="reuse"``, which keeps them from forward to backward), fp32 accumulators of partial outputs and
-    gradients (the kernels' own outputs for the rows of ``plan.partials="input"``), transfer buffers — plus one block's kernel outputs and temporaries. The overlapped schedule frees
+    gradients (the kernels' own outputs for the rows of ``plan.partials="input"``), transfer buffers — plus one
+    block's kernel outputs and temporaries. The overlapped schedule frees
     a chunk after its last use, so its peak follows its path; the collective schedule holds every gathered chunk
     and the reduce buffers together, and on ``backend="gloo"`` a flat copy of each all-gather's output while it
     runs. With ``head_parallel > 1``, plus the head-layout copies the head exchange holds at its peak: forward
@@ -148,7 +149,7 @@ def _units(plan: AttentionPlan) -> dict[str, int]:
         "kv": kv_bytes,
         "acc": acc,
         # the collective schedule's row partial of o or dq: fp32, or the kernel's own output (Note [Partials as
-        # computed] in mesh_cp.core.program)
+        # computed] in mesh_cp.core.row_partials)
         "row": q_bytes if plan.partials == "input" else acc,
         "kv_acc": kv_bytes // s.itemsize * s.acc_itemsize,
         "stats": s.stats_elems * s.acc_itemsize,
@@ -195,7 +196,8 @@ def compute_bytes(
 ) -> int:
     """What the collective schedule allocates around its kernel calls on mesh rank ``rank``, beyond the gathered
     chunks and the rows' statistics: the row (forward) or gradient (backward) accumulators (fp32, or for
-    ``plan.partials="input"`` the kernel's outputs) and the largest call's share (the block-compute stage of :func:`peak_bytes`, which a one-device benchmark measures alone)."""
+    ``plan.partials="input"`` the kernel's outputs) and the largest call's share (the block-compute stage of
+    :func:`peak_bytes`, which a one-device benchmark measures alone)."""
     check_option("phase", phase)
     fp = footprint(kernel, backend)
     if plan.schedule != "collective":
