@@ -221,16 +221,21 @@ def unwritten(
     for (slot, rows), fresh in zip(writes, first, strict=True):
         if fresh:
             spans[slot].append(rows)
-    gaps = []
-    for slot, written in enumerate(spans):
-        at = 0
-        for s0, s1 in sorted(written):
-            if s0 > at:
-                gaps.append((slot, at, s0))
-            at = max(at, s1)
-        if at < size:
-            gaps.append((slot, at, size))
-    return tuple(gaps)
+    return tuple((slot, a, b) for slot, written in enumerate(spans) for a, b in uncovered(written, 0, size))
+
+
+def uncovered(spans: Sequence[tuple[int, int]], start: int, stop: int) -> list[tuple[int, int]]:
+    """The runs of ``[start, stop)`` that none of ``spans`` (overlapping or not) covers, in order."""
+    gaps, at = [], start
+    for s0, s1 in sorted(spans):
+        if s1 <= at or s0 >= stop:
+            continue
+        if s0 > at:
+            gaps.append((at, s0))
+        at = max(at, s1)
+    if at < stop:
+        gaps.append((at, stop))
+    return gaps
 
 
 def _covers(spans: list[tuple[int, int]], start: int, stop: int) -> bool:

@@ -74,28 +74,25 @@ def _read_only(layout: list, specs: list[dict]) -> tuple[tuple, list[dict]]:
     """The layout without the pieces no call's sequences read (keys of documents no query of the rank sees, first
     halves no second half needs), and the calls' rows in it: every sequence reads a run of pieces that stay, so its
     window stays one run; fewer rows are laid."""
-    offsets, at = [], 0
-    for _, (r0, r1) in layout:
-        offsets.append(at)
-        at += r1 - r0
     read = {s["keys"][0] + off for s in specs for _, _, _, off in s["pieces"]}
-    new, kept, at = {}, [], 0
-    for (col, rows), off in zip(layout, offsets, strict=True):
-        if off in read:
-            new[off] = at
-            kept.append((col, rows))
-            at += rows[1] - rows[0]
+    kept, moves, old, new = [], [], 0, 0  # moves: (old start, size, new start) of every piece kept
+    for col, (r0, r1) in layout:
+        if old in read:
+            kept.append((col, (r0, r1)))
+            moves.append((old, r1 - r0, new))
+            new += r1 - r0
+        old += r1 - r0
 
     def moved(row: int) -> int:
         """The new row of layout row ``row`` (inside a kept piece, or at its end)."""
-        off = max(o for o in new if o <= row and (o == row or row - o <= _size(layout, offsets, o)))
-        return new[off] + row - off
+        off, _, to = next(m for m in moves if m[0] <= row <= m[0] + m[1])
+        return to + row - off
 
     for spec in specs:
         v0, v1 = spec["keys"]
         n0 = moved(v0)
         spec["keys"] = (n0, moved(v1 - 1) + 1)
-        spec["pieces"] = tuple((col, y, rows, new[v0 + off] - n0) for col, y, rows, off in spec["pieces"])
+        spec["pieces"] = tuple((col, y, rows, moved(v0 + off) - n0) for col, y, rows, off in spec["pieces"])
         segments = spec["extra"]["segments"]
         spec["extra"] = {
             **spec["extra"],
@@ -108,11 +105,6 @@ def _read_only(layout: list, specs: list[dict]) -> tuple[tuple, list[dict]]:
             ),
         }
     return tuple(kept), specs
-
-
-def _size(layout: list, offsets: list[int], off: int) -> int:
-    (r0, r1) = layout[offsets.index(off)][1]
-    return r1 - r0
 
 
 def _call(plan, x: int, pos: list[int], halves, sections, ys: dict[int, int], extra: dict) -> dict | None:

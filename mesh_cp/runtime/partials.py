@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from mesh_cp.core.blocks import uncovered
 from mesh_cp.kernels.fused import added, merge_, merged
 
 Values = tuple[Tensor, ...]
@@ -152,17 +153,8 @@ class Partial:
         return False
 
     def _fill(self, start: int, stop: int) -> None:
-        at = start
-        for s0, s1 in sorted(self.spans):
-            if s1 <= at or s0 >= stop:
-                continue
-            if s0 > at:
-                self._fill_rows(at, s0)
-            at = max(at, s1)
-        if at < stop:
-            self._fill_rows(at, stop)
+        """Fill the rows of ``[start, stop)`` nothing wrote with the identity; they count as written."""
+        for a, b in uncovered(self.spans, start, stop):
+            for view, fill in zip(self._rows(self.views, 0, a, b), self.fills, strict=True):
+                view.fill_(fill)
         self.spans.append((start, stop))
-
-    def _fill_rows(self, start: int, stop: int) -> None:
-        for view, fill in zip(self._rows(self.views, 0, start, stop), self.fills, strict=True):
-            view.fill_(fill)
