@@ -30,6 +30,22 @@ kernel whose varlen sequences may leave gaps between them (``seqused_k``, :attr:
 section of the layout per group index (the first halves laid twice), and one that needs them adjacent takes laid
 segments over the single layout (Note [Laid keys] in :mod:`mesh_cp.kernels.varlen`; it gathers their rows). A group
 whose keys are not one run of a section (a mask left some blocks out) gets a section of its own.
+
+Note [Keys laid once per phase]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The overlapped schedule runs a Q move's blocks with every KV chunk held as one call (Note [Rows of the overlapped
+schedule] in :mod:`mesh_cp.runtime.phases`), and a rank makes such a call for every Q chunk but its own, each over
+the KV chunks held then. One layout serves them all (:class:`OverlapPrograms`): its sections hold the units every
+call's groups read, each group one run of them. A run lays the rows no earlier run laid, into their place, before its
+calls (:attr:`Program.lays`), so every key row is copied once per section in the phase, and the layout is dropped
+after the last run that reads it. A KV chunk is then freed once it is laid and forwarded (:attr:`OverlapPrograms.
+kv_last_use`), not held to the last Q move: the layout replaces the held chunks rather than adding to them.
+
+The calls of different runs read different sets of chunks (the chunks held grow as KV moves arrive, and a Q chunk sees
+the first halves of earlier chunks only), so global order does not make every group one run: the units of a section are
+ordered so that it does (Note [Consecutive sets] in :mod:`mesh_cp.core.consecutive`). The keys a group sees whole may
+come in any order; only a causal diagonal must be the last of its group's keys (the kernel aligns it bottom-right),
+which the order keeps.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ from dataclasses import dataclass, field
 
 from mesh_cp.core import document_calls
 from mesh_cp.core.blocks import BlockWork, ChunkCall, MaskKind, first_writes, unwritten
+from mesh_cp.core.consecutive import consecutive_order
 from mesh_cp.core.layout import local_positions
 
 Rows = tuple[int, int]
@@ -109,23 +126,25 @@ class Program:
     the accumulators need no fill)."""
     kv_fills: tuple[tuple[int, int, int], ...]
     """The same for the key rows of every column."""
+    lays: tuple[tuple[int, int, int, int], ...] = ()
+    """``(col, k0, k1, at)``: the rows ``k0:k1`` of KV chunk ``col`` this program copies to rows ``at`` on of the
+    layout before its calls (the whole layout in the collective schedule; in the overlapped one the rows no earlier run
+    of the phase laid, Note [Keys laid once per phase])."""
 
     @property
     def laid_rows(self) -> int:
-        """Rows the phase lays by a copy: none when the layout is one run of one chunk (a view of it)."""
-        runs = self.runs
-        return 0 if len(runs) <= 1 else sum(k1 - k0 for _, k0, k1 in runs)
+        """Rows this program lays by a copy: none when the layout is one run of one chunk (a view of it)."""
+        return 0 if len(self.runs) <= 1 else sum(k1 - k0 for _, k0, k1, _ in self.lays)
+
+    @property
+    def layout_rows(self) -> int:
+        """Rows of the phase's layout."""
+        return sum(k1 - k0 for _, (k0, k1) in self.layout)
 
     @functools.cached_property
     def runs(self) -> tuple[tuple[int, int, int], ...]:
         """The layout as runs ``(col, k0, k1)`` of consecutive rows of one chunk."""
-        out: list[tuple[int, int, int]] = []
-        for col, (k0, k1) in self.layout:
-            if out and out[-1][0] == col and out[-1][2] == k0:
-                out[-1] = (col, out[-1][1], k1)
-            else:
-                out.append((col, k0, k1))
-        return tuple(out)
+        return tuple(run[:3] for run in _merged(_with_positions(self.layout)))
 
 
 def rank_program(plan, rank: int, mode: KernelMode) -> Program:
@@ -138,7 +157,32 @@ def run_program(plan, rank: int, phase: str, t: int, mode: KernelMode) -> tuple[
     """``(end, program)`` of the run of compute actions of the overlapped schedule that starts at action ``t`` of
     ``phase`` (:meth:`~mesh_cp.core.plan.AttentionPlan.overlap_calls`): slots and columns are ring offsets; first
     writes are left to the executor, which also merges partials received along the rings."""
-    return _cached(plan, ("overlap", rank, phase, t, mode), lambda: _run(plan, rank, phase, t, mode))
+    return overlap_programs(plan, rank, phase, mode).runs[t]
+
+
+@dataclass(frozen=True, eq=False)
+class OverlapPrograms:
+    """The programs of the runs of one phase of the overlapped schedule on one rank, over one layout of the phase
+    (Note [Keys laid once per phase])."""
+
+    runs: dict[int, tuple[int, Program]]
+    """Per run, by its first action: ``(end, program)``."""
+    kv_last_use: dict[int, int]
+    """KV offset -> the last action that reads its chunk (what the phase frees it after): the calls on the layout read
+    the layout, not the chunk."""
+
+    @functools.cached_property
+    def layout_span(self) -> tuple[int, int] | None:
+        """The first action that lays keys and the last action of a run that reads them (``None``: no copied layout)."""
+        laying = [t for t, (_, prog) in self.runs.items() if prog.laid_rows]
+        reading = [end - 1 for _, (end, prog) in self.runs.items() if any(c.laid for c in prog.calls)]
+        return (min(laying), max(reading)) if laying else None
+
+
+def overlap_programs(plan, rank: int, phase: str, mode: KernelMode) -> OverlapPrograms:
+    """The programs of ``rank``'s runs in ``phase`` of the overlapped schedule, built once per plan, rank, phase and
+    mode."""
+    return _cached(plan, ("overlap", rank, phase, mode), lambda: _overlap(plan, rank, phase, mode))
 
 
 def units(plan, rank: int, mode: KernelMode) -> tuple:
@@ -163,16 +207,49 @@ def _collective(plan, rank: int, mode: KernelMode) -> Program:
     return _program(plan, units(plan, rank, mode), slots, cols, mode, first=True)
 
 
-def _run(plan, rank: int, phase: str, t: int, mode: KernelMode) -> tuple[int, Program]:
-    end, chunk = plan.overlap_calls(rank, phase)[t]
+def _overlap(plan, rank: int, phase: str, mode: KernelMode) -> OverlapPrograms:
+    """The programs of every run of ``phase`` over one layout of the phase (Note [Keys laid once per phase])."""
     actions = plan.overlap(phase).actions
-    i = actions[t].block[0]
-    blocks = [(a.block[1], w) for a in actions[t:end] if (w := plan.block_at(rank, *a.block)) is not None]
-    cols = {w.y: j for j, w in blocks}
-    slots = {w.x: i for _, w in blocks}
-    chunked = chunk is not None and mode.by_segments and not mode.reference_softcap
-    todo = (chunk,) if chunked else tuple(w for _, w in blocks)
-    return end, _program(plan, todo, slots, cols, mode, first=False)
+    todos, cols = {}, {}
+    for t, (end, chunk) in plan.overlap_calls(rank, phase).items():
+        i = actions[t].block[0]
+        blocks = [(a.block[1], w) for a in actions[t:end] if (w := plan.block_at(rank, *a.block)) is not None]
+        run_cols, slots = {w.y: j for j, w in blocks}, {w.x: i for _, w in blocks}
+        cols.update(run_cols)
+        chunked = chunk is not None and mode.by_segments and not mode.reference_softcap
+        todos[t] = (end, (chunk,) if chunked else tuple(w for _, w in blocks), slots, run_cols)
+    chunks = [u for _, todo, _, _ in todos.values() for u in todo if isinstance(u, ChunkCall)]
+    layout = _Layout(plan, cols, [_windows(plan, c) for c in chunks], mode)
+    placed, runs, laid = iter(layout.placed), {}, set()
+    for t, (end, todo, slots, run_cols) in todos.items():
+        specs, read = [], set()
+        for u in todo:
+            if isinstance(u, ChunkCall):
+                groups = next(placed)
+                read |= {piece[3] for pieces, _ in groups for piece in pieces}
+                specs += _chunk_specs(u, groups, mode)
+            else:
+                specs += _block_specs(plan, u, mode, run_cols[u.y])
+        lays = _merged(piece for piece in layout.pieces if piece[3] in read - laid)
+        laid |= read
+        runs[t] = (end, _assemble(plan, layout.laid, specs, slots, run_cols, first=False, lays=lays))
+    return OverlapPrograms(runs, _kv_last_use(plan.overlap(phase), runs))
+
+
+def _kv_last_use(sched, runs: dict[int, tuple[int, Program]]) -> dict[int, int]:
+    """KV offset -> the last action that reads its chunk: the wait of the move that forwards it, or the last action of
+    a run that computes on it or lays its rows (a call on a copied layout reads the layout)."""
+    last = dict(sched.last_use("kv"))  # an offset that nothing reads keeps the schedule's
+    direct: dict[int, int] = {}
+    for t, act in enumerate(sched.actions):
+        if act.op == "wait" and act.step.ring == "kv" and act.step.kind == "move":
+            direct[act.step.index - 1] = t
+    for end, prog in runs.values():
+        view = len(prog.runs) == 1
+        reads = {c.pieces[0][0] for c in prog.calls if not c.laid or view}
+        for col in reads | {col for col, *_ in prog.lays}:
+            direct[col] = max(direct.get(col, -1), end - 1)
+    return {**last, **direct}
 
 
 def _program(plan, todo, slots, cols, mode: KernelMode, *, first: bool) -> Program:
@@ -188,9 +265,9 @@ def _program(plan, todo, slots, cols, mode: KernelMode, *, first: bool) -> Progr
     return _assemble(plan, layout.laid, specs, slots, cols, first=first)
 
 
-def _assemble(plan, layout: tuple, specs: list[dict], slots: dict, cols: dict, *, first: bool) -> Program:
+def _assemble(plan, layout: tuple, specs: list[dict], slots: dict, cols: dict, *, first: bool, lays=None) -> Program:
     """The program of call ``specs`` over ``layout``, with their first writes (``first``: decided here; else left to
-    the executor, as ``False``)."""
+    the executor, as ``False``); it lays ``lays`` (``None``: the whole layout)."""
     seq = plan.mesh_shape.seq_local
     q_writes = [(slots[s["x"]], s["q_rows"]) for s in specs]
     kv_writes = [(col, rows) for s in specs for col, _, rows, _ in s["pieces"]]
@@ -204,27 +281,57 @@ def _assemble(plan, layout: tuple, specs: list[dict], slots: dict, cols: dict, *
         n = len(s["pieces"])
         calls.append(Call(slot=slots[s["x"]], first=fq, first_kv=tuple(first_kv[at : at + n]), **s))
         at += n
-    return Program(layout, tuple(calls), seq, q_fills, kv_fills)
+    if lays is None:
+        lays = _merged(_with_positions(layout))
+    return Program(layout, tuple(calls), seq, q_fills, kv_fills, tuple(lays))
+
+
+def _with_positions(layout) -> list[tuple[int, int, int, int]]:
+    """The pieces of ``layout`` as ``(col, k0, k1, at)``, ``at`` their first row in it."""
+    out, at = [], 0
+    for col, (k0, k1) in layout:
+        out.append((col, k0, k1, at))
+        at += k1 - k0
+    return out
+
+
+def _merged(pieces) -> tuple[tuple[int, int, int, int], ...]:
+    """Pieces ``(col, k0, k1, at)`` in order, those that continue the one before in the chunk and the layout as one."""
+    out: list[tuple[int, int, int, int]] = []
+    for col, k0, k1, at in pieces:
+        if out and out[-1][0] == col and out[-1][2] == k0 and out[-1][3] + out[-1][2] - out[-1][1] == at:
+            out[-1] = (col, out[-1][1], k1, out[-1][3])
+        else:
+            out.append((col, k0, k1, at))
+    return tuple(out)
 
 
 Unit = tuple[int, Rows]
 """``(y, rows)``: rows of KV chunk ``y`` that are consecutive in global order (a zig-zag half, a contiguous chunk)."""
 
 
-def _windows(plan, c: ChunkCall) -> list[tuple[list[Unit], bool]]:
-    """The keys of each row group of ``c`` as units in global order, and whether its last unit is its causal
-    diagonal."""
+def _windows(plan, c: ChunkCall) -> list[tuple[list[Unit], int]]:
+    """The keys of each row group of ``c`` as units in global order, and how many of the last ones are its causal
+    diagonal (the group's own rows of the chunk: none, one zig-zag half, or two where the halves meet)."""
     seq = plan.mesh_shape.seq_local
     grid = (0, seq // 2, seq) if plan.layout == "zigzag" else (0, seq)
-    out = []
-    for g in c.groups:
-        units = [
+
+    def cut(pieces) -> list[Unit]:
+        return [
             (y, (max(k0, a), min(k1, b)))
-            for y, (k0, k1) in g.keys
+            for y, (k0, k1) in pieces
             for a, b in zip(grid, grid[1:], strict=False)
             if max(k0, a) < min(k1, b)
         ]
-        out.append((sorted(units, key=lambda u: _start(plan, u)), g.causal_tail))
+
+    out = []
+    for g in c.groups:
+        units = sorted(cut(g.keys), key=lambda u: _start(plan, u))
+        diagonal = [u for u in cut(g.keys[-1:]) if g.q_rows[0] <= u[1][0] < g.q_rows[1]] if g.causal_tail else []
+        tail = len(diagonal)
+        if tail and units[-tail:] != sorted(diagonal, key=lambda u: _start(plan, u)):
+            raise AssertionError(f"the causal diagonal of chunk {c.x} is not the last of its keys: {units}")
+        out.append((units, tail))
     return out
 
 
@@ -240,20 +347,21 @@ def _positions(seq_len: int, world: int, chunk: int, layout: str) -> tuple[int, 
 
 
 class _Layout:
-    """The sections of a phase's layout and where every row group's keys are in it (Note [Keys in global order])."""
+    """The sections of a phase's layout and where every row group's keys are in it (Note [Keys in global order]): the
+    units of a section in global order where every group reads one run of them, else in an order where they do
+    (Note [Consecutive sets] in :mod:`mesh_cp.core.consecutive`)."""
 
-    def __init__(self, plan, cols: dict[int, int], windows: list[list[tuple[list[Unit], bool]]], mode: KernelMode):
+    def __init__(self, plan, cols: dict[int, int], windows: list[list[tuple[list[Unit], int]]], mode: KernelMode):
         self.cols = cols
         per_group = mode.by_segments and mode.gaps
         apart: set[int] = set()
         while True:  # a call whose group is not one run of its section gets sections of its own
-            shared = _shared(windows, apart, per_group)
-            sections = {s: sorted(set(u), key=lambda x: _start(plan, x)) for s, u in shared.items()}
+            sections = {s: _section(plan, groups) for s, groups in _shared(windows, apart, per_group).items()}
             bad = {
                 c
                 for c, call in enumerate(windows)
                 if c not in apart
-                and any(_run_of(units, sections[g if per_group else 0]) is None for g, (units, _) in enumerate(call))
+                and any(_run_of(group, sections[g if per_group else 0]) is None for g, group in enumerate(call))
             }
             if not bad:
                 break
@@ -269,14 +377,15 @@ class _Layout:
             starts.append(at)
             at += sum(k1 - k0 for _, (k0, k1) in section)
         self.laid = tuple((cols[y], rows) for section in order for y, rows in section)
+        self.pieces = _with_positions(self.laid)
         self.placed = []
         for c, call in enumerate(windows):
             placed = []
             for g, (units, tail) in enumerate(call):
                 s = where.get((c, g), g if per_group else 0)
-                first = _run_of(units, order[s])
+                first = _run_of((units, tail), order[s])
                 offset = starts[s] + sum(k1 - k0 for _, (k0, k1) in order[s][:first])
-                placed.append((self._pieces(units, offset), tail))
+                placed.append((self._pieces(order[s][first : first + len(units)], offset), tail))
             self.placed.append(placed)
 
     def _pieces(self, units: list[Unit], offset: int) -> list[tuple[int, int, Rows, int]]:
@@ -287,22 +396,33 @@ class _Layout:
         return out
 
 
-def _shared(windows, apart: set[int], per_group: bool) -> dict[int, list[Unit]]:
-    """The units of every section shared by the calls not in ``apart``: one section, or one per group index."""
-    shared: dict[int, list[Unit]] = {}
+def _shared(windows, apart: set[int], per_group: bool) -> dict[int, list[tuple[list[Unit], int]]]:
+    """The groups of every section shared by the calls not in ``apart``: one section, or one per group index."""
+    shared: dict[int, list[tuple[list[Unit], int]]] = {}
     for c, call in enumerate(windows):
-        for g, (units, _) in enumerate(call):
+        for g, group in enumerate(call):
             if c not in apart:
-                shared.setdefault(g if per_group else 0, []).extend(units)
+                shared.setdefault(g if per_group else 0, []).append(group)
     return shared
 
 
-def _run_of(units: list[Unit], section: list[Unit]) -> int | None:
-    """Where ``units`` are one run of ``section``, in that order (``None``: they are not)."""
-    if not units or units[0] not in section:
+def _section(plan, groups: list[tuple[list[Unit], int]]) -> list[Unit]:
+    """The units of ``groups`` in global order, or in an order where every group's keys are one run."""
+    units = sorted({u for group, _ in groups for u in group}, key=lambda u: _start(plan, u))
+    last = {i: tuple(group[-tail:]) for i, (group, tail) in enumerate(groups) if tail}
+    return consecutive_order(units, [frozenset(group) for group, _ in groups], last) or units
+
+
+def _run_of(group: tuple[list[Unit], int], section: list[Unit]) -> int | None:
+    """Where the units of ``group`` are one run of ``section`` (``None``: they are not); a group that ends in its
+    causal diagonal needs the diagonal last, in order (the kernel aligns a causal square bottom-right)."""
+    units, tail = group
+    if not units or any(u not in section for u in units):
         return None
-    i = section.index(units[0])
-    return i if section[i : i + len(units)] == units else None
+    at = sorted(section.index(u) for u in units)
+    if at[-1] - at[0] + 1 != len(units) or (tail and section[at[-1] + 1 - tail : at[-1] + 1] != units[-tail:]):
+        return None
+    return at[0]
 
 
 REFERENCE_KEYWORDS = frozenset({"mask", "segments", "softcap"})

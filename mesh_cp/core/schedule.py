@@ -107,12 +107,13 @@ class OverlapSchedule:
                 first[act.step.index] = t
         return first
 
-    def chunks_alive(self) -> list[tuple[int, int]]:
-        """Per action, the number of Q chunks and KV chunks held (including buffers being received)."""
+    def chunks_alive(self, last_use: dict[Ring, dict[int, int]] | None = None) -> list[tuple[int, int]]:
+        """Per action, the number of Q chunks and KV chunks held (including buffers being received); ``last_use``
+        per ring where a chunk is freed after another action than :meth:`last_use`'s."""
         n = max(len(self.actions), 1)
         counts = {}
         for ring in RINGS:
-            last = self.last_use(ring)
+            last = (last_use or {}).get(ring) or self.last_use(ring)
             change = [0] * (n + 1)  # +1 where a chunk's span starts, -1 after it ends
             for offset, start in self.arrival(ring).items():
                 change[max(start, 0)] += 1

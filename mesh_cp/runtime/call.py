@@ -21,7 +21,16 @@ from torch import Tensor
 from mesh_cp.core.layout import local_positions
 from mesh_cp.core.numerics import visibility
 from mesh_cp.core.plan import AttentionPlan
-from mesh_cp.core.program import Call, KernelMode, Program, rank_program, run_program, units
+from mesh_cp.core.program import (
+    Call,
+    KernelMode,
+    OverlapPrograms,
+    Program,
+    overlap_programs,
+    rank_program,
+    run_program,
+    units,
+)
 from mesh_cp.core.row_partials import rows_as_computed
 from mesh_cp.kernels import capabilities_of
 from mesh_cp.kernels.base import BlockKernel
@@ -66,6 +75,11 @@ class AttentionCall:
         """The run of compute actions of the overlapped schedule from action ``t`` of ``phase``: ``(end,
         program)``."""
         return run_program(self.plan, rank, phase, t, self.mode)
+
+    def overlap_programs(self, rank: int, phase: str) -> OverlapPrograms:
+        """The programs of every run of ``phase`` of the overlapped schedule on ``rank``, over one layout of the
+        phase."""
+        return overlap_programs(self.plan, rank, phase, self.mode)
 
     def units(self, rank: int) -> tuple:
         """``rank``'s blocks and chunk calls in the collective schedule (Note [One call per Q chunk])."""
@@ -179,18 +193,26 @@ def rows(pair: Pair, dim: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
     return pair[0].narrow(dim, start, stop - start), pair[1].narrow(dim, start, stop - start)
 
 
-def lay(kv_of: Callable[[int], Pair], prog: Program) -> Pair | None:
-    """The keys of ``prog``'s layout (rows of the K, V chunks ``kv_of(col)``, ``(B, L, Hkv, D)`` each) laid end to end
-    once for the phase: K and V ``(B, N, Hkv, D)``, views when they are one run of one chunk (``None`` for none;
-    Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
+def lay(kv_of: Callable[[int], Pair], prog: Program, laid: Pair | None = None) -> Pair | None:
+    """The keys of ``prog``'s layout (rows of the K, V chunks ``kv_of(col)``, ``(B, L, Hkv, D)`` each): ``laid``, the
+    phase's layout so far, or a new one, with the rows the program lays copied in (K and V ``(B, N, Hkv, D)``); views
+    when the layout is one run of one chunk (``None`` for none; Note [Keys in global order] and Note [Keys laid once
+    per phase] in :mod:`mesh_cp.core.program`)."""
     runs = prog.runs
     if not runs:
         return None
     if len(runs) == 1:
         col, k0, k1 = runs[0]
         return rows(kv_of(col), 1, k0, k1)
-    pieces = [rows(kv_of(col), 1, k0, k1) for col, k0, k1 in runs]
-    return tuple(torch.cat([piece[i] for piece in pieces], dim=1) for i in (0, 1))
+    for col, k0, k1, at in prog.lays:
+        chunk = kv_of(col)
+        if laid is None:
+            batch, _, heads, dim = chunk[0].shape
+            buf = torch.empty((2, batch, prog.layout_rows, heads, dim), dtype=chunk[0].dtype, device=chunk[0].device)
+            laid = (buf[0], buf[1])
+        for i in (0, 1):
+            laid[i][:, at : at + k1 - k0].copy_(chunk[i][:, k0:k1])
+    return laid
 
 
 def add_key_grads(dkv_of: Callable[[int], Tensor], c: Call, dk: Tensor, dv: Tensor, first: tuple[bool, ...]) -> None:

@@ -83,6 +83,10 @@ class OverlapPhase:
         self.sizes = {"q": call.plan.tiling.a, "kv": call.plan.tiling.b}
         self.groups = {"q": call.mesh.q_group, "kv": call.mesh.kv_group}
         self.chunks: dict[str, list[_Chunks]] = {"q": [], "kv": []}
+        self.programs = call.overlap_programs(call.mesh.mesh_rank, phase)
+        self.laid: tuple[Tensor, Tensor] | None = None
+        """The phase's layout of keys, laid as the runs need them (Note [Keys laid once per phase] in
+        :mod:`mesh_cp.core.program`), dropped after the last run that reads it."""
 
     def post(self, step: RingStep, sends: list[Tensor], recvs: list[Tensor]) -> tuple[list, list[Tensor]]:
         """Post a ring step; return its works and the tensors to keep alive until its wait."""
@@ -120,6 +124,13 @@ class OverlapPhase:
                     chunks.release(done)
             t = end
 
+    def lay(self, kv_of, prog: Program):
+        """The keys ``prog``'s calls read: the phase's layout with the rows ``prog`` lays copied in, kept for the next
+        runs (a view of one chunk is not kept: it would keep the chunk)."""
+        laid = lay(kv_of, prog, self.laid)
+        self.laid = laid if len(prog.runs) > 1 else None
+        return laid
+
     def _computes(self, t: int) -> int:
         """Run the calls of the run of compute actions from ``t`` on that share its Q offset; return the index after
         them.
@@ -128,8 +139,9 @@ class OverlapPhase:
         ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
         A Q move unlocks the blocks of the new Q chunk with every KV chunk held, one after the other in the actions
         (Note [Overlapped schedule] in :mod:`mesh_cp.core.schedule`). Two or more of them without a mask are one
-        call over their keys laid end to end, as the collective schedule runs a Q chunk (Note [One call per Q chunk]
-        in :mod:`mesh_cp.core.blocks`); the partial row is merged once. A KV move unlocks blocks of different Q
+        call over a view of the phase's layout of keys, as the collective schedule runs a Q chunk (Note [One call per
+        Q chunk] in :mod:`mesh_cp.core.blocks`; Note [Keys laid once per phase] in :mod:`mesh_cp.core.program`); the
+        partial row is merged once. A KV move unlocks blocks of different Q
         chunks, which stay single. The plan holds the runs (:meth:`AttentionPlan.overlap_calls`) and their programs
         (:func:`mesh_cp.core.program.run_program`), so the memory model counts the calls that run. Only kernels that
         take blocks by segments (the flash kernels) run a row as one call; on the others a chunk call is one call per
@@ -137,8 +149,11 @@ class OverlapPhase:
         softcap stay single (tile by tile, reference kernel). Every call's outputs go to the partial of its ring offset
         (:class:`~mesh_cp.runtime.partials.Partial`).
         """
-        end, prog = self.call.run(self.call.mesh.mesh_rank, self.phase, t)
+        end, prog = self.programs.runs[t]
         self.compute(prog)
+        span = self.programs.layout_span
+        if span is not None and end - 1 == span[1]:
+            self.laid = None
         return end
 
 
@@ -150,7 +165,7 @@ class ForwardPhase(OverlapPhase):
         super().__init__(call, "forward")
         keep = call.plan.backward == "reuse"
         self.chunks["q"] = [_Chunks(q, self.sizes["q"], keep, self.sched.last_use("q"))]
-        self.chunks["kv"] = [_Chunks((k, v), self.sizes["kv"], keep, self.sched.last_use("kv"))]
+        self.chunks["kv"] = [_Chunks((k, v), self.sizes["kv"], keep, self.programs.kv_last_use)]
         self.shape, self.acc, self.device = q.shape, acc_dtype(q.dtype), q.device
         self.rows: dict[int, Partial] = {}
         """Partial (o, lse) per row offset, created on first use and dropped once sent on."""
@@ -201,7 +216,7 @@ class ForwardPhase(OverlapPhase):
 
     def compute(self, prog: Program) -> None:
         kv = self.chunks["kv"][0]
-        laid = lay(kv.__getitem__, prog)
+        laid = self.lay(kv.__getitem__, prog)
         for c in prog.calls:
             o, lse = self.call.forward(c, self.chunks["q"][0][c.slot], source(c, laid, kv.__getitem__))
             self.row(c.slot).write(c.q_rows, (o, lse))
@@ -224,7 +239,7 @@ class BackwardPhase(OverlapPhase):
         stats = (saved.lse.to(acc), attention_delta(do, saved.out, dlse))  # (B, Hq, L) each
         self.regather = call.plan.backward == "regather"
         q_side = (q, do.to(q.dtype)) if self.regather else do.to(q.dtype)
-        last_q, last_kv = self.sched.last_use("q"), self.sched.last_use("kv")
+        last_q, last_kv = self.sched.last_use("q"), self.programs.kv_last_use
         self.chunks["q"] = [_Chunks(t, self.sizes["q"], False, last_q) for t in (q_side, stats)]
         if self.regather:
             self.chunks["kv"] = [_Chunks((k, saved.v), self.sizes["kv"], False, last_kv)]
@@ -276,7 +291,7 @@ class BackwardPhase(OverlapPhase):
 
     def compute(self, prog: Program) -> None:
         kv = self.chunks["kv"][0] if self.regather else self.gathered[1]
-        laid = lay(kv.__getitem__, prog)
+        laid = self.lay(kv.__getitem__, prog)
         for c in prog.calls:
             main, stats = self.chunks["q"][0][c.slot], self.chunks["q"][1][c.slot]
             q_i, do_i = (main[0], main[1]) if self.regather else (self.gathered[0][c.slot], main)

@@ -13,7 +13,7 @@ from typing import Literal
 
 from mesh_cp.core.options import Phase, check_option
 from mesh_cp.core.plan import AttentionPlan
-from mesh_cp.core.program import Call, KernelMode, Program, rank_program, run_program
+from mesh_cp.core.program import Call, KernelMode, Program, overlap_programs, rank_program, run_program
 from mesh_cp.core.segments import key_count
 
 Backend = Literal["gloo", "nccl"]
@@ -186,9 +186,11 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool,
     return gathered + stats + max(grads - freed, compute - freed, laid + a * u["row"])
 
 
-def _laid_bytes(plan: AttentionPlan, prog: Program) -> int:
-    """Bytes of the keys a program lays for its phase (none when they are one run of one chunk: a view)."""
-    return int(prog.laid_rows / plan.mesh_shape.seq_local * plan.chunk_bytes()[1])
+def _laid_bytes(plan: AttentionPlan, prog: Program, whole: bool = False) -> int:
+    """Bytes of the keys a program lays for its phase (``whole``: of the phase's layout; none when it is one run of one
+    chunk: a view)."""
+    rows = (prog.layout_rows if len(prog.runs) > 1 else 0) if whole else prog.laid_rows
+    return int(rows / plan.mesh_shape.seq_local * plan.chunk_bytes()[1])
 
 
 def compute_bytes(
@@ -274,22 +276,29 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootpr
         kv_unit, own_input = (0 if keep else u["kv"]), True
     # Offset 0 holds the rank's own chunks as they are (q, k, v, dO, the lse and delta: parts never stacked), nothing
     # beyond them, unless forward keeps its chunks in stores.
-    last = {ring: sched.last_use(ring).get(0, -1) for ring in ("q", "kv")}
+    programs = overlap_programs(plan, rank, phase, fp.mode)
+    last_use = {"q": sched.last_use("q"), "kv": programs.kv_last_use}  # calls on the layout read the layout
+    last = {ring: last_use[ring].get(0, -1) for ring in ("q", "kv")}
     units = {}  # what the run of every compute action holds (Note [Rows of the overlapped schedule])
-    for start in plan.overlap_calls(rank, phase):
-        end, prog = run_program(plan, rank, phase, start, fp.mode)
+    for start, (end, prog) in programs.runs.items():
         for t in range(start, end):
-            units[t] = _program_bytes(plan, prog, phase, fp)
+            units[t] = max((_call_bytes(plan, c, phase, fp) for c in prog.calls), default=0)
+    # the phase's layout, from the run that lays its first keys to the last run that reads it (Note [Keys laid once
+    # per phase] in mesh_cp.core.program)
+    span, layout = programs.layout_span, 0
+    if span is not None:
+        layout = _laid_bytes(plan, next(prog for _, prog in programs.runs.values()), whole=True)
     pieces = _pieces_bytes(plan, rank, phase, fp, partial)
     inflight: dict[str, int] = {}
     peak = 0
-    for t, (act, (nq, nkv)) in enumerate(zip(sched.actions, sched.chunks_alive(), strict=True)):
+    for t, (act, (nq, nkv)) in enumerate(zip(sched.actions, sched.chunks_alive(last_use), strict=True)):
         if act.op == "launch" and act.step.kind == "reduce":
             inflight[act.step.ring] = inflight_bytes[act.step.ring]
         own = (q_unit if last["q"] >= t else 0) + (kv_unit if last["kv"] >= t else 0) if own_input else 0
         held = nq * q_unit + nkv * kv_unit - own
         partials = sum(alive[ring][t] * partial[ring] for ring in partial)
         kernel = units[t] if act.op == "compute" else 0
+        kernel += layout if span is not None and span[0] <= t <= span[1] else 0
         now = fixed + held + partials + sum(inflight.values()) + kernel + pieces.get(t, 0)
         peak = max(peak, now)
         if act.op == "wait" and act.step.kind == "reduce":
