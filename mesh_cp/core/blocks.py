@@ -182,32 +182,27 @@ def _row_groups(blocks: list[BlockWork]) -> tuple[RowGroup, ...]:
     return tuple(groups)
 
 
-def first_writes(writes: Sequence[tuple[int, tuple[int, int]]], slots: int, size: int) -> tuple[tuple[bool, ...], bool]:
-    """For every write ``(slot, (start, stop))`` of ``writes`` into an accumulator of ``slots`` slots of ``size``
-    rows, in order: whether no earlier write touched any of its rows (a first write); and whether the first writes
-    touch every row of every slot and each other write only rows touched before (the accumulator then needs no
-    initial values).
+def first_writes(writes: Sequence[tuple[int, tuple[int, int]]], slots: int) -> tuple[bool, ...]:
+    """For every write ``(slot, (start, stop))`` of ``writes`` into an accumulator of ``slots`` slots, in order:
+    whether no earlier write touched any of its rows (a first write).
 
     Note [First writes]
     ~~~~~~~~~~~~~~~~~~~
     Partial results are accumulated into buffers that start as the identity of their reduction (``0`` for a sum,
     ``(0, -inf)`` for the LSE merge of Note [LSE merge]). A write into rows that nothing has written yet is a copy:
     ``0 + x`` is ``x``, and the merge of ``(o, lse)`` into ``(0, -inf)`` is ``(o, lse)`` (``logaddexp(-inf, lse) =
-    lse``, weights ``0`` and ``1``; a row that attends nothing has ``(0, -inf)`` either way). When such first writes
-    cover the whole buffer and every other write lands on rows already written, the buffer is allocated without
-    values (``torch.empty``) and no fill runs; otherwise it is filled with the identity and first writes are still
-    copies. The writes of a plan's calls are fixed by the plan, so this is decided on the host once per plan.
+    lse``, weights ``0`` and ``1``; a row that attends nothing has ``(0, -inf)`` either way). So the buffer is allocated
+    without values (``torch.empty``), only the rows no first write covers are filled with the identity
+    (:func:`unwritten`), and first writes are copies. The writes of a plan's calls are fixed by the plan, so this is
+    decided on the host once per plan.
     """
     touched: list[list[tuple[int, int]]] = [[] for _ in range(slots)]
-    first, complete = [], True
+    first = []
     for slot, (start, stop) in writes:
         spans = touched[slot]
-        fresh = all(stop <= s0 or s1 <= start for s0, s1 in spans)
-        first.append(fresh)
-        if not fresh and not _covers(spans, start, stop):
-            complete = False
+        first.append(all(stop <= s0 or s1 <= start for s0, s1 in spans))
         spans.append((start, stop))  # written either way: a later write over these rows is no first write
-    return tuple(first), complete and all(_covers(spans, 0, size) for spans in touched)
+    return tuple(first)
 
 
 def unwritten(
@@ -238,10 +233,3 @@ def uncovered(spans: Sequence[tuple[int, int]], start: int, stop: int) -> list[t
     return gaps
 
 
-def _covers(spans: list[tuple[int, int]], start: int, stop: int) -> bool:
-    """The ``spans`` (overlapping or not) cover ``[start, stop)``."""
-    at = start
-    for s0, s1 in sorted(spans):
-        if s0 <= at < s1:
-            at = s1
-    return at >= stop

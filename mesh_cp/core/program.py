@@ -272,7 +272,7 @@ def _assemble(plan, layout: tuple, specs: list[dict], slots: dict, cols: dict, *
     q_writes = [(slots[s["x"]], s["q_rows"]) for s in specs]
     kv_writes = [(col, rows) for s in specs for col, _, rows, _ in s["pieces"]]
     if first:
-        first_q, first_kv = first_writes(q_writes, len(slots), seq)[0], first_writes(kv_writes, len(cols), seq)[0]
+        first_q, first_kv = first_writes(q_writes, len(slots)), first_writes(kv_writes, len(cols))
     else:
         first_q, first_kv = (False,) * len(specs), (False,) * len(kv_writes)
     q_fills, kv_fills = unwritten(q_writes, first_q, len(slots), seq), unwritten(kv_writes, first_kv, len(cols), seq)
