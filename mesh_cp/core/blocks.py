@@ -231,5 +231,3 @@ def uncovered(spans: Sequence[tuple[int, int]], start: int, stop: int) -> list[t
     if at < stop:
         gaps.append((at, stop))
     return gaps
-
-
