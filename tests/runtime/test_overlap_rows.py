@@ -93,15 +93,8 @@ def test_rows_of_the_overlapped_schedule_are_one_call_and_exact(results) -> None
     assert fewer > 0  # some Q move unlocks several blocks: one call for them
 
 
-class CountingGaps(GapsKernel):
+class CountingGaps(Counting, GapsKernel):
     """Counts its forward calls; reads the rows between sequences in place (``gaps``)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def forward(self, *args, **kwargs):
-        self.calls += 1
-        return super().forward(*args, **kwargs)
 
 
 def worker_six(rank: int, world: int) -> dict:
