@@ -38,8 +38,9 @@ schedule] in :mod:`mesh_cp.runtime.phases`), and a rank makes such a call for ev
 the KV chunks held then. One layout serves them all (:class:`OverlapPrograms`): its sections hold the units every
 call's groups read, each group one run of them. A run lays the rows no earlier run laid, into their place, before its
 calls (:attr:`Program.lays`), so every key row is copied once per section in the phase, and the layout is dropped
-after the last run that reads it. A KV chunk is then freed once it is laid and forwarded (:attr:`OverlapPrograms.
-kv_last_use`), not held to the last Q move: the layout replaces the held chunks rather than adding to them.
+after the last run that reads it. A KV chunk that no call reads but through the layout is then freed once it is laid
+and forwarded (:attr:`OverlapPrograms.kv_last_use`), not held to the last Q move: the layout replaces the held chunks
+rather than adding to them.
 
 The calls of different runs read different sets of chunks (the chunks held grow as KV moves arrive, and a Q chunk sees
 the first halves of earlier chunks only), so global order does not make every group one run: the units of a section are

@@ -20,7 +20,9 @@ from mesh_cp.runtime.comm import ring_step
 from mesh_cp.runtime.partials import Partial
 
 if TYPE_CHECKING:
-    from mesh_cp.runtime.call import AttentionCall, Saved
+    from collections.abc import Callable
+
+    from mesh_cp.runtime.call import AttentionCall, Pair, Saved
 
 
 class _Chunks:
@@ -124,7 +126,7 @@ class OverlapPhase:
                     chunks.release(done)
             t = end
 
-    def lay(self, kv_of, prog: Program):
+    def lay(self, kv_of: Callable[[int], Pair], prog: Program) -> Pair | None:
         """The keys ``prog``'s calls read: the phase's layout with the rows ``prog`` lays copied in, kept for the next
         runs (a view of one chunk is not kept: it would keep the chunk)."""
         laid = lay(kv_of, prog, self.laid)
@@ -138,16 +140,15 @@ class OverlapPhase:
         Note [Rows of the overlapped schedule]
         ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
         A Q move unlocks the blocks of the new Q chunk with every KV chunk held, one after the other in the actions
-        (Note [Overlapped schedule] in :mod:`mesh_cp.core.schedule`). Two or more of them without a mask are one
-        call over a view of the phase's layout of keys, as the collective schedule runs a Q chunk (Note [One call per
-        Q chunk] in :mod:`mesh_cp.core.blocks`; Note [Keys laid once per phase] in :mod:`mesh_cp.core.program`); the
-        partial row is merged once. A KV move unlocks blocks of different Q
-        chunks, which stay single. The plan holds the runs (:meth:`AttentionPlan.overlap_calls`) and their programs
-        (:func:`mesh_cp.core.program.run_program`), so the memory model counts the calls that run. Only kernels that
-        take blocks by segments (the flash kernels) run a row as one call; on the others a chunk call is one call per
-        row group and diagonal, which saves nothing over the blocks. Softcapped logits on a kernel that cannot
-        softcap stay single (tile by tile, reference kernel). Every call's outputs go to the partial of its ring offset
-        (:class:`~mesh_cp.runtime.partials.Partial`).
+        (Note [Overlapped schedule] in :mod:`mesh_cp.core.schedule`). Two or more of them without a mask are one call
+        over a view of the phase's layout of keys, as the collective schedule runs a Q chunk (Note [One call per Q
+        chunk] in :mod:`mesh_cp.core.blocks`; Note [Keys laid once per phase] in :mod:`mesh_cp.core.program`); the
+        partial row is merged once. A KV move unlocks blocks of different Q chunks, which stay single. The plan holds
+        the runs (:meth:`AttentionPlan.overlap_calls`) and their programs (:func:`mesh_cp.core.program.run_program`), so
+        the memory model counts the calls that run. Only kernels that take blocks by segments (the flash kernels) run a
+        row as one call; on the others a chunk call is one call per row group and diagonal, which saves nothing over the
+        blocks. Softcapped logits on a kernel that cannot softcap stay single (tile by tile, reference kernel). Every
+        call's outputs go to the partial of its ring offset (:class:`~mesh_cp.runtime.partials.Partial`).
         """
         end, prog = self.programs.runs[t]
         self.compute(prog)
