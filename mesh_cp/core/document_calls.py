@@ -4,7 +4,7 @@ order (pure Python).
 Note [Documents in global order]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 With the keys of a rank's KV chunks laid in global order (Note [Keys in global order] in
-:mod:`mesh_cp.core.program`), the keys a document's queries see in one half of a Q chunk are the document's positions
+:mod:`mesh_cp.core.key_layout`), the keys a document's queries see in one half of a Q chunk are the document's positions
 up to the half's end (causal) or all of them, among the positions the rank holds: one run of the layout. A zig-zag
 half lies in one piece of global positions, so its queries of one document see that run, ending in their own half
 (its causal square, bottom-right) when the rank holds the half's own keys, and wholly before them otherwise. Every

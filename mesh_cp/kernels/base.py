@@ -90,7 +90,7 @@ class Capabilities:
     gaps: bool = False
     """Its ``segments`` may leave key rows between sequences that no sequence reads, and it reads them in place
     (flash-attn's ``seqused_k``) rather than gathering the rows it reads: a chunk call's row groups then read the
-    keys from one section of the layout each (Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
+    keys from one section of the layout each (Note [Keys in global order] in :mod:`mesh_cp.core.key_layout`)."""
 
     def __post_init__(self) -> None:
         keywords = frozenset(self.keywords)

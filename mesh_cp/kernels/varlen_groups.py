@@ -25,7 +25,7 @@ def with_fillers(groups: dict, batch: int, sk: int) -> dict:
     under ``!Is_even_MN``, which varlen always is), in 2.6.3, 2.7.4.post1 and 2.8.3 alike. Filling the rows between
     a call's sequences with such sequences makes its keys every row of the tile in order, so the call reads ``k, v``
     themselves where it would gather the rows its sequences read (a chunk call's row groups, whose keys leave rows
-    between them: Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
+    between them: Note [Keys in global order] in :mod:`mesh_cp.core.key_layout`)."""
     if len(groups) != 1 or not all(len(s) == 6 for members in groups.values() for _, s in members):
         return groups
     ((window, members),) = groups.items()

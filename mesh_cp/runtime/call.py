@@ -196,8 +196,8 @@ def rows(pair: Pair, dim: int, start: int, stop: int) -> tuple[Tensor, Tensor]:
 def lay(kv_of: Callable[[int], Pair], prog: Program, laid: Pair | None = None) -> Pair | None:
     """The keys of ``prog``'s layout (rows of the K, V chunks ``kv_of(col)``, ``(B, L, Hkv, D)`` each): ``laid``, the
     phase's layout so far, or a new one, with the rows the program lays copied in (K and V ``(B, N, Hkv, D)``); views
-    when the layout is one run of one chunk (``None`` for none; Note [Keys in global order] and Note [Keys laid once
-    per phase] in :mod:`mesh_cp.core.program`)."""
+    when the layout is one run of one chunk (``None`` for none; Note [Keys in global order] in
+    :mod:`mesh_cp.core.key_layout`, Note [Keys laid once per phase] in :mod:`mesh_cp.core.program`)."""
     runs = prog.runs
     if not runs:
         return None

@@ -106,7 +106,8 @@ def forward_blocks(call: AttentionCall, rank: int, q_all: Tensor, kv_all: Tensor
     """Mesh rank ``rank``'s kernel calls on the gathered Q chunks ``q_all (a, B, L, H, D)`` and stacked K, V chunks
     ``kv_all (b, 2, B, L, Hkv, D)``: the row partials ``o (a, B, L, H, D)`` and ``lse (a, B, H, L)`` in the
     accumulator dtype. A row's first result is copied in, later ones merged (Note [LSE merge], Note [First writes]);
-    the keys of calls over several chunks are laid once (Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
+    the keys of calls over several chunks are laid once (Note [Keys in global order] in
+    :mod:`mesh_cp.core.key_layout`)."""
     return _unpack(_forward_packed(call, rank, q_all, [kv_all]), q_all.shape)
 
 

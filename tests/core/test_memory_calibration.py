@@ -4,7 +4,7 @@ MHA 32:32 and GQA 32:8, L = 2048 and 8192, forward and backward. The model was f
 guards it against drifting from them; a new GPU run is what validates it.
 
 The measured runtime laid a chunk call's keys for each call; the present one lays the keys of every KV chunk once per
-phase (Note [Keys in global order] in ``mesh_cp/core/program.py``), which its model counts, and copies first writes
+phase (Note [Keys in global order] in ``mesh_cp/core/key_layout.py``), which its model counts, and copies first writes
 where that one merged them. Until a GPU run measures the present runtime, the bounds are those below."""
 
 from __future__ import annotations

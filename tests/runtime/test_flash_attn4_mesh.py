@@ -2,7 +2,7 @@
 of P = 4 and both schedules, causal, packed and split documents, MHA and GQA, bf16, against the fp64 reference.
 
 A chunk call's row groups read their keys from the sections of the layout laid once per phase, with the rows between
-them left unread through ``seqused_k`` (Note [Keys in global order] in ``mesh_cp/core/program.py``); the bar is the
+them left unread through ``seqused_k`` (Note [Keys in global order] in ``mesh_cp/core/key_layout.py``); the bar is the
 same mesh with the reference kernel on the same bf16 inputs (whose gradients come back in fp32, where FA4's are rounded
 to bf16 per call before they are summed: up to about 3x the reference's error at tile 4x1).
 """

@@ -122,7 +122,7 @@ class SegmentsKernel:
 class GapsKernel(SegmentsKernel):
     """:class:`SegmentsKernel` that reads segments with rows between them in place, as the flash kernels do
     (``seqused_k``, or sequences without queries over the rows between): a chunk call's row groups read the keys from
-    one section of the layout each (Note [Keys in global order] in :mod:`mesh_cp.core.program`)."""
+    one section of the layout each (Note [Keys in global order] in :mod:`mesh_cp.core.key_layout`)."""
 
     capabilities = Capabilities(keywords={"segments", "softcap"}, gaps=True)
 
