@@ -2,7 +2,8 @@
 
 For every P in {1, 2, 3, 4, 6, 8} a gloo group of P ranks (the first P of one spawned group of 8, the whole of it
 for P = 8) runs every tile a x b of P, with both schedules (overlapped and collective), over a matrix of
-causal/full, layouts, MHA/GQA/MQA, head dims 64/80, batch 2, odd chunk lengths, both backward modes and two kernels.
+causal/full, layouts, MHA/GQA/MQA, head dims 64/80, batch 2, odd chunk lengths, both backward modes and four kernels
+(the default, the reference and two with the flash kernels' varlen call structure).
 Every rank compares its shard of out, lse, dq, dk, dv (with a gradient on the lse too) and counts what it sent per
 group against the plan.
 """
@@ -20,6 +21,7 @@ from mesh_cp.core.numerics import reference_attention
 from mesh_cp.runtime.attention import attention_shape
 from mesh_cp.testing import spawn_gloo
 from tests.group_sizes import by_group_size, size_results
+from tests.runtime.test_masks import GapsKernel, SegmentsKernel
 
 TOL = 1e-5
 
@@ -58,7 +60,14 @@ CASES = (
     Case(causal=False, layout="zigzag", heads=4, kv_heads=2, head_dim=64),
     Case(causal=True, layout="zigzag", heads=8, kv_heads=2, head_dim=64, backward="reuse"),
     Case(causal=True, layout="zigzag", heads=4, kv_heads=4, head_dim=80, kernel="reference"),
+    Case(causal=True, layout="zigzag", heads=8, kv_heads=2, head_dim=64, backward="reuse", kernel="segments_gaps"),
+    Case(causal=True, layout="zigzag", heads=4, kv_heads=2, head_dim=64, kernel="segments"),
 )
+"""The last two run on the flash kernels' call structure (:data:`SEGMENT_KERNELS`): a Q move's blocks in one call over
+the phase's layout of keys (Note [Keys laid once per phase] in :mod:`mesh_cp.core.program`)."""
+
+SEGMENT_KERNELS = {"segments": SegmentsKernel(), "segments_gaps": GapsKernel()}
+"""Kernels that take blocks as varlen ``segments``, the rows between sequences read in place (``gaps``) or not."""
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -95,7 +104,7 @@ def run_case(mesh, case: Case, schedule: str, seed: int) -> dict:
             causal=case.causal,
             layout=case.layout,
             return_lse=True,
-            kernel=case.kernel,
+            kernel=SEGMENT_KERNELS.get(case.kernel, case.kernel),
             backward=case.backward,
             schedule=schedule,
         )
