@@ -109,12 +109,16 @@ def reference_and_mesh(script: Path, out: Path, port: int, then: tuple[Path, ...
     return tuple({r["case"]: r for r in json.loads(path.read_text())} for path in (reference, mesh))
 
 
-def launched_runs(launcher: list[str], runs: list[tuple[Path, list[str]]], out: Path, ports, **kwargs) -> list[str]:
+def launched_runs(
+    launcher: list[str], runs: list[tuple[Path, list[str]]], out: Path, ports, every_rank=(), **kwargs
+) -> list[str]:
     """Each of ``runs`` (script, flags) in turn in the processes of one ``launcher`` command (launched_runs.py), run
-    ``i``'s store on port ``ports[i]``; the output of each run on rank 0. ``kwargs`` go to ``subprocess.run``."""
+    ``i``'s store on port ``ports[i]``; the output of each run on rank 0, and for the runs whose index is in
+    ``every_rank`` the outputs of the other ranks after it, in rank order. ``kwargs`` go to ``subprocess.run``."""
     out.mkdir(parents=True, exist_ok=True)
     spec = [
         {"script": str(script), "argv": list(argv), "port": port, "stdout": str(out / f"run_{i}.out")}
+        | ({"every_rank": True} if i in every_rank else {})
         for i, ((script, argv), port) in enumerate(zip(runs, ports, strict=True))
     ]
     (out / "runs.json").write_text(json.dumps(spec))
@@ -122,4 +126,11 @@ def launched_runs(launcher: list[str], runs: list[tuple[Path, list[str]]], out: 
         [*launcher, str(LAUNCHED_RUNS), str(out / "runs.json")], capture_output=True, text=True, **kwargs
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [Path(run["stdout"]).read_text() for run in spec]
+    return [_run_output(Path(run["stdout"]), run.get("every_rank", False)) for run in spec]
+
+
+def _run_output(path: Path, every_rank: bool) -> str:
+    """What a run printed on rank 0 (the file ``path``), then with ``every_rank`` on the other ranks (``path.rankR``,
+    in rank order)."""
+    others = sorted(path.parent.glob(f"{path.name}.rank*"), key=lambda p: int(p.name.rpartition(".rank")[2]))
+    return "".join(p.read_text() for p in [path, *(others if every_rank else [])])

@@ -3,8 +3,8 @@
 Its loss equals the unsharded SDPA reference trained beside it at every step, its held-out eval loss under CP
 equals the reference's, and stopping at a checkpoint then resuming gives the same losses as not stopping. The
 example is run by path from another working directory, without the repository on ``PYTHONPATH``, and read through
-its final JSON line; its runs (and the generation example's) run one after another in the processes of one launch,
-each as the launcher runs a script (launched_runs.py).
+its final JSON line; its runs (and the generation example's, and then the Trainer's of trainer_script.py) run one after
+another in the processes of one launch, each as the launcher runs a script (launched_runs.py).
 """
 
 from __future__ import annotations
@@ -64,10 +64,16 @@ def finetune_result(stdout: str) -> dict:
     return result | {"steps": {first + i: pair for i, pair in enumerate(pairs)}}
 
 
-def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) -> None:
+TRAINER = Path(__file__).with_name("trainer_script.py")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[list[str], Path]:
     """The runs, one after another in the processes of one launch (launched_runs.py), from another working directory
-    and without the repository on ``PYTHONPATH``: 4 steps; 2 steps saving a checkpoint; 4 steps resuming from it;
-    the generation example loading it."""
+    and without the repository on ``PYTHONPATH``: 4 steps; 2 steps saving a checkpoint; 4 steps resuming from it; the
+    generation example loading it; then trainer_script.py (which finds the repository itself, after the examples), its
+    output on every rank. ``(outputs, checkpoint folder)``."""
+    tmp_path = tmp_path_factory.mktemp("accelerate")
     ckpt = tmp_path / "ckpt"
     finetune = ROOT / "examples" / "accelerate" / "finetune.py"
     saving = ["--checkpoint-dir", str(ckpt), "--save-every", "2"]
@@ -77,9 +83,17 @@ def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) ->
         (finetune, [*SMALL, "--steps", "2", *saving]),
         (finetune, [*SMALL, "--steps", "4", *saving]),
         (ROOT / "examples" / "accelerate" / "generate.py", [*SMALL, *generating]),
+        (TRAINER, [str(tmp_path / "trainer")]),
     ]
     cmd, env = _accelerate(29601, pythonpath=False)
-    outputs = launched_runs(cmd, runs, tmp_path / "runs", range(29606, 29610), timeout=900, env=env, cwd=tmp_path)
+    ports = range(29606, 29611)
+    outputs = launched_runs(cmd, runs, tmp_path / "runs", ports, every_rank={4}, timeout=900, env=env, cwd=tmp_path)
+    return outputs, ckpt
+
+
+def test_loss_equals_reference_and_resume_equals_not_stopping(launched) -> None:
+    """4 steps; 2 steps saving a checkpoint; 4 steps resuming from it; the generation example loading it."""
+    outputs, ckpt = launched
     straight, first, resumed = (finetune_result(stdout) for stdout in outputs[:3])
     assert sorted(straight["steps"]) == [1, 2, 3, 4] and straight["resumed_from"] is None, straight
     for step, (mesh, ref) in straight["steps"].items():
@@ -102,8 +116,8 @@ def test_loss_equals_reference_and_resume_equals_not_stopping(tmp_path: Path) ->
     assert generated["max_logit_diff"] <= 1e-5, generated
 
 
-def test_trainer_with_dp_by_cp_equals_single_process(tmp_path: Path) -> None:
-    stdout = accelerate_launch(Path(__file__).with_name("trainer_script.py"), str(tmp_path), port=29604)
+def test_trainer_with_dp_by_cp_equals_single_process(launched) -> None:
+    stdout = launched[0][4]  # every rank's
     # the trained parameters; evaluate() / predict() / eval_strategy="steps" losses; resuming mid-epoch
     for name in ("params", "eval", "resume"):
         errors = {int(m[1]): float(m[2]) for m in re.finditer(rf"rank (\d+) {name} err ([0-9.e+-]+)", stdout)}

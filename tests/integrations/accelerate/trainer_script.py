@@ -1,6 +1,7 @@
 """transformers' Trainer with the mesh, on 4 processes: under ``accelerate launch`` (test_accelerate.py),
 or with ``--deepspeed CONFIG`` under the deepspeed launcher (test_deepspeed.py), where the Trainer builds
-the layout from the config's ``"mesh_attention"`` block.
+the layout from the config's ``"mesh_attention"`` block; in both, after the examples in the processes of their launch
+(launched_runs.py).
 
 DP 2 x CP 2 (tile 1x2; with ``--head-parallel 2`` the head-parallel x mesh hybrid, head_parallel 2 x tile 1x1) trains a tiny Llama for 2 epochs of 3 SGD steps on ragged examples; the result must
 equal single-process training on the same global batches (both replicas' examples, right-padded, mean token
@@ -24,16 +25,20 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from accelerate import PartialState
-from transformers import AutoModelForCausalLM, TrainingArguments
+sys.path.append(str(Path(__file__).resolve().parents[3]))  # tests.integrations, when started without it on PYTHONPATH
 
-from mesh_cp.integrations import hf
-from mesh_cp.testing import gloo_exit_workaround
-from mesh_cp.testing.models import VOCAB, tiny_causal_lms
-from tests.integrations.clients import padded
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+from transformers import AutoModelForCausalLM, TrainingArguments  # noqa: E402
+
+from mesh_cp.integrations import hf  # noqa: E402
+from mesh_cp.testing import gloo_exit_workaround  # noqa: E402
+from mesh_cp.testing.models import VOCAB, tiny_causal_lms  # noqa: E402
+from tests.integrations.clients import padded  # noqa: E402
 
 STEPS, EPOCHS, BATCH, LR = 3, 2, 2, 0.1
 EVAL_EXAMPLES, EVAL_BATCH, EVAL_INDEX = 5, 2, 1000  # eval examples are numbered from EVAL_INDEX

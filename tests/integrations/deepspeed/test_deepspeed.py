@@ -18,7 +18,6 @@ import copy
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -473,14 +472,28 @@ def test_bad_blocks_stop_before_training(deepspeed_results: list[dict]) -> None:
 SMALL = ["--seq-len", "512", "--hidden", "32", "--corpus-mb", "0.5", "--vocab", "512", "--reference"]
 
 
-def launch(launcher: str, stage: int, *args: str, port: int) -> dict[int, tuple[float, float]]:
-    """Run the example under ``deepspeed`` or ``torchrun`` with 4 CPU processes (by path, without the
-    repository on ``PYTHONPATH``); its (mesh_cp, reference) loss per step, read from its final JSON line."""
-    cmd, env = _launcher(launcher, port)
-    cmd += [str(EXAMPLE), *_example_args(stage, *args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _example_steps(proc.stdout, stage)
+@pytest.fixture(scope="module")
+def deepspeed_launch(tmp_path_factory) -> list[str]:
+    """One launch of 4 CPU processes by the deepspeed launcher, its runs one after another in them (launched_runs.py):
+    the example at ZeRO 2 for 4 steps (by path, without the repository on ``PYTHONPATH``); then trainer_script.py with
+    ``--deepspeed`` and the shipped Trainer config (ZeRO 3), its block set to DP 2 x CP 2 as the head-parallel x mesh
+    hybrid (``"head_parallel": 2``, tile 1x1: the trainer builds the hybrid from the block), its output on every rank.
+    What each run printed."""
+    from tests.integrations.clients import launched_runs
+
+    tmp_path = tmp_path_factory.mktemp("deepspeed")
+    config = json.loads((ROOT / "configs" / "ds_mesh_cp.json").read_text())
+    config["mesh_attention"] |= {"cp_size": 2, "head_parallel": 2, "tile": "1x1"}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    trainer = ROOT / "tests" / "integrations" / "accelerate" / "trainer_script.py"
+    runs = [
+        (EXAMPLE, _example_args(2, "--steps", "4")),
+        (trainer, [str(tmp_path / "out"), "--deepspeed", str(path), "--head-parallel", "2"]),
+    ]
+    cmd, env = _launcher("deepspeed", 29621)
+    cmd.append("--no_local_rank")  # launched_runs.py takes the runs' file alone; LOCAL_RANK is in the environment
+    return launched_runs(cmd, runs, tmp_path / "runs", (29622, 29624), every_rank={1}, timeout=900, env=env, cwd=ROOT)
 
 
 def torchrun_runs(
@@ -527,10 +540,10 @@ def _example_steps(stdout: str, stage: int) -> dict[int, tuple[float, float]]:
     return {result["first_step"] + i: pair for i, pair in enumerate(pairs)}
 
 
-def test_example_under_both_launchers_and_resume_equals_not_stopping(tmp_path: Path) -> None:
+def test_example_under_both_launchers_and_resume_equals_not_stopping(deepspeed_launch, tmp_path: Path) -> None:
     """4 steps under the deepspeed launcher (ZeRO 2); under torchrun (ZeRO 3), one after another in the processes of
     one launch, 2 steps saving a checkpoint and 4 steps resuming from it."""
-    straight = launch("deepspeed", 2, "--steps", "4", port=29621)
+    straight = _example_steps(deepspeed_launch[0], 2)
     assert sorted(straight) == [1, 2, 3, 4]
     for step, (mesh, ref) in straight.items():
         assert abs(mesh - ref) <= 1e-5, (step, mesh, ref)
@@ -543,23 +556,12 @@ def test_example_under_both_launchers_and_resume_equals_not_stopping(tmp_path: P
         assert abs(losses[1] - straight[step][1]) <= 1e-6, (step, losses, straight[step])
 
 
-def test_trainer_with_deepspeed_flag_equals_single_process(tmp_path: Path) -> None:
+def test_trainer_with_deepspeed_flag_equals_single_process(deepspeed_launch) -> None:
     """``--deepspeed`` with the shipped Trainer config (ZeRO 3), its block set to DP 2 x CP 2 as the head-parallel
     x mesh hybrid (``"head_parallel": 2``, tile 1x1: the trainer builds the hybrid from the block)."""
-    config = json.loads((ROOT / "configs" / "ds_mesh_cp.json").read_text())
-    config["mesh_attention"] |= {"cp_size": 2, "head_parallel": 2, "tile": "1x1"}
-    path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps(config))
-    script = str(ROOT / "tests" / "integrations" / "accelerate" / "trainer_script.py")
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port", "29624", script]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [*cmd, str(tmp_path / "out"), "--deepspeed", str(path), "--head-parallel", "2"],
-        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    errors = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) params err ([0-9.e+-]+)", proc.stdout)}
-    assert sorted(errors) == [0, 1, 2, 3], proc.stdout[-2000:]
+    stdout = deepspeed_launch[1]  # every rank's
+    errors = {int(m[1]): float(m[2]) for m in re.finditer(r"rank (\d+) params err ([0-9.e+-]+)", stdout)}
+    assert sorted(errors) == [0, 1, 2, 3], stdout[-2000:]
     assert max(errors.values()) <= TOL, errors
 
 
