@@ -207,8 +207,11 @@ def lay(kv_of: Callable[[int], Pair], prog: Program, laid: Pair | None = None) -
     for col, k0, k1, at in prog.lays:
         chunk = kv_of(col)
         if laid is None:
+            # rows later runs lay may sit between this run's sequences: zeros, not whatever the memory held (a kernel
+            # that reads the rows between sequences, masked, must not meet a NaN there)
+            new = torch.empty if prog.laid_rows == prog.layout_rows else torch.zeros
             batch, _, heads, dim = chunk[0].shape
-            buf = torch.empty((2, batch, prog.layout_rows, heads, dim), dtype=chunk[0].dtype, device=chunk[0].device)
+            buf = new((2, batch, prog.layout_rows, heads, dim), dtype=chunk[0].dtype, device=chunk[0].device)
             laid = (buf[0], buf[1])
         for i in (0, 1):
             laid[i][:, at : at + k1 - k0].copy_(chunk[i][:, k0:k1])

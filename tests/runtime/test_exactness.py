@@ -60,15 +60,13 @@ CASES = (
     Case(causal=False, layout="zigzag", heads=4, kv_heads=2, head_dim=64),
     Case(causal=True, layout="zigzag", heads=8, kv_heads=2, head_dim=64, backward="reuse"),
     Case(causal=True, layout="zigzag", heads=4, kv_heads=4, head_dim=80, kernel="reference"),
-    Case(causal=True, layout="zigzag", heads=8, kv_heads=2, head_dim=64, kernel="segments_gaps"),
+    Case(causal=True, layout="zigzag", heads=8, kv_heads=2, head_dim=64, backward="reuse", kernel="segments_gaps"),
     Case(causal=True, layout="zigzag", heads=4, kv_heads=2, head_dim=64, kernel="segments"),
 )
 """The last two run on the flash kernels' call structure (:data:`SEGMENT_KERNELS`): a Q move's blocks in one call over
 the phase's layout of keys (Note [Keys laid once per phase] in :mod:`mesh_cp.core.program`)."""
 
 SEGMENT_KERNELS = {"segments": SegmentsKernel(), "segments_gaps": GapsKernel()}
-# A reuse backward on segments_gaps gave a NaN dk once under the whole suite (3x2 and 4x2, overlapped), not reproduced
-# on its own; tests/runtime/test_overlap_rows.py runs that combination at P = 6.
 """Kernels that take blocks as varlen ``segments``, the rows between sequences read in place (``gaps``) or not."""
 
 
