@@ -40,7 +40,7 @@ def replay(plan, rank: int, phase: str, mode: KernelMode) -> int:
     return the rows laid."""
     programs = overlap_programs(plan, rank, phase, mode)
     laid: dict[int, tuple[int, int]] = {}  # layout row -> (col, chunk row)
-    size = None
+    size, zeros = None, None  # zeros: the layout is allocated as zeros (its first lays leave rows for later runs)
     for t in sorted(programs.runs):
         end, prog = programs.runs[t]
         size = prog.layout_rows if size is None else size
@@ -50,9 +50,13 @@ def replay(plan, rank: int, phase: str, mode: KernelMode) -> int:
                 assert at + r not in laid, f"row {at + r} of the layout laid twice (run {t})"
                 laid[at + r] = (col, k0 + r)
         view = len(prog.runs) == 1
+        if prog.lays and zeros is None:
+            zeros = prog.laid_rows < prog.layout_rows
         for c in (c for c in prog.calls if c.laid and not view):
             v0, v1 = c.keys
             assert 0 <= v0 < v1 <= size
+            # rows between its sequences that no run laid yet hold zeros, not what the memory held
+            assert zeros or all(r in laid for r in range(v0, v1)), f"run {t} reads rows no run laid yet"
             keys = {}  # row of the call's keys -> (chunk, row)
             for col, y, (k0, k1), at in c.pieces:
                 for r in range(k1 - k0):
