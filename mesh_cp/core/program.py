@@ -115,8 +115,13 @@ class Program:
     of the phase laid, Note [Keys laid once per phase])."""
 
     @property
+    def view(self) -> bool:
+        """The layout is one run of one chunk: its calls read a view of that chunk, nothing is laid."""
+        return len(self.runs) == 1
+
+    @property
     def laid_rows(self) -> int:
-        """Rows this program lays by a copy: none when the layout is one run of one chunk (a view of it)."""
+        """Rows this program lays by a copy: none when the layout is empty or a view of one chunk."""
         return 0 if len(self.runs) <= 1 else sum(k1 - k0 for _, k0, k1, _ in self.lays)
 
     @property
@@ -205,14 +210,8 @@ def _overlap(plan, rank: int, phase: str, mode: KernelMode) -> OverlapPrograms:
     layout = KeyLayout(plan, cols, [windows(plan, c) for c in chunks], mode)
     placed, runs, laid = iter(layout.placed), {}, set()
     for t, (end, todo, slots, run_cols) in todos.items():
-        specs, read = [], set()
-        for u in todo:
-            if isinstance(u, ChunkCall):
-                groups = next(placed)
-                read |= {piece[3] for pieces, _ in groups for piece in pieces}
-                specs += _chunk_specs(u, groups, mode)
-            else:
-                specs += _block_specs(plan, u, mode, run_cols[u.y])
+        specs = _specs(plan, todo, placed, run_cols, mode)
+        read = {s["keys"][0] + piece[3] for s in specs if s["laid"] for piece in s["pieces"]}  # layout rows of pieces
         lays = merged_runs(piece for piece in layout.pieces if piece[3] in read - laid)
         laid |= read
         runs[t] = (end, _assemble(plan, layout.laid, specs, slots, run_cols, first=False, lays=lays))
@@ -223,13 +222,9 @@ def _kv_last_use(sched, runs: dict[int, tuple[int, Program]]) -> dict[int, int]:
     """KV offset -> the last action that reads its chunk: the wait of the move that forwards it, or the last action of
     a run that computes on it or lays its rows (a call on a copied layout reads the layout)."""
     last = dict(sched.last_use("kv"))  # an offset that nothing reads keeps the schedule's
-    direct: dict[int, int] = {}
-    for t, act in enumerate(sched.actions):
-        if act.op == "wait" and act.step.ring == "kv" and act.step.kind == "move":
-            direct[act.step.index - 1] = t
+    direct = sched.forwarded("kv")
     for end, prog in runs.values():
-        view = len(prog.runs) == 1
-        reads = {c.pieces[0][0] for c in prog.calls if not c.laid or view}
+        reads = {c.pieces[0][0] for c in prog.calls if not c.laid or prog.view}
         for col in reads | {col for col, *_ in prog.lays}:
             direct[col] = max(direct.get(col, -1), end - 1)
     return {**last, **direct}
@@ -238,14 +233,19 @@ def _kv_last_use(sched, runs: dict[int, tuple[int, Program]]) -> dict[int, int]:
 def _program(plan, todo, slots, cols, mode: KernelMode, *, first: bool) -> Program:
     chunks = [u for u in todo if isinstance(u, ChunkCall)]
     layout = KeyLayout(plan, cols, [windows(plan, c) for c in chunks], mode)
-    specs, c = [], 0
+    specs = _specs(plan, todo, iter(layout.placed), cols, mode)
+    return _assemble(plan, layout.laid, specs, slots, cols, first=first)
+
+
+def _specs(plan, todo, placed, cols, mode: KernelMode) -> list[dict]:
+    """The call specs of ``todo``'s chunk calls (their groups' keys the next of ``placed``) and blocks."""
+    specs = []
     for u in todo:
         if isinstance(u, ChunkCall):
-            specs += _chunk_specs(u, layout.placed[c], mode)
-            c += 1
+            specs += _chunk_specs(u, next(placed), mode)
         else:
             specs += _block_specs(plan, u, mode, cols[u.y])
-    return _assemble(plan, layout.laid, specs, slots, cols, first=first)
+    return specs
 
 
 def _assemble(plan, layout: tuple, specs: list[dict], slots: dict, cols: dict, *, first: bool, lays=None) -> Program:

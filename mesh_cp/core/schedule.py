@@ -94,9 +94,17 @@ class OverlapSchedule:
         for t, act in enumerate(self.actions):
             if act.op == "compute":
                 last[act.block[0] if ring == "q" else act.block[1]] = t
-            elif act.op == "wait" and act.step.ring == ring and act.step.kind == "move":
-                last[act.step.index - 1] = max(last.get(act.step.index - 1, -1), t)
+        for offset, t in self.forwarded(ring).items():
+            last[offset] = max(last.get(offset, -1), t)
         return last
+
+    def forwarded(self, ring: Ring) -> dict[int, int]:
+        """Offset -> index of the wait that ends the move forwarding that chunk to the next rank."""
+        return {
+            act.step.index - 1: t
+            for t, act in enumerate(self.actions)
+            if act.op == "wait" and act.step.ring == ring and act.step.kind == "move"
+        }
 
     def arrival(self, ring: Ring) -> dict[int, int]:
         """Offset -> index of the action that allocates its receive buffer (``-1``: held from the start)."""

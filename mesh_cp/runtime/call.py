@@ -198,11 +198,10 @@ def lay(kv_of: Callable[[int], Pair], prog: Program, laid: Pair | None = None) -
     phase's layout so far, or a new one, with the rows the program lays copied in (K and V ``(B, N, Hkv, D)``); views
     when the layout is one run of one chunk (``None`` for none; Note [Keys in global order] in
     :mod:`mesh_cp.core.key_layout`, Note [Keys laid once per phase] in :mod:`mesh_cp.core.program`)."""
-    runs = prog.runs
-    if not runs:
+    if not prog.runs:
         return None
-    if len(runs) == 1:
-        col, k0, k1 = runs[0]
+    if prog.view:
+        col, k0, k1 = prog.runs[0]
         return rows(kv_of(col), 1, k0, k1)
     for col, k0, k1, at in prog.lays:
         chunk = kv_of(col)

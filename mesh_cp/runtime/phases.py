@@ -130,7 +130,7 @@ class OverlapPhase:
         """The keys ``prog``'s calls read: the phase's layout with the rows ``prog`` lays copied in, kept for the next
         runs (a view of one chunk is not kept: it would keep the chunk)."""
         laid = lay(kv_of, prog, self.laid)
-        self.laid = laid if len(prog.runs) > 1 else None
+        self.laid = None if prog.view else laid
         return laid
 
     def _computes(self, t: int) -> int:

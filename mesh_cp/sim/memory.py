@@ -137,7 +137,11 @@ def _call_bytes(plan: AttentionPlan, c: Call, phase: Phase, fp: KernelFootprint)
 def _program_bytes(plan: AttentionPlan, prog: Program, phase: Phase, fp: KernelFootprint) -> int:
     """The keys a program lays for its phase (none when they are one run of one chunk: a view) and its largest
     call's share."""
-    return _laid_bytes(plan, prog) + max((_call_bytes(plan, c, phase, fp) for c in prog.calls), default=0)
+    return _laid_bytes(plan, prog) + _largest_call(plan, prog, phase, fp)
+
+
+def _largest_call(plan: AttentionPlan, prog: Program, phase: Phase, fp: KernelFootprint) -> int:
+    return max((_call_bytes(plan, c, phase, fp) for c in prog.calls), default=0)
 
 
 def _units(plan: AttentionPlan) -> dict[str, int]:
@@ -189,7 +193,7 @@ def _collective_peak(plan: AttentionPlan, phase: Phase, rank: int, staged: bool,
 def _laid_bytes(plan: AttentionPlan, prog: Program, whole: bool = False) -> int:
     """Bytes of the keys a program lays for its phase (``whole``: of the phase's layout; none when it is one run of one
     chunk: a view)."""
-    rows = (prog.layout_rows if len(prog.runs) > 1 else 0) if whole else prog.laid_rows
+    rows = (0 if prog.view else prog.layout_rows) if whole else prog.laid_rows
     return int(rows / plan.mesh_shape.seq_local * plan.chunk_bytes()[1])
 
 
@@ -282,7 +286,7 @@ def _overlap_peak(plan: AttentionPlan, phase: Phase, rank: int, fp: KernelFootpr
     units = {}  # what the run of every compute action holds (Note [Rows of the overlapped schedule])
     for start, (end, prog) in programs.runs.items():
         for t in range(start, end):
-            units[t] = max((_call_bytes(plan, c, phase, fp) for c in prog.calls), default=0)
+            units[t] = _largest_call(plan, prog, phase, fp)
     # the phase's layout, from the run that lays its first keys to the last run that reads it (Note [Keys laid once
     # per phase] in mesh_cp.core.program)
     span, layout = programs.layout_span, 0
